@@ -1,0 +1,3 @@
+from fp8dist.cli import main
+
+raise SystemExit(main())

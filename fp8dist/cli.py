@@ -1,0 +1,191 @@
+"""`fp8dist` command line: validate | translate | schema | env | audit.
+
+Exit codes: 0 ok; 1 the audit found a dtype that differs from the documented table; 2 a usage,
+config or environment error (message on stderr, no traceback). `validate`, `translate` and `schema`
+never import torch, DeepSpeed, torchao or transformers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+from fp8dist.errors import Fp8distError
+
+EXIT_OK, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own exit code is 2 as well; keep its usage line
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message}\n")
+
+
+def _dump(document: Any) -> str:
+    return json.dumps(document, indent=2, sort_keys=False) + "\n"
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write `text` to `path` so that a reader never sees half a file and an error leaves none."""
+    target = Path(path)
+    if target.is_dir():
+        raise Fp8distError(f"-o {path}: is a directory; name a file")
+    if not target.parent.exists():
+        raise Fp8distError(f"-o {path}: directory {target.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def cmd_validate(args) -> int:
+    from fp8dist.config.load import load_config
+
+    if len(args.config) > 1 and args.overrides:
+        raise Fp8distError("KEY=VALUE overrides apply to one config; pass a single CONFIG with them")
+    failed = 0
+    for path in args.config:
+        try:
+            spec = load_config(path, overrides=args.overrides)
+        except Fp8distError as exc:
+            print(exc, file=sys.stderr)
+            failed += 1
+            continue
+        if len(args.config) == 1:
+            sys.stdout.write(_dump(spec.to_dict()) if args.format == "json" else _yaml(spec.to_dict()))
+        else:
+            print(f"ok  {path}")
+    return EXIT_ERROR if failed else EXIT_OK
+
+
+def _yaml(document: Any) -> str:
+    import yaml
+
+    return yaml.safe_dump(document, sort_keys=False, default_flow_style=None)
+
+
+def cmd_translate(args) -> int:
+    from fp8dist.config.load import load_config
+    from fp8dist.translate import TARGETS
+
+    spec = load_config(args.config, overrides=args.overrides)
+    if args.deepspeed_version and args.to != "deepspeed":
+        raise Fp8distError("--deepspeed-version applies to --to deepspeed only")
+    document = TARGETS[args.to](spec, deepspeed_version=args.deepspeed_version)
+    text = _dump(document)
+    if args.output:
+        write_atomic(args.output, text)
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
+
+
+def cmd_schema(args) -> int:
+    from fp8dist.config import schema
+
+    sys.stdout.write(_dump(schema.schema()))
+    return EXIT_OK
+
+
+def cmd_presets(args) -> int:
+    from fp8dist.config import schema
+
+    for name, preset in schema.presets().items():
+        print(f"{name:24s} {preset['description']}")
+    return EXIT_OK
+
+
+def cmd_env(args) -> int:
+    from fp8dist.environment import report
+
+    info = report()
+    if args.format == "json":
+        sys.stdout.write(_dump(info))
+    else:
+        from fp8dist.environment import render
+
+        sys.stdout.write(render(info))
+    return EXIT_OK
+
+
+def cmd_audit(args) -> int:
+    from fp8dist.audit.run import run_audit
+
+    return run_audit(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fp8dist import __version__
+
+    parser = _Parser(prog="fp8dist", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"fp8dist {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("validate", help="check configs; print the resolved config")
+    p.add_argument("config", nargs="+", help="YAML config(s); KEY=VALUE overrides may follow a single config")
+    p.add_argument("--format", choices=["yaml", "json"], default="yaml")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("translate", help="print the DeepSpeed JSON or the FSDP2 plan for a config")
+    p.add_argument("config")
+    p.add_argument("--to", choices=["deepspeed", "fsdp2"], required=True)
+    p.add_argument("-o", "--output", help="write to this file (atomically) instead of stdout")
+    p.add_argument("--deepspeed-version", help="target DeepSpeed version (default: installed, else newest known)")
+    p.set_defaults(func=cmd_translate)
+
+    p = sub.add_parser("schema", help="print the JSON Schema of the config")
+    p.set_defaults(func=cmd_schema)
+
+    p = sub.add_parser("presets", help="list the named presets")
+    p.set_defaults(func=cmd_presets)
+
+    p = sub.add_parser("env", help="versions, device, and which backends can run here")
+    p.add_argument("--format", choices=["table", "json"], default="table")
+    p.set_defaults(func=cmd_env)
+
+    p = sub.add_parser("audit", help="measure the dtypes of a real run and compare with the documented table")
+    p.add_argument("model", help="tiny-llama (built in), a local Hugging Face model directory, or package.module:factory")
+    p.add_argument("--config", help="fp8dist config (default: the schema defaults)")
+    p.add_argument("--format", choices=["table", "json", "markdown"], default="table")
+    p.add_argument("--nproc", type=int, default=1, help="processes (2+ observes communication)")
+    p.add_argument("--steps", type=int, default=2, help="training steps to observe")
+    p.set_defaults(func=cmd_audit)
+    return parser
+
+
+def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """KEY=VALUE words after the config are overrides, not positionals."""
+    if not argv or argv[0] not in ("validate", "translate"):
+        return argv, []
+    rest, overrides = [], []
+    for word in argv:
+        (overrides if ("=" in word and not word.startswith("-") and not os.path.exists(word)) else rest).append(word)
+    return rest, overrides
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv, overrides = _split_overrides(argv)
+    args = build_parser().parse_args(argv)
+    args.overrides = overrides
+    try:
+        return args.func(args)
+    except Fp8distError as exc:
+        print(f"fp8dist {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

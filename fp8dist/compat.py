@@ -1,0 +1,232 @@
+"""Every version and hardware fact fp8dist relies on, each with its source.
+
+Pure functions: versions and compute capabilities come in as arguments, answers go out as
+``(ok, reason)``. Nothing here imports torch; `installed_version` reads package metadata only.
+Research notes with the full evidence: shared/research/{deepspeed,torchao_fsdp2,msamp,style_and_te}.md.
+"""
+from __future__ import annotations
+
+import re
+from importlib import metadata
+
+Version = tuple[int, ...]
+Capability = tuple[int, int]
+
+
+def parse_version(text: str) -> Version:
+    """'0.19.8' -> (0, 19, 8); '2.13.0+cpu' -> (2, 13, 0); '0.19.0.dev0' -> (0, 19, 0)."""
+    match = re.match(r"^\s*v?(\d+(?:\.\d+)*)", str(text))
+    if not match:
+        raise ValueError(f"not a version: {text!r}")
+    parts = tuple(int(p) for p in match.group(1).split("."))
+    return (parts + (0, 0, 0))[:3]
+
+
+def fmt(version: Version) -> str:
+    return ".".join(str(p) for p in version)
+
+
+def installed_version(distribution: str) -> str | None:
+    """Version of an installed distribution from its metadata, without importing it."""
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+# --- PyTorch / FSDP2 -------------------------------------------------------------------------
+# fully_shard is public at torch.distributed.fsdp from torch 2.6 (pytorch#141868).
+TORCH_FSDP2_PUBLIC = (2, 6, 0)
+# Axolotl refuses FP8 + FSDP2 below torch 2.7 (axolotl src/axolotl/utils/config.py check_fsdp_torch_version).
+TORCH_FSDP2_FP8_RECOMMENDED = (2, 7, 0)
+
+
+def fsdp2_supported(torch_version: Version) -> tuple[bool, str]:
+    if torch_version >= TORCH_FSDP2_PUBLIC:
+        return True, f"torch {fmt(torch_version)} has torch.distributed.fsdp.fully_shard"
+    return False, (f"torch {fmt(torch_version)} lacks the public FSDP2 API "
+                   f"(needs >= {fmt(TORCH_FSDP2_PUBLIC)}); upgrade torch")
+
+
+# --- FP8 hardware ----------------------------------------------------------------------------
+# FP8 tensor-core GEMMs: SM 8.9 (Ada) and 9.0 (Hopper); rowwise/axiswise scaling needs 9.0
+# (ao v0.18.0 test/float8/test_base.py test_axiswise_gemm); MXFP8/NVFP4 need SM 10.x
+# (TransformerEngine 2.20 transformer_engine/pytorch/quantization.py check_mxfp8_support, check_nvfp4_support).
+FP8_MIN_CAPABILITY: Capability = (8, 9)
+ROWWISE_MIN_CAPABILITY: Capability = (9, 0)
+BLOCKWISE_MIN_CAPABILITY: Capability = (10, 0)
+
+TORCHAO_RECIPE_MIN_CAPABILITY = {
+    "tensorwise": FP8_MIN_CAPABILITY,
+    "rowwise": ROWWISE_MIN_CAPABILITY,
+    "rowwise_with_gw_hp": ROWWISE_MIN_CAPABILITY,
+}
+
+
+def torchao_fp8_hardware(recipe_name: str, capability: Capability | None) -> tuple[bool, str]:
+    """Can this GPU run torchao float8 `recipe_name` natively? capability None = no CUDA GPU."""
+    need = TORCHAO_RECIPE_MIN_CAPABILITY[recipe_name]
+    if capability is None:
+        return False, (f"torchao float8 '{recipe_name}' needs an NVIDIA GPU with compute capability "
+                       f">= {need[0]}.{need[1]}; none is visible")
+    if tuple(capability) >= need:
+        return True, f"compute capability {capability[0]}.{capability[1]} >= {need[0]}.{need[1]}"
+    return False, (f"torchao float8 '{recipe_name}' needs compute capability >= {need[0]}.{need[1]}, "
+                   f"this GPU has {capability[0]}.{capability[1]}")
+
+
+# --- torchao ---------------------------------------------------------------------------------
+# torchao's C++ extensions load only with torch >= 2.11 (ao v0.18.0 torchao/__init__.py); float8
+# training is pure Python. Float8LinearConfig.from_recipe_name exists since 0.9.0.
+TORCHAO_FROM_RECIPE_NAME = (0, 9, 0)
+# force_recompute_fp8_weight_in_bwd: added in 0.6.0 (pytorch/ao#936), a logged no-op from 0.12.0
+# (pytorch/ao#2356, issue #2251); still a no-op in 0.18.0 (torchao/float8/config.py).
+TORCHAO_FORCE_RECOMPUTE_ADDED = (0, 6, 0)
+TORCHAO_FORCE_RECOMPUTE_NOOP = (0, 12, 0)
+
+
+def torchao_force_recompute(torchao_version: Version, requested: object,
+                            float8_all_gather: bool) -> tuple[bool, str]:
+    """Decide force_recompute_fp8_weight_in_bwd for the installed torchao.
+
+    Returns (value to pass, reason). Raises ValueError where the request cannot be honoured.
+    """
+    version = fmt(torchao_version)
+    if torchao_version < TORCHAO_FORCE_RECOMPUTE_ADDED:
+        if requested is True:
+            raise ValueError(f"torchao {version} has no force_recompute_fp8_weight_in_bwd "
+                             f"(added in {fmt(TORCHAO_FORCE_RECOMPUTE_ADDED)})")
+        return False, f"not passed: torchao {version} predates the field"
+    if torchao_version >= TORCHAO_FORCE_RECOMPUTE_NOOP:
+        if requested is True:
+            return False, (f"not passed: a deprecated no-op since torchao "
+                           f"{fmt(TORCHAO_FORCE_RECOMPUTE_NOOP)} (pytorch/ao#2251); torch's partitioner "
+                           f"already avoids saving unsharded fp8 weights")
+        return False, (f"not needed: torchao {version} >= {fmt(TORCHAO_FORCE_RECOMPUTE_NOOP)} "
+                       f"made it a no-op (pytorch/ao#2251)")
+    if requested == "auto":
+        if float8_all_gather:
+            return True, (f"set: torchao {version} needs it with float8 all-gather under FSDP2 "
+                          f"(pytorch/ao#936)")
+        return False, "off: only useful with float8 all-gather"
+    return bool(requested), f"as configured (torchao {version} honours it)"
+
+
+# --- DeepSpeed -------------------------------------------------------------------------------
+# Newest DeepSpeed whose config rules this module knows (PyPI, research/deepspeed.md).
+NEWEST_KNOWN_DEEPSPEED = (0, 19, 8)
+# `torch_autocast` section: 0.17.2 (#6993); combined with fp16/bf16 since 0.18.3 (#7700).
+DS_TORCH_AUTOCAST = (0, 17, 2)
+DS_AUTOCAST_WITH_BF16 = (0, 18, 3)
+# bf16_master_weights_and_grads / bf16_optimizer_states: 0.18.3 (#7700).
+DS_BF16_MASTER = (0, 18, 3)
+# `amp` (Apex) section removed: any `amp` key raises DeepSpeedConfigError in 0.19.8 (#8564).
+DS_AMP_REMOVED = (0, 19, 8)
+# gradient_clipping default became 1.0 in 0.19.3 (#8068); 0.0 before.
+DS_CLIPPING_DEFAULT_CHANGED = (0, 19, 3)
+
+
+def deepspeed_has_torch_autocast(ds: Version) -> tuple[bool, str]:
+    if ds >= DS_TORCH_AUTOCAST:
+        return True, f"DeepSpeed {fmt(ds)} has the torch_autocast section"
+    return False, (f"DeepSpeed {fmt(ds)} has no torch_autocast section (added in "
+                   f"{fmt(DS_TORCH_AUTOCAST)})")
+
+
+def deepspeed_has_bf16_master(ds: Version) -> tuple[bool, str]:
+    if ds >= DS_BF16_MASTER:
+        return True, f"DeepSpeed {fmt(ds)} has bf16_master_weights_and_grads"
+    return False, (f"DeepSpeed {fmt(ds)} lacks bf16_master_weights_and_grads / bf16_optimizer_states "
+                   f"(added in {fmt(DS_BF16_MASTER)})")
+
+
+# --- MS-AMP ----------------------------------------------------------------------------------
+# MS-AMP <= 0.3 pins deepspeed==0.9.2 and passes `cpu_offload`, removed in DeepSpeed 0.10.1.
+# MS-AMP 0.4 pins deepspeed==0.13.1; it needs use_multi_rank_bucket_allreduce (0.12.4) and breaks from
+# 0.17.5, where DeepSpeedZeroOptimizer.__init__ gained the positional `optimizer_params`
+# (Azure/MS-AMP v0.4.0 pyproject.toml, msamp/deepspeed/runtime/engine.py; research/msamp.md section 2).
+MSAMP_DEEPSPEED_WINDOWS = (
+    ("MS-AMP <= 0.3 (pins deepspeed 0.9.2)", (0, 9, 2), (0, 10, 0)),
+    ("MS-AMP 0.4 (pins deepspeed 0.13.1)", (0, 12, 4), (0, 17, 4)),
+)
+MSAMP_TESTED_DEEPSPEED = ((0, 9, 2), (0, 13, 1))
+
+
+def msamp_supports_deepspeed(ds: Version) -> tuple[bool, str]:
+    for label, low, high in MSAMP_DEEPSPEED_WINDOWS:
+        if low <= ds <= high:
+            tested = " (the pinned, tested version)" if ds in MSAMP_TESTED_DEEPSPEED else \
+                " (API-compatible by code reading; MS-AMP tested only its pin)"
+            return True, f"DeepSpeed {fmt(ds)} is inside {label}: {fmt(low)}-{fmt(high)}{tested}"
+    windows = "; ".join(f"{label}: {fmt(lo)}-{fmt(hi)}" for label, lo, hi in MSAMP_DEEPSPEED_WINDOWS)
+    return False, f"DeepSpeed {fmt(ds)} is outside every MS-AMP window ({windows})"
+
+
+# Real FP8 GEMMs in MS-AMP only when the GPU name contains "h100"; elsewhere emulated in 16-bit
+# (Azure/MS-AMP v0.4.0 msamp/common/utils/device.py Device.is_fp8_supported).
+def msamp_native_fp8(gpu_name: str | None) -> tuple[bool, str]:
+    if gpu_name and "h100" in gpu_name.lower():
+        return True, f"'{gpu_name}' runs MS-AMP FP8 GEMMs natively"
+    return False, (f"MS-AMP runs FP8 GEMMs natively only on GPUs named 'H100'; on "
+                   f"'{gpu_name or 'no GPU'}' they are emulated in 16-bit (memory savings only)")
+
+
+# --- Transformer Engine ----------------------------------------------------------------------
+# Recipe classes and the first TE release that has them (NVIDIA/TransformerEngine tags;
+# transformer_engine/common/recipe/__init__.py).
+TE_RECIPES = {
+    "delayed": ("DelayedScaling", (0, 8, 0)),
+    "mxfp8": ("MXFP8BlockScaling", (2, 0, 0)),
+    "current": ("Float8CurrentScaling", (2, 2, 0)),
+    "block": ("Float8BlockScaling", (2, 3, 0)),
+    "nvfp4": ("NVFP4BlockScaling", (2, 8, 0)),
+}
+# Minimum compute capability per recipe (TE 2.20 quantization.py check_*_support); MXFP8 also
+# has an upper bound: "not supported on 12.0+ architectures yet".
+TE_RECIPE_CAPABILITY = {
+    "delayed": ((8, 9), None),
+    "current": ((8, 9), None),
+    "block": ((9, 0), None),
+    "mxfp8": ((10, 0), (12, 0)),
+    "nvfp4": ((10, 0), None),
+}
+# Float8BlockScaling needs CUDA >= 12.9 (TE 2.9+ check_fp8_block_scaling_support); SM 8.9 needs CUDA 12.1.
+TE_BLOCK_MIN_CUDA = (12, 9, 0)
+TE_ADA_MIN_CUDA = (12, 1, 0)
+# Removed DelayedScaling fields: `interval` in 2.2 (TE#1607), `override_linear_precision` in 2.0.
+TE_REMOVED_FIELDS = {"interval": (2, 2, 0), "override_linear_precision": (2, 0, 0)}
+# te.autocast / te.quantized_model_init since 2.9 (TE#2256); fp8_autocast deprecated there.
+TE_AUTOCAST_RENAMED = (2, 9, 0)
+
+
+def te_recipe_available(recipe: str, te_version: Version) -> tuple[bool, str]:
+    cls, since = TE_RECIPES[recipe]
+    if te_version >= since:
+        return True, f"Transformer Engine {fmt(te_version)} has {cls}"
+    return False, f"{cls} needs Transformer Engine >= {fmt(since)}, found {fmt(te_version)}"
+
+
+def te_recipe_hardware(recipe: str, capability: Capability | None,
+                       cuda: Version | None) -> tuple[bool, str]:
+    cls = TE_RECIPES[recipe][0]
+    low, high = TE_RECIPE_CAPABILITY[recipe]
+    if capability is None:
+        return False, f"{cls} needs an NVIDIA GPU with compute capability >= {low[0]}.{low[1]}; none is visible"
+    cap = tuple(capability)
+    if cap < low or (high is not None and cap >= high):
+        bound = f">= {low[0]}.{low[1]}" + (f" and < {high[0]}.{high[1]}" if high else "")
+        return False, f"{cls} needs compute capability {bound}, this GPU has {cap[0]}.{cap[1]}"
+    if recipe == "block" and (cuda is None or cuda < TE_BLOCK_MIN_CUDA):
+        return False, f"Float8BlockScaling needs CUDA >= {fmt(TE_BLOCK_MIN_CUDA)}, found {fmt(cuda) if cuda else 'none'}"
+    if cap == (8, 9) and (cuda is None or cuda < TE_ADA_MIN_CUDA):
+        return False, f"FP8 on SM 8.9 needs CUDA >= {fmt(TE_ADA_MIN_CUDA)}, found {fmt(cuda) if cuda else 'none'}"
+    return True, f"compute capability {cap[0]}.{cap[1]} supports {cls}"
+
+
+def te_field_removed(field: str, te_version: Version | None) -> tuple[bool, str]:
+    """Is `field` gone in this TE (or, with version None, in any current TE)?"""
+    removed = TE_REMOVED_FIELDS[field]
+    if te_version is None or te_version >= removed:
+        return True, (f"`{field}` was removed from Transformer Engine in {fmt(removed)}; newer TE would "
+                      f"silently drop it, so fp8dist refuses it")
+    return False, f"Transformer Engine {fmt(te_version)} still accepts `{field}`"

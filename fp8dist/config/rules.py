@@ -1,0 +1,219 @@
+"""Cross-field rules the schema cannot express. Pure: a resolved dict in, every issue out.
+
+Rules that depend on an installed or targeted version live with the translators and runtimes.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from fp8dist import compat
+from fp8dist.errors import Issue
+
+Doc = Mapping[str, Any]
+RULES: list[Callable[[Doc, Doc], list[Issue]]] = []
+
+
+def rule(fn):
+    RULES.append(fn)
+    return fn
+
+
+def check(doc: Doc, explicit: Doc | None = None) -> list[Issue]:
+    issues: list[Issue] = []
+    for fn in RULES:
+        issues.extend(fn(doc, explicit or {}))
+    return issues
+
+
+def weight_dtype(doc: Doc) -> str:
+    """dtype of the copy the optimizer steps on."""
+    p = doc["precision"]
+    return p["load_dtype"] if p["master_weights"] == "none" else p["master_weights"]
+
+
+def effective_state_dtype(doc: Doc) -> str:
+    """optimizer.state_dtype with `auto` resolved (MS-AMP O2/O3: fp8 first moment + fp16 second)."""
+    state = doc["optimizer"]["state_dtype"]
+    if state != "auto":
+        return state
+    fp8 = doc["precision"]["fp8"]
+    if fp8["backend"] == "msamp" and fp8["msamp"]["opt_level"] in ("O2", "O3"):
+        return "fp8+fp16"
+    return weight_dtype(doc)
+
+
+@rule
+def _master_needs_mixed_precision(doc, _):
+    p = doc["precision"]
+    if p["mixed_precision"] == "none" and p["master_weights"] != "none":
+        return [Issue("precision.master_weights",
+                      "a master copy only exists with mixed precision; without it the optimizer steps on "
+                      "the weights as loaded", p["master_weights"],
+                      "set precision.master_weights=none, or turn on precision.mixed_precision=bf16")]
+    if p["master_weights"] in ("bf16", "fp16") and p["master_weights"] != p["mixed_precision"]:
+        return [Issue("precision.master_weights",
+                      f"{p['master_weights']} master weights need {p['master_weights']} mixed precision",
+                      p["master_weights"], "use master_weights=fp32, or match mixed_precision")]
+    return []
+
+
+@rule
+def _explicit_block_matches_backend(doc, explicit):
+    fp8 = doc["precision"]["fp8"]
+    written = ((explicit.get("precision") or {}).get("fp8") or {})
+    issues = []
+    for block in ("torchao", "te", "msamp"):
+        in_use = fp8["backend"] == block or (block == "te" and fp8["backend"] == "msamp" and fp8["msamp"]["use_te"])
+        if block in written and not in_use:
+            issues.append(Issue(f"precision.fp8.{block}", f"these settings do nothing with backend "
+                                f"'{fp8['backend']}'", fix=f"set precision.fp8.backend={block}, or remove the block"))
+    return issues
+
+
+@rule
+def _torchao(doc, _):
+    fp8, engine = doc["precision"]["fp8"], doc["engine"]
+    if fp8["backend"] != "torchao":
+        return []
+    ao, issues = fp8["torchao"], []
+    if ao["enable_fsdp_float8_all_gather"] is True:
+        if ao["recipe_name"] != "tensorwise":
+            issues.append(Issue("precision.fp8.torchao.enable_fsdp_float8_all_gather",
+                                f"float8 all-gather needs tensorwise scaling, recipe is '{ao['recipe_name']}'",
+                                True, "set it to auto/false, or use recipe_name=tensorwise "
+                                      "(torchao Float8LinearConfig.__post_init__ asserts this)"))
+        if engine != "fsdp2":
+            issues.append(Issue("precision.fp8.torchao.enable_fsdp_float8_all_gather",
+                                f"float8 all-gather is an FSDP2 feature, engine is '{engine}'", True,
+                                "set it to auto/false, or use engine=fsdp2"))
+    if ao["emulate"] and doc["compile"]:
+        issues.append(Issue("precision.fp8.torchao.emulate", "emulated float8 does not work with torch.compile",
+                            True, "set compile=false, or emulate=false on FP8 hardware"))
+    if doc["precision"]["mixed_precision"] == "none":
+        issues.append(Issue("precision.mixed_precision", "torchao float8 runs the non-FP8 ops and the float8 "
+                            "casts from a bf16/fp32 compute dtype; it needs mixed precision here", "none",
+                            "set precision.mixed_precision=bf16 (preset torchao-float8)"))
+    return issues
+
+
+_TE_RECIPE_FIELDS = {
+    "margin": {"delayed", "mxfp8"},
+    "amax_history_len": {"delayed"},
+    "amax_compute_algo": {"delayed"},
+    "reduce_amax": {"delayed"},
+    "use_power_2_scales": {"current"},
+    "enable_2d_quantization": {"mxfp8"},
+}
+
+
+@rule
+def _te(doc, _):
+    fp8 = doc["precision"]["fp8"]
+    uses_te = fp8["backend"] == "te" or (fp8["backend"] == "msamp" and fp8["msamp"]["use_te"])
+    if not uses_te:
+        return []
+    te, issues = fp8["te"], []
+    for field in compat.TE_REMOVED_FIELDS:
+        if te[field] is not None:
+            _, reason = compat.te_field_removed(field, None)
+            issues.append(Issue(f"precision.fp8.te.{field}", reason, te[field], f"remove precision.fp8.te.{field}"))
+    for field, recipes in _TE_RECIPE_FIELDS.items():
+        if te[field] is not None and te["recipe"] not in recipes:
+            issues.append(Issue(f"precision.fp8.te.{field}", f"not a field of recipe '{te['recipe']}' "
+                                f"({compat.TE_RECIPES[te['recipe']][0]}); TE would silently drop it", te[field],
+                                f"remove it, or use recipe {' / '.join(sorted(recipes))}"))
+    if te["recipe"] == "nvfp4" and te["fp8_format"] not in (None, "E4M3"):
+        issues.append(Issue("precision.fp8.te.fp8_format", "NVFP4BlockScaling requires fp8_format E4M3",
+                            te["fp8_format"], "set fp8_format=E4M3 or leave it null"))
+    return issues
+
+
+@rule
+def _msamp(doc, _):
+    fp8 = doc["precision"]["fp8"]
+    if fp8["backend"] != "msamp":
+        return []
+    ds, opt, level = doc["deepspeed"], doc["optimizer"], fp8["msamp"]["opt_level"]
+    issues = []
+    if doc["engine"] != "deepspeed":
+        issues.append(Issue("engine", "MS-AMP has no FSDP2 support (msamp.fsdp patches FSDP1 internals only)",
+                            doc["engine"], "use engine=deepspeed, or backend=torchao for FP8 with FSDP2"))
+    if level == "O3" and ds["zero_stage"] not in (1, 2):
+        issues.append(Issue("deepspeed.zero_stage", "MS-AMP O3 needs ZeRO stage 1 or 2 "
+                            "(msamp/deepspeed/runtime/config.py asserts it)", ds["zero_stage"],
+                            "set deepspeed.zero_stage=2 (or 1)"))
+    elif ds["zero_stage"] == 3:
+        issues.append(Issue("deepspeed.zero_stage", "MS-AMP does not work with ZeRO-3 (Azure/MS-AMP#182)", 3,
+                            "set deepspeed.zero_stage to 0, 1 or 2"))
+    if opt["name"] not in ("adam", "adamw"):
+        issues.append(Issue("optimizer.name", "msamp.initialize accepts Adam/AdamW only", opt["name"],
+                            "set optimizer.name=adamw"))
+    if opt["state_dtype"] != "auto":
+        issues.append(Issue("optimizer.state_dtype", "MS-AMP decides the optimizer-state dtypes from opt_level",
+                            opt["state_dtype"], "set optimizer.state_dtype=auto"))
+    for key in ("offload_optimizer", "offload_param"):
+        if ds[key] != "none":
+            issues.append(Issue(f"deepspeed.{key}", "MS-AMP cannot step DeepSpeedCPUAdam; offload is unsupported",
+                                ds[key], f"set deepspeed.{key}=none"))
+    if (doc["precision"]["mixed_precision"] == "bf16" and ds["zero_stage"] == 1
+            and ds["grad_accum_dtype"] == "fp32"):
+        issues.append(Issue("deepspeed.grad_accum_dtype", "bf16 + ZeRO-1 + fp32 accumulation makes DeepSpeed pick "
+                            "BF16_Optimizer, which bypasses MS-AMP's FP8 ZeRO optimizer", "fp32",
+                            "leave deepspeed.grad_accum_dtype unset"))
+    if doc["precision"]["mixed_precision"] == "none":
+        issues.append(Issue("precision.mixed_precision", "MS-AMP runs on DeepSpeed's fp16 or bf16 mode", "none",
+                            "set precision.mixed_precision=fp16 (MS-AMP's examples) or bf16"))
+    return issues
+
+
+@rule
+def _deepspeed(doc, _):
+    if doc["engine"] != "deepspeed":
+        return []
+    ds, p, issues = doc["deepspeed"], doc["precision"], []
+    stage = ds["zero_stage"]
+    if ds["grad_accum_dtype"] is not None and stage == 0:
+        issues.append(Issue("deepspeed.grad_accum_dtype", "DeepSpeed refuses a separate accumulation dtype at ZeRO "
+                            "stage 0 (NotImplementedError at initialize)", ds["grad_accum_dtype"],
+                            "use zero_stage>=1 or leave grad_accum_dtype null"))
+    if ds["offload_param"] != "none" and stage != 3:
+        issues.append(Issue("deepspeed.offload_param", "parameter offload needs ZeRO stage 3", ds["offload_param"],
+                            "set deepspeed.zero_stage=3 or offload_param=none"))
+    if ds["offload_optimizer"] != "none" and stage == 0:
+        issues.append(Issue("deepspeed.offload_optimizer", "optimizer offload needs ZeRO stage >= 1",
+                            ds["offload_optimizer"], "set deepspeed.zero_stage>=1"))
+    if "nvme" in (ds["offload_optimizer"], ds["offload_param"]) and not ds["nvme_path"]:
+        issues.append(Issue("deepspeed.nvme_path", "nvme offload needs a path", None, "set deepspeed.nvme_path"))
+    master, state = p["master_weights"], doc["optimizer"]["state_dtype"]
+    if master in ("bf16", "fp16"):
+        if stage == 0:
+            issues.append(Issue("precision.master_weights", f"{master} master weights need ZeRO stage >= 1 in "
+                                "DeepSpeed", master, "set deepspeed.zero_stage>=1"))
+        needs_offload = master == "fp16" or state not in ("auto", "bf16")
+        if needs_offload and ds["offload_optimizer"] != "cpu":
+            issues.append(Issue("precision.master_weights", f"DeepSpeed keeps {master} master weights with fp32 "
+                                "optimizer states only under ZeRO-Offload (DeepSpeedCPUAdam)", master,
+                                "set deepspeed.offload_optimizer=cpu, or optimizer.state_dtype=bf16 with bf16 masters"))
+    if state == "bf16" and master != "bf16":
+        issues.append(Issue("optimizer.state_dtype", "DeepSpeed's bf16_optimizer_states needs bf16 master weights",
+                            state, "set precision.master_weights=bf16 (and mixed_precision=bf16)"))
+    if state in ("fp8", "int8"):
+        issues.append(Issue("optimizer.state_dtype", f"{state} optimizer states are a torchao optimizer for FSDP2; "
+                            "DeepSpeed has none (MS-AMP O2/O3 has its own)", state,
+                            "use engine=fsdp2, or backend=msamp with opt_level O2/O3"))
+    return issues
+
+
+@rule
+def _fsdp2_optimizer_states(doc, _):
+    if doc["engine"] != "fsdp2":
+        return []
+    state, opt = doc["optimizer"]["state_dtype"], doc["optimizer"]["name"]
+    if state in ("fp8", "int8") and opt != "adamw":
+        return [Issue("optimizer.state_dtype", f"{state} states come from torchao's low-bit AdamW", state,
+                      "set optimizer.name=adamw")]
+    if state in ("fp32", "bf16") and state != weight_dtype(doc):
+        return [Issue("optimizer.state_dtype", f"torch.optim keeps states in the dtype of the parameters it steps "
+                      f"({weight_dtype(doc)} here)", state,
+                      "leave it auto, or change precision.master_weights")]
+    return []

@@ -1,0 +1,134 @@
+"""The JSON Schema and the presets: finding them, filling defaults, reporting every error at once."""
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from fp8dist.errors import Issue
+
+SCHEMA_FILE = "fp8dist.schema.json"
+PRESETS_FILE = "presets.json"
+
+
+def schema_dir() -> Path:
+    """schemas/ ships inside the wheel as the package `fp8dist.schemas` (see pyproject.toml)."""
+    return Path(str(resources.files("fp8dist.schemas")))
+
+
+def read_schema_file(name: str) -> Any:
+    return json.loads((schema_dir() / name).read_text(encoding="utf-8"))
+
+
+@lru_cache(maxsize=None)
+def _presets() -> dict[str, Any]:
+    return read_schema_file(PRESETS_FILE)
+
+
+def presets() -> dict[str, Any]:
+    return copy.deepcopy(_presets())
+
+
+@lru_cache(maxsize=None)
+def _schema() -> dict[str, Any]:
+    schema = read_schema_file(SCHEMA_FILE)
+    preset = schema["properties"]["precision"]["properties"]["preset"]
+    preset["enum"] = [None, *sorted(_presets())]
+    return schema
+
+
+def schema() -> dict[str, Any]:
+    """The full schema, with the preset names from presets.json injected."""
+    return copy.deepcopy(_schema())
+
+
+def defaults(node: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every default of the schema, as a nested dict."""
+    node = _schema() if node is None else node
+    out: dict[str, Any] = {}
+    for key, sub in node.get("properties", {}).items():
+        if sub.get("type") == "object" and "properties" in sub:
+            out[key] = defaults(sub)
+        elif "default" in sub:
+            out[key] = copy.deepcopy(sub["default"])
+    return out
+
+
+def _path(parts) -> str:
+    return ".".join(str(p) for p in parts)
+
+
+def _subschema(path: list[Any]) -> dict[str, Any] | None:
+    node: Any = _schema()
+    for part in path:
+        if isinstance(part, int):
+            node = node.get("items", {})
+            continue
+        props = node.get("properties", {})
+        if part not in props:
+            return None
+        node = props[part]
+    return node
+
+
+def _describe_allowed(node: dict[str, Any]) -> str | None:
+    if "enum" in node:
+        return ", ".join(json.dumps(v) for v in node["enum"])
+    if "$ref" in node:
+        name = node["$ref"].rsplit("/", 1)[-1]
+        return _describe_allowed(_schema()["$defs"][name])
+    return None
+
+
+def _issues_for(error) -> list[Issue]:
+    """Turn one jsonschema error into issues with a path, the value and a fix."""
+    path = list(error.absolute_path)
+    where = _path(path)
+    if error.validator == "additionalProperties":
+        known = sorted(error.schema.get("properties", {}))
+        out = []
+        for key in sorted(set(error.instance) - set(known)):
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+            hint = f"did you mean `{close[0]}`?" if close else f"known keys here: {', '.join(known)}"
+            out.append(Issue(_path(path + [key]), "unknown key", fix=f"remove it; {hint}"))
+        return out
+    if error.validator in ("enum", "const") or (error.validator == "anyOf" and _subschema(path)):
+        node = _subschema(path) or error.schema
+        allowed = _describe_allowed(node) or _describe_allowed(error.schema)
+        if error.validator == "anyOf" and allowed is None:
+            return [Issue(where, "value does not match any allowed form", error.instance,
+                          fix=node.get("description"))]
+        return [Issue(where, "value not allowed", error.instance,
+                      fix=f"use one of: {allowed}" if allowed else None)]
+    if error.validator == "type":
+        expected = error.validator_value
+        expected = expected if isinstance(expected, str) else " or ".join(expected)
+        return [Issue(where, f"wrong type, expected {expected}", error.instance,
+                      fix=_describe_fix(path))]
+    return [Issue(where, error.message, error.instance, fix=_describe_fix(path))]
+
+
+def _describe_fix(path: list[Any]) -> str | None:
+    node = _subschema(path)
+    if not node:
+        return None
+    allowed = _describe_allowed(node)
+    if allowed:
+        return f"use one of: {allowed}"
+    return node.get("description")
+
+
+def validate(document: Any) -> list[Issue]:
+    """All schema violations of `document`, sorted by path."""
+    from jsonschema import Draft202012Validator  # jsonschema is light; imported late all the same
+
+    validator = Draft202012Validator(_schema())
+    issues: list[Issue] = []
+    for error in validator.iter_errors(document):
+        issues.extend(_issues_for(error))
+    unique = {(i.path, i.message): i for i in issues}
+    return sorted(unique.values(), key=lambda i: i.path)

@@ -1,0 +1,173 @@
+"""The resolved config as frozen, typed dataclasses.
+
+Field meanings and defaults live in schemas/fp8dist.schema.json (one place); these classes only give
+the validated dict a typed shape. tests/unit/test_spec.py keeps the two in step.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_type_hints
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+
+
+@dataclass(frozen=True)
+class ModulesSpec:
+    exclude: tuple[str, ...]
+    skip_first_last: bool
+
+
+@dataclass(frozen=True)
+class TorchaoSpec:
+    recipe_name: str
+    enable_fsdp_float8_all_gather: Any  # "auto" | bool
+    force_recompute_fp8_weight_in_bwd: Any  # "auto" | bool
+    emulate: bool
+    pad_inner_dim: bool
+    precompute_float8_dynamic_scale_for_fsdp: bool
+
+
+@dataclass(frozen=True)
+class TESpec:
+    recipe: str
+    fp8_format: str | None
+    margin: int | None
+    amax_history_len: int | None
+    amax_compute_algo: str | None
+    reduce_amax: bool | None
+    use_power_2_scales: bool | None
+    enable_2d_quantization: bool | None
+    fp8_dpa: bool | None
+    fp8_mha: bool | None
+    interval: int | None
+    override_linear_precision: tuple | None
+    swap_layernorm: bool
+
+
+@dataclass(frozen=True)
+class MSAMPSpec:
+    opt_level: str
+    use_te: bool
+
+
+@dataclass(frozen=True)
+class FP8Spec:
+    backend: str
+    modules: ModulesSpec
+    torchao: TorchaoSpec
+    te: TESpec
+    msamp: MSAMPSpec
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != "none"
+
+
+@dataclass(frozen=True)
+class PrecisionSpec:
+    preset: str | None
+    load_dtype: Dtype
+    mixed_precision: str
+    master_weights: str
+    reduce_dtype: Dtype
+    fp8: FP8Spec
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+    state_dtype: str
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    steps: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    seq_len: int
+    gradient_clipping: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class FSDP2Spec:
+    wrap: Any  # "auto" | tuple[str, ...]
+    reshard_after_forward: bool
+    offload: str
+    output_dtype: Dtype | None
+    cast_forward_inputs: bool
+
+
+@dataclass(frozen=True)
+class DSFP16Spec:
+    loss_scale: float
+    initial_scale_power: int
+    loss_scale_window: int
+    hysteresis: int
+    min_loss_scale: float
+
+
+@dataclass(frozen=True)
+class DeepSpeedSpec:
+    zero_stage: int
+    offload_optimizer: str
+    offload_param: str
+    nvme_path: str | None
+    grad_accum_dtype: Dtype | None
+    fp16: DSFP16Spec
+    steps_per_print: int
+    extra: dict = field(hash=False, compare=True)
+
+
+@dataclass(frozen=True)
+class Spec:
+    engine: str
+    compile: bool
+    precision: PrecisionSpec
+    optimizer: OptimizerSpec
+    train: TrainSpec
+    fsdp2: FSDP2Spec
+    deepspeed: DeepSpeedSpec
+    source: str = field(default="<config>", compare=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "<config>") -> "Spec":
+        spec = _build(cls, data)
+        return dataclasses.replace(spec, source=source)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = _to_plain(dataclasses.asdict(self))
+        out.pop("source", None)
+        return out
+
+    @property
+    def fp8(self) -> FP8Spec:
+        return self.precision.fp8
+
+
+def _build(cls, data: dict[str, Any]):
+    hints = get_type_hints(cls)
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in data:
+            continue
+        value, hint = data[f.name], hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            value = _build(hint, value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    return value

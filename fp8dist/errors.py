@@ -1,0 +1,56 @@
+"""Errors a user can act on. The CLI prints them without a traceback and exits 2."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+_UNSET = object()
+
+
+@dataclass(frozen=True)
+class Issue:
+    """One problem in a config: where it is, what is wrong, and how to fix it."""
+
+    path: str
+    message: str
+    value: Any = _UNSET
+    fix: str | None = None
+
+    def render(self) -> str:
+        text = f"{self.path or '<top level>'}: {self.message}"
+        if self.value is not _UNSET:
+            text += f" (got {_short(self.value)})"
+        if self.fix:
+            text += f"\n    fix: {self.fix}"
+        return text
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class Fp8distError(Exception):
+    """Base class: a usage, config or environment problem (CLI exit code 2)."""
+
+    exit_code = 2
+
+
+class ConfigError(Fp8distError):
+    """The config is invalid. Carries every issue found, not just the first."""
+
+    def __init__(self, issues: list[Issue], source: str | None = None):
+        self.issues = list(issues)
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = [f"invalid fp8dist config{where}: {len(self.issues)} problem(s)"]
+        lines += [f"  - {issue.render()}" for issue in self.issues]
+        super().__init__("\n".join(lines))
+
+
+class UnsupportedEnvironment(Fp8distError):
+    """The config is valid but cannot run here (missing package, wrong version, no FP8 hardware)."""
+
+    def __init__(self, message: str, fix: str | None = None):
+        self.fix = fix
+        super().__init__(message + (f"\n  fix: {fix}" if fix else ""))

@@ -1,0 +1,146 @@
+"""Models for the audit, the demos and the tests: built in (no download), a local Hugging Face
+directory, or `package.module:factory`. Each comes with a function that makes an input batch."""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from fp8dist.errors import Fp8distError
+
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, TORCH_DTYPES[name])
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    make_batch: Callable[[int, int, int], dict]  # (batch, seq_len, seed) -> forward kwargs incl. labels
+    name: str
+
+
+def _llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    # Every Linear dim is a multiple of 16 (FP8 GEMMs) and of 2 (float8 all-gather on 2 ranks).
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    base.update(overrides)
+    return LlamaConfig(**base)
+
+
+def tiny_llama_config():
+    return _llama_config()
+
+
+def tiny_config(arch: str):
+    """Small configs for the architectures the tests exercise (built offline)."""
+    if arch == "llama":
+        return _llama_config()
+    if arch == "mistral":
+        from transformers import MistralConfig
+
+        return MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                             tie_word_embeddings=False)
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                           tie_word_embeddings=False)
+    if arch == "gpt2":
+        from transformers import GPT2Config
+
+        return GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256)
+    raise ValueError(f"no tiny config for {arch!r}")
+
+
+def causal_lm_batch(vocab_size: int) -> Callable[[int, int, int], dict]:
+    def make(batch: int, seq_len: int, seed: int) -> dict:
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, vocab_size, (batch, seq_len), generator=gen)
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    return make
+
+
+def _from_hf_config(config, dtype: str, seed: int) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
+
+
+BUILTIN = {"tiny-llama": tiny_llama_config}
+
+
+def load_model(name: str, dtype: str, seed: int = 0) -> LoadedModel:
+    """Build or load MODEL in the load dtype. No network access ever."""
+    if name in BUILTIN:
+        config = BUILTIN[name]()
+        return LoadedModel(_from_hf_config(config, dtype, seed), causal_lm_batch(config.vocab_size), name)
+    if Path(name).is_dir():
+        return _load_local_hf(Path(name), dtype)
+    if ":" in name:
+        return _load_factory(name, dtype, seed)
+    raise Fp8distError(f"unknown MODEL {name!r}: use a built-in name ({', '.join(BUILTIN)}), a local Hugging Face "
+                       "model directory, or package.module:factory")
+
+
+def _load_local_hf(path: Path, dtype: str) -> LoadedModel:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not (path / "config.json").exists():
+        raise Fp8distError(f"{path} has no config.json: not a Hugging Face model directory")
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch_dtype(dtype))
+    except (OSError, ValueError) as exc:
+        raise Fp8distError(f"cannot load the Hugging Face model in {path}: {str(exc).splitlines()[0]}") from None
+    del torch
+    return LoadedModel(model, causal_lm_batch(config.vocab_size), str(path))
+
+
+def _load_factory(target: str, dtype: str, seed: int) -> LoadedModel:
+    """`package.module:factory`. The factory returns an nn.Module (built in fp32 or any dtype; it is cast to
+    the load dtype) or a (module, make_batch) pair; a module with `vocab_size` in its config gets token ids."""
+    import torch
+
+    module_name, _, attr = target.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise Fp8distError(f"cannot import MODEL factory {target!r}: {exc}") from None
+    torch.manual_seed(seed)
+    made = factory()
+    model, make_batch = made if isinstance(made, tuple) else (made, None)
+    if not isinstance(model, torch.nn.Module):
+        raise Fp8distError(f"MODEL factory {target!r} returned {type(model).__name__}, not an nn.Module")
+    model = model.to(torch_dtype(dtype))
+    if make_batch is None:
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if vocab is None:
+            raise Fp8distError(f"MODEL factory {target!r}: return (module, make_batch) so the audit knows its input")
+        make_batch = causal_lm_batch(vocab)
+    return LoadedModel(model, make_batch, target)
+
+
+def forward_loss(model, batch: dict):
+    """Loss of one batch: HF models return `.loss`; plain modules return the loss (or a tensor to mean)."""
+    out = model(**batch)
+    loss = getattr(out, "loss", None)
+    if loss is None:
+        loss = out if not isinstance(out, (tuple, list)) else out[0]
+        loss = loss.float().mean() if loss.dim() else loss
+    return loss

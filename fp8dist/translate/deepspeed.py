@@ -1,0 +1,162 @@
+"""Spec -> DeepSpeed config dict. Pure: no torch, no deepspeed import.
+
+Rules (research/deepspeed.md, DeepSpeed 0.19.8 sources):
+- exactly one of `bf16` / `fp16` / `torch_autocast`; never `amp` (removed in 0.19.8, #8564);
+- `torch_autocast` always with an explicit `dtype` (its default is fp16 on CUDA);
+- never `"auto"` inside a typed section (DeepSpeedConfigModel drops it silently);
+- `gradient_clipping` always explicit (default changed 0.0 -> 1.0 in 0.19.3, #8068);
+- the `msamp` section only for DeepSpeed versions MS-AMP supports (compat.MSAMP_DEEPSPEED_WINDOWS).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from fp8dist import compat
+from fp8dist.config.rules import effective_state_dtype
+from fp8dist.config.spec import Spec
+from fp8dist.errors import ConfigError, Issue
+
+_TORCH_DTYPE_NAME = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def target_deepspeed_version(explicit: str | None) -> tuple[compat.Version, str]:
+    """The DeepSpeed version to translate for, and where that choice came from."""
+    if explicit:
+        try:
+            return compat.parse_version(explicit), "given with --deepspeed-version"
+        except ValueError:
+            raise ConfigError([Issue("--deepspeed-version", "not a version", explicit, "write e.g. 0.13.1")]) from None
+    installed = compat.installed_version("deepspeed")
+    if installed:
+        return compat.parse_version(installed), "installed"
+    return compat.NEWEST_KNOWN_DEEPSPEED, "newest known (DeepSpeed is not installed)"
+
+
+def to_deepspeed(spec: Spec, deepspeed_version: str | None = None) -> dict[str, Any]:
+    version, origin = target_deepspeed_version(deepspeed_version)
+    issues: list[Issue] = []
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": spec.train.micro_batch_size,
+        "gradient_accumulation_steps": spec.train.gradient_accumulation_steps,
+        "gradient_clipping": float(spec.train.gradient_clipping),
+        "steps_per_print": spec.deepspeed.steps_per_print,
+    }
+    config.update(_precision_sections(spec, version, origin, issues))
+    config["communication_data_type"] = spec.precision.reduce_dtype
+    config["zero_optimization"] = _zero_section(spec)
+    if spec.deepspeed.grad_accum_dtype:
+        config["data_types"] = {"grad_accum_dtype": spec.deepspeed.grad_accum_dtype}
+    if spec.optimizer.name not in ("adam", "adamw") and spec.deepspeed.zero_stage > 0:
+        # torch.optim.SGD is not in ZERO_SUPPORTED_OPTIMIZERS (deepspeed/runtime/zero/utils.py).
+        config["zero_allow_untested_optimizer"] = True
+    if spec.fp8.backend == "msamp":
+        config["msamp"] = _msamp_section(spec, version, origin, issues)
+    if issues:
+        raise ConfigError(issues, spec.source)
+    return merge_extra(config, spec.deepspeed.extra, version, spec.source)
+
+
+def _precision_sections(spec: Spec, version, origin, issues) -> dict[str, Any]:
+    p = spec.precision
+    if p.mixed_precision == "none":
+        return {}
+    if p.master_weights == "none":
+        ok, reason = compat.deepspeed_has_torch_autocast(version)
+        if not ok:
+            issues.append(Issue("precision.master_weights", f"fp32 weights with {p.mixed_precision} compute map to "
+                                f"DeepSpeed's torch_autocast; {reason} ({origin})", "none",
+                                "upgrade DeepSpeed, or set precision.master_weights=fp32 (bf16/fp16 section)"))
+        return {"torch_autocast": {"enabled": True, "dtype": _TORCH_DTYPE_NAME[p.mixed_precision]}}
+    if p.mixed_precision == "fp16":
+        fp16 = spec.deepspeed.fp16
+        section = {"enabled": True, "loss_scale": fp16.loss_scale, "initial_scale_power": fp16.initial_scale_power,
+                   "loss_scale_window": fp16.loss_scale_window, "hysteresis": fp16.hysteresis,
+                   "min_loss_scale": fp16.min_loss_scale}
+        if p.master_weights == "fp16":
+            section["fp16_master_weights_and_grads"] = True
+        return {"fp16": section}
+    section = {"enabled": True}
+    if p.master_weights == "bf16":
+        ok, reason = compat.deepspeed_has_bf16_master(version)
+        if not ok:
+            issues.append(Issue("precision.master_weights", f"{reason} ({origin})", "bf16",
+                                f"upgrade to DeepSpeed >= {compat.fmt(compat.DS_BF16_MASTER)} or use fp32 masters"))
+        section["bf16_master_weights_and_grads"] = True
+        if effective_state_dtype(spec.to_dict()) == "bf16":
+            section["bf16_optimizer_states"] = True
+    return {"bf16": section}
+
+
+def _zero_section(spec: Spec) -> dict[str, Any]:
+    ds = spec.deepspeed
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    for key in ("offload_optimizer", "offload_param"):
+        device = getattr(ds, key)
+        if device != "none":
+            zero[key] = {"device": device, **({"nvme_path": ds.nvme_path} if device == "nvme" else {})}
+    return zero
+
+
+def _msamp_section(spec: Spec, version, origin, issues) -> dict[str, Any]:
+    level = spec.fp8.msamp.opt_level
+    ok, reason = compat.msamp_supports_deepspeed(version)
+    if not ok:
+        issues.append(Issue("precision.fp8.msamp.opt_level", f"MS-AMP {level} runs through msamp.deepspeed.initialize, "
+                            f"which needs an older DeepSpeed: {reason}; target DeepSpeed {compat.fmt(version)} is "
+                            f"{origin}", level,
+                            "translate for an MS-AMP environment with --deepspeed-version 0.13.1 (MS-AMP 0.4's pin), "
+                            "or use backend=torchao or te on this DeepSpeed"))
+    return {"enabled": True, "opt_level": level, "use_te": spec.fp8.msamp.use_te}
+
+
+def _leaves(node: dict[str, Any], prefix: tuple = ()):
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, prefix + (key,))
+        else:
+            yield prefix + (key,), value
+
+
+def merge_extra(config: dict[str, Any], extra: dict[str, Any], version, source: str) -> dict[str, Any]:
+    """Merge `deepspeed.extra` last. A key the translation generated, `"auto"`, `amp` on a
+    DeepSpeed that rejects it, or a second 16-bit mode are errors naming both sides."""
+    merged = copy.deepcopy(config)
+    issues = []
+    for path, value in _leaves(extra):
+        dotted = ".".join(path)
+        node, generated = merged, True
+        for part in path[:-1]:
+            if not isinstance(node.get(part), dict):
+                generated = part in node
+                break
+            node = node[part]
+        if generated and path[-1] in node:
+            issues.append(Issue(f"deepspeed.extra.{dotted}", f"conflicts with `{dotted}` = {node[path[-1]]!r}, which "
+                                "fp8dist generates from the config", value,
+                                "set it through the fp8dist key that produces it, or drop it from extra"))
+            continue
+        if value == "auto":
+            issues.append(Issue(f"deepspeed.extra.{dotted}", "\"auto\" is only filled in by Accelerate/HF Trainer; "
+                                "raw DeepSpeed drops it inside typed sections and crashes on top-level scalars",
+                                value, "write the actual value"))
+        if path[0] == "amp" and version >= compat.DS_AMP_REMOVED:
+            issues.append(Issue("deepspeed.extra.amp", f"the `amp` section was removed in DeepSpeed "
+                                f"{compat.fmt(compat.DS_AMP_REMOVED)}", value, "use precision.mixed_precision"))
+    for path, value in _leaves(extra):
+        if not any(i.path == f"deepspeed.extra.{'.'.join(path)}" for i in issues):
+            _set(merged, path, value)
+    enabled = [mode for mode in ("fp16", "bf16") if isinstance(merged.get(mode), dict) and merged[mode].get("enabled")]
+    if len(enabled) > 1 or (enabled and "torch_autocast" in merged and version < compat.DS_AUTOCAST_WITH_BF16):
+        issues.append(Issue("deepspeed.extra", f"enables a second precision mode next to the generated one "
+                            f"({', '.join(enabled + (['torch_autocast'] if 'torch_autocast' in merged else []))}); "
+                            "DeepSpeed allows only one", fix="choose the mode with precision.mixed_precision"))
+    if issues:
+        raise ConfigError(issues, source)
+    return merged
+
+
+def _set(node: dict[str, Any], path: tuple, value: Any) -> None:
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+    node[path[-1]] = copy.deepcopy(value)

@@ -1,0 +1,101 @@
+"""Spec -> FSDP2 plan (plain data). Pure: no torch import.
+
+The plan is what `fp8dist.engines.fsdp2.prepare` executes, in this order (torchtitan, Accelerate):
+upcast to the master dtype -> float8 conversion -> fully_shard each block -> fully_shard the root ->
+torch.compile; plus the optimizer step post-hook that precomputes float8 scales.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fp8dist import compat
+from fp8dist.config.rules import effective_state_dtype, weight_dtype
+from fp8dist.config.spec import Spec
+
+# torchao's _scaled_mm needs both Linear dims divisible by 16 (torchao/float8/config.py, pad_inner_dim).
+FP8_DIM_MULTIPLE = 16
+NEWEST_KNOWN_TORCHAO = (0, 18, 0)
+
+OPTIMIZER_CLASSES = {
+    ("adamw", "fp8"): "torchao.optim.AdamWFp8",
+    ("adamw", "int8"): "torchao.optim.AdamW8bit",
+    ("adamw", None): "torch.optim.AdamW",
+    ("adam", None): "torch.optim.Adam",
+    ("sgd", None): "torch.optim.SGD",
+}
+
+
+def installed_torchao() -> tuple[compat.Version, str]:
+    version = compat.installed_version("torchao")
+    if version:
+        return compat.parse_version(version), "installed"
+    return NEWEST_KNOWN_TORCHAO, "newest known (torchao is not installed)"
+
+
+def to_fsdp2(spec: Spec, deepspeed_version: str | None = None) -> dict[str, Any]:
+    del deepspeed_version  # the CLI passes it to every target; FSDP2 has no use for it
+    p, f = spec.precision, spec.fsdp2
+    master = weight_dtype(spec.to_dict())
+    state = effective_state_dtype(spec.to_dict())
+    plan: dict[str, Any] = {
+        "engine": "fsdp2",
+        "load_dtype": p.load_dtype,
+        "upcast_before_shard": master if master != p.load_dtype else None,
+        "mixed_precision_policy": {
+            "param_dtype": None if p.mixed_precision == "none" else p.mixed_precision,
+            "reduce_dtype": p.reduce_dtype,
+            "output_dtype": f.output_dtype,
+            "cast_forward_inputs": f.cast_forward_inputs,
+        },
+        "wrap": {"units": "auto" if f.wrap == "auto" else list(f.wrap), "root": True,
+                 "auto_rule": "Hugging Face _no_split_modules, else the children of the first nn.ModuleList"},
+        "reshard_after_forward": f.reshard_after_forward,
+        "offload_policy": "CPUOffloadPolicy" if f.offload == "cpu" else None,
+        "float8": _float8(spec),
+        "optimizer": {
+            "class": OPTIMIZER_CLASSES[(spec.optimizer.name, state if state in ("fp8", "int8") else None)],
+            "steps_on": master, "state_dtype": state,
+            "lr": spec.optimizer.lr, "weight_decay": spec.optimizer.weight_decay,
+        },
+        "compile": spec.compile,
+        "gradient_clipping": spec.train.gradient_clipping,
+    }
+    return plan
+
+
+def _float8(spec: Spec) -> dict[str, Any] | None:
+    fp8 = spec.fp8
+    if fp8.backend == "none":
+        return None
+    modules = {"exclude": list(fp8.modules.exclude), "skip_first_last": fp8.modules.skip_first_last}
+    if fp8.backend == "te":
+        te = {k: v for k, v in _te_fields(spec).items() if v is not None}
+        return {"backend": "te", "recipe": fp8.te.recipe, "recipe_fields": te,
+                "swap": ["nn.Linear -> te.Linear"] + (["nn.LayerNorm -> te.LayerNorm"] if fp8.te.swap_layernorm else []),
+                "module_filter": modules}
+    ao = fp8.torchao
+    all_gather = ao.enable_fsdp_float8_all_gather
+    if all_gather == "auto":
+        all_gather = ao.recipe_name == "tensorwise" and spec.engine == "fsdp2"
+    version, origin = installed_torchao()
+    recompute, reason = compat.torchao_force_recompute(version, ao.force_recompute_fp8_weight_in_bwd, all_gather)
+    config = {"recipe_name": ao.recipe_name, "enable_fsdp_float8_all_gather": all_gather,
+              "pad_inner_dim": ao.pad_inner_dim, "emulate": ao.emulate}
+    if recompute:
+        config["force_recompute_fp8_weight_in_bwd"] = True
+    return {
+        "backend": "torchao",
+        "torchao_version": compat.fmt(version), "torchao_version_origin": origin,
+        "float8_linear_config": config,
+        "force_recompute_fp8_weight_in_bwd": {"value": recompute, "reason": reason},
+        "precompute_float8_dynamic_scale_for_fsdp": bool(
+            all_gather and ao.precompute_float8_dynamic_scale_for_fsdp and spec.engine == "fsdp2"),
+        "module_filter": {**modules, "require_dims_multiple_of": None if ao.pad_inner_dim else FP8_DIM_MULTIPLE},
+    }
+
+
+def _te_fields(spec: Spec) -> dict[str, Any]:
+    te = spec.fp8.te
+    names = ("fp8_format", "margin", "amax_history_len", "amax_compute_algo", "reduce_amax", "use_power_2_scales",
+             "enable_2d_quantization", "fp8_dpa", "fp8_mha")
+    return {name: getattr(te, name) for name in names}
