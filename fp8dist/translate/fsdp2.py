@@ -51,7 +51,7 @@ def to_fsdp2(spec: Spec, deepspeed_version: str | None = None) -> dict[str, Any]
                  "auto_rule": "Hugging Face _no_split_modules, else the children of the first nn.ModuleList"},
         "reshard_after_forward": f.reshard_after_forward,
         "offload_policy": "CPUOffloadPolicy" if f.offload == "cpu" else None,
-        "float8": _float8(spec),
+        "float8": float8_plan(spec),
         "optimizer": {
             "class": OPTIMIZER_CLASSES[(spec.optimizer.name, state if state in ("fp8", "int8") else None)],
             "steps_on": master, "state_dtype": state,
@@ -63,7 +63,7 @@ def to_fsdp2(spec: Spec, deepspeed_version: str | None = None) -> dict[str, Any]
     return plan
 
 
-def _float8(spec: Spec) -> dict[str, Any] | None:
+def float8_plan(spec: Spec) -> dict[str, Any] | None:
     fp8 = spec.fp8
     if fp8.backend == "none":
         return None

@@ -1,0 +1,57 @@
+"""torchao float8 training (torchao 0.18: torchao/float8/{config,float8_linear_utils,fsdp_utils}.py)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fp8dist import compat
+from fp8dist.backends.base import PrecisionBackend
+from fp8dist.backends.module_filter import Decision, decide, linear_infos
+from fp8dist.errors import UnsupportedEnvironment
+from fp8dist.translate.fsdp2 import float8_plan
+
+
+class TorchaoFloat8(PrecisionBackend):
+    name = "torchao"
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.plan = float8_plan(spec)
+
+    def check_environment(self, device: dict[str, Any]) -> None:
+        if compat.installed_version("torchao") is None:
+            raise UnsupportedEnvironment("precision.fp8.backend=torchao but torchao is not installed",
+                                         "pip install torchao")
+        ao = self.spec.fp8.torchao
+        if ao.emulate:
+            return
+        ok, reason = compat.torchao_fp8_hardware(ao.recipe_name, tuple(device["capability"]) if device.get("capability") else None)
+        if not ok:
+            raise UnsupportedEnvironment(f"refusing FP8: {reason}",
+                                         "run on an H100/H200 (SM 9.0) or Ada (SM 8.9) GPU, or set "
+                                         "precision.fp8.torchao.emulate=true to emulate float8 (tests only, slow)")
+
+    def float8_linear_config(self):
+        from torchao.float8 import Float8LinearConfig
+
+        knobs = dict(self.plan["float8_linear_config"])
+        config = Float8LinearConfig.from_recipe_name(knobs.pop("recipe_name"))
+        return dataclasses.replace(config, **knobs)
+
+    def convert_module(self, model) -> list[Decision]:
+        from torchao.float8 import convert_to_float8_training
+
+        rules = self.plan["module_filter"]
+        decisions = decide(linear_infos(model), rules["exclude"], rules["skip_first_last"],
+                           rules["require_dims_multiple_of"])
+        chosen = {d.fqn for d in decisions if d.convert}
+        if chosen:
+            convert_to_float8_training(model, config=self.float8_linear_config(),
+                                       module_filter_fn=lambda module, fqn: fqn in chosen)
+        return decisions
+
+    def after_optimizer_step(self, model) -> None:
+        if self.plan["precompute_float8_dynamic_scale_for_fsdp"]:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)

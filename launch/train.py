@@ -1,0 +1,106 @@
+"""A small real training run whose precision comes from an fp8dist config.
+
+    deepspeed --num_gpus 2 launch/train.py --fp8dist-config configs/deepspeed-bf16-zero2.yaml
+    torchrun --nproc_per_node 2 launch/train.py --fp8dist-config configs/fsdp2-bf16.yaml
+
+The engine comes from the config (`engine: deepspeed | fsdp2`). Data is synthetic token batches; the
+model is the built-in tiny-llama unless --model names another (see fp8dist.models). On a machine
+without CUDA the ranks run on CPU with gloo. Prints the loss of every step on rank 0 and, last,
+`final_loss=<x> first_loss=<y>`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import fp8dist
+from fp8dist.errors import Fp8distError
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llama", help="built-in name, local HF directory or module:factory")
+    parser.add_argument("--steps", type=int, default=None, help="override train.steps")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="FSDP2: save a distributed checkpoint here at the end (torch.distributed.checkpoint)")
+    fp8dist.add_config_arguments(parser)
+    return parser.parse_args(argv)
+
+
+SYNTHETIC_BATCHES = 4  # a fixed pool of batches per rank, cycled, so that the loss visibly goes down
+
+
+def batches_for(loaded, spec, step: int, rank: int):
+    t = spec.train
+    first = (step * t.gradient_accumulation_steps) % SYNTHETIC_BATCHES
+    return [loaded.make_batch(t.micro_batch_size, t.seq_len,
+                              seed=t.seed * 100_003 + rank * 1009 + (first + i) % SYNTHETIC_BATCHES)
+            for i in range(t.gradient_accumulation_steps)]
+
+
+def run_deepspeed(spec, loaded, steps, on_step, checkpoint_dir):
+    import deepspeed
+
+    from fp8dist.engines.deepspeed import initialize, train_step
+
+    if checkpoint_dir:
+        raise Fp8distError("--checkpoint-dir is for engine=fsdp2; use engine.save_checkpoint with DeepSpeed")
+    deepspeed.init_distributed()
+    engine, _, _, _ = initialize(loaded.model, spec)
+    for step in range(steps):
+        on_step(step, train_step(engine, batches_for(loaded, spec, step, engine.global_rank)))
+
+
+def run_fsdp2(spec, loaded, steps, on_step, checkpoint_dir):
+    import torch
+    import torch.distributed as dist
+
+    from fp8dist.engines.fsdp2 import prepare, train_step
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        loaded.model.to("cuda")
+    run = prepare(loaded.model, spec)
+    for step in range(steps):
+        batches = batches_for(loaded, spec, step, dist.get_rank())
+        if cuda:
+            batches = [{k: v.cuda() for k, v in b.items()} for b in batches]
+        on_step(step, train_step(run, batches, spec.train.gradient_clipping))
+    if checkpoint_dir:
+        from fp8dist.engines.checkpoint import save
+
+        save(run, checkpoint_dir)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    losses: list[float] = []
+
+    def on_step(step, loss):
+        losses.append(loss)
+        if rank == 0:
+            print(f"step {step + 1} loss {loss:.4f}", flush=True)
+
+    try:
+        spec = fp8dist.spec_from_args(args)
+        from fp8dist.models import load_model
+
+        loaded = load_model(args.model, spec.precision.load_dtype, seed=spec.train.seed)
+        runner = run_deepspeed if spec.engine == "deepspeed" else run_fsdp2
+        runner(spec, loaded, args.steps or spec.train.steps, on_step, args.checkpoint_dir)
+    except Fp8distError as exc:
+        print(f"train.py: {exc}", file=sys.stderr)
+        return 2
+    if rank == 0:
+        print(f"final_loss={losses[-1]:.6f} first_loss={losses[0]:.6f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
