@@ -1,0 +1,42 @@
+"""Run real 2-process jobs on gloo (CPU) with the real launchers."""
+import os
+import re
+import socket
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+TRAIN = ROOT / "launch" / "train.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def torchrun(script, *args, nproc=2, timeout=300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(script), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=ROOT)
+
+
+def deepspeed(script, *args, nproc=2, timeout=400):
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(script), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=ROOT)
+
+
+def losses(stdout: str) -> list[float]:
+    return [float(x) for x in re.findall(r"^step \d+ loss ([-\d.naif]+)$", stdout, flags=re.M)]
+
+
+def describe(result) -> str:
+    return f"rc={result.returncode}\nSTDOUT:\n{result.stdout[-3000:]}\nSTDERR:\n{result.stderr[-5000:]}"

@@ -1,0 +1,33 @@
+"""`deepspeed --num_gpus 2 launch/train.py --fp8dist-config ...` for real, on CPU with gloo."""
+import math
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.distributed.launch import TRAIN, deepspeed, describe, losses
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("config", ["deepspeed-bf16-zero1", "deepspeed-bf16-zero2", "deepspeed-bf16-zero3",
+                                    "deepspeed-torchao-float8"])
+def test_deepspeed_trains(config):
+    result = deepspeed(TRAIN, "--fp8dist-config", ROOT / "configs" / f"{config}.yaml", "--fp8dist-set", "train.steps=12")
+    assert result.returncode == 0, describe(result)
+    values = losses(result.stdout)
+    assert len(values) == 12 and all(math.isfinite(v) for v in values), describe(result)
+    # 4 synthetic batches cycle: compare the same batches at the start and at the end.
+    assert sum(values[-4:]) < sum(values[:4]), values
+
+
+def test_torchao_float8_zero3_under_deepspeed():
+    result = deepspeed(TRAIN, "--fp8dist-config", ROOT / "configs" / "deepspeed-torchao-float8.yaml",
+                       "--fp8dist-set", "deepspeed.zero_stage=3", "--fp8dist-set", "train.steps=3")
+    assert result.returncode == 0, describe(result)
+    assert all(math.isfinite(v) for v in losses(result.stdout))
+
+
+def test_msamp_refused_cleanly_on_this_deepspeed():
+    result = deepspeed(TRAIN, "--fp8dist-config", ROOT / "configs" / "msamp-o3.yaml", timeout=200)
+    assert result.returncode != 0
+    assert "MS-AMP" in result.stderr and "0.12.4-0.17.4" in result.stderr and "Traceback" not in result.stderr
