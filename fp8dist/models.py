@@ -23,6 +23,7 @@ class LoadedModel:
     model: Any
     make_batch: Callable[[int, int, int], dict]  # (batch, seq_len, seed) -> forward kwargs incl. labels
     name: str
+    make_optimizer: Callable | None = None  # params -> optimizer; None: the one the config names
 
 
 def _llama_config(**overrides):
@@ -113,8 +114,9 @@ def _load_local_hf(path: Path, dtype: str) -> LoadedModel:
 
 
 def _load_factory(target: str, dtype: str, seed: int) -> LoadedModel:
-    """`package.module:factory`. The factory returns an nn.Module (built in fp32 or any dtype; it is cast to
-    the load dtype) or a (module, make_batch) pair; a module with `vocab_size` in its config gets token ids."""
+    """`package.module:factory`. The factory returns an nn.Module (cast to the load dtype), or a dict with
+    `model` and optionally `make_batch(batch, seq_len, seed)` and `make_optimizer(params)`; a module with
+    `config.vocab_size` gets token-id batches by default."""
     import torch
 
     module_name, _, attr = target.partition(":")
@@ -124,16 +126,18 @@ def _load_factory(target: str, dtype: str, seed: int) -> LoadedModel:
         raise Fp8distError(f"cannot import MODEL factory {target!r}: {exc}") from None
     torch.manual_seed(seed)
     made = factory()
-    model, make_batch = made if isinstance(made, tuple) else (made, None)
+    made = made if isinstance(made, dict) else {"model": made}
+    model, make_batch = made.get("model"), made.get("make_batch")
     if not isinstance(model, torch.nn.Module):
         raise Fp8distError(f"MODEL factory {target!r} returned {type(model).__name__}, not an nn.Module")
     model = model.to(torch_dtype(dtype))
     if make_batch is None:
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         if vocab is None:
-            raise Fp8distError(f"MODEL factory {target!r}: return (module, make_batch) so the audit knows its input")
+            raise Fp8distError(f"MODEL factory {target!r}: return {{'model': ..., 'make_batch': ...}} so the audit "
+                               "knows its input")
         make_batch = causal_lm_batch(vocab)
-    return LoadedModel(model, make_batch, target)
+    return LoadedModel(model, make_batch, target, made.get("make_optimizer"))
 
 
 def forward_loss(model, batch: dict):

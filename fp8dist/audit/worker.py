@@ -47,7 +47,7 @@ def _obs(value: str, detail: str = "", measured: bool = True) -> dict[str, Any]:
 def run_fsdp2(spec, loaded, steps, nproc, out):
     from fp8dist.engines.fsdp2 import prepare, train_step
 
-    run = prepare(loaded.model, spec, record_comm=nproc > 1)
+    run = prepare(loaded.model, spec, record_comm=nproc > 1, optimizer=loaded.make_optimizer)
     model = run.model
     local = [p.to_local() if hasattr(p, "to_local") else p for p in probes.trainable(model)]
     prep, counts = probes.summarize(local)
@@ -86,7 +86,8 @@ def run_fsdp2(spec, loaded, steps, nproc, out):
 def run_deepspeed(spec, loaded, steps, nproc, out):
     from fp8dist.engines.deepspeed import initialize, train_step
 
-    engine, optimizer, _, _ = initialize(loaded.model, spec)
+    optimizer = loaded.make_optimizer(loaded.model.parameters()) if loaded.make_optimizer else None
+    engine, optimizer, _, _ = initialize(loaded.model, spec, optimizer=optimizer)
     params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters() if p.requires_grad]
     weights, counts = probes.summarize(params)
     out["weights"] = _obs(weights, f"module parameters (ZeRO-3: partitions): {counts}")

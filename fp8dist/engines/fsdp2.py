@@ -64,6 +64,7 @@ def prepare(model, spec: Spec, mesh=None, *, record_comm: bool = False, optimize
 
     `mesh`: a 1-D DeviceMesh (default: all ranks of the default process group).
     `record_comm`: record the dtype and bytes of every all-gather and reduce-scatter (audit, benchmarks).
+    `optimizer`: a callable params -> optimizer (called on the sharded parameters); default: the config's.
     """
     if not dist.is_initialized():
         raise Fp8distError("fp8dist.engines.fsdp2.prepare needs torch.distributed initialised "
@@ -103,8 +104,7 @@ def prepare(model, spec: Spec, mesh=None, *, record_comm: bool = False, optimize
                 if record is not None:
                     module.set_custom_reduce_scatter(RecordingReduceScatter(record))
 
-    if optimizer is None:
-        optimizer = build_optimizer(model.parameters(), spec)
+    optimizer = (optimizer or (lambda params: build_optimizer(params, spec)))(model.parameters())
     optimizer.register_step_post_hook(lambda *_: backend.after_optimizer_step(model))
     if spec.compile:
         model = torch.compile(model)

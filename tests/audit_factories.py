@@ -1,0 +1,54 @@
+"""MODEL factories for the audit tests (`tests.audit_factories:NAME`)."""
+import torch
+import torch.nn.functional as F
+
+from fp8dist.models import causal_lm_batch, load_model
+
+
+class SecretlyFP32(torch.nn.Module):
+    """Looks like a normal LM, but every matmul upcasts to fp32 whatever the config says."""
+
+    def __init__(self, vocab=256, hidden=64):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.proj = torch.nn.Linear(hidden, hidden)
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        x = F.linear(x.float(), self.proj.weight.float(), self.proj.bias.float()).relu()
+        logits = F.linear(x.float(), self.head.weight.float(), self.head.bias.float())
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def secretly_fp32():
+    return {"model": SecretlyFP32(), "make_batch": causal_lm_batch(256)}
+
+
+class AdamWithBf16States(torch.optim.Optimizer):
+    """A user optimizer that keeps its moments in bf16 (whatever the parameters are)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                grad = p.grad.to(torch.bfloat16)
+                state["exp_avg"].mul_(b1).add_(grad, alpha=1 - b1)
+                state["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
+                p.add_(update.to(p.dtype), alpha=-group["lr"])
+
+
+def tiny_llama_bf16_states():
+    loaded = load_model("tiny-llama", "fp32")
+    return {"model": loaded.model, "make_batch": loaded.make_batch, "make_optimizer": AdamWithBf16States}
