@@ -50,6 +50,7 @@ def run_deepspeed(spec, loaded, steps, on_step, checkpoint_dir):
     engine, _, _, _ = initialize(loaded.model, spec)
     for step in range(steps):
         on_step(step, train_step(engine, batches_for(loaded, spec, step, engine.global_rank)))
+    _shutdown()
 
 
 def run_fsdp2(spec, loaded, steps, on_step, checkpoint_dir):
@@ -73,6 +74,13 @@ def run_fsdp2(spec, loaded, steps, on_step, checkpoint_dir):
         from fp8dist.engines.checkpoint import save
 
         save(run, checkpoint_dir)
+    _shutdown()
+
+
+def _shutdown():
+    """Leave together: a rank that tears gloo down while its peer still talks aborts the job."""
+    import torch.distributed as dist
+
     dist.barrier()
     dist.destroy_process_group()
 
