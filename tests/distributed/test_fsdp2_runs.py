@@ -36,7 +36,7 @@ def test_bf16_without_mixed_precision_learns():
 
 
 # Tolerance: over 20 steps on tiny-llama, float8 losses stay within 2% (relative) of the bf16 run at
-# every step. Measured here: tensorwise ~0.3%, rowwise ~0.3% (emulated float8 on CPU).
+# every step. Measured here: tensorwise 0.054%, rowwise 0.053% max gap (emulated float8 on CPU).
 FLOAT8_REL_TOL = 0.02
 
 
