@@ -79,6 +79,8 @@ def torchao_fp8_hardware(recipe_name: str, capability: Capability | None) -> tup
 # torchao's C++ extensions load only with torch >= 2.11 (ao v0.18.0 torchao/__init__.py); float8
 # training is pure Python. Float8LinearConfig.from_recipe_name exists since 0.9.0.
 TORCHAO_FROM_RECIPE_NAME = (0, 9, 0)
+# Newest torchao whose float8 API this module knows (PyPI, 2026-07-31).
+NEWEST_KNOWN_TORCHAO = (0, 18, 0)
 # force_recompute_fp8_weight_in_bwd: added in 0.6.0 (pytorch/ao#936), a logged no-op from 0.12.0
 # (pytorch/ao#2356, issue #2251); still a no-op in 0.18.0 (torchao/float8/config.py).
 TORCHAO_FORCE_RECOMPUTE_ADDED = (0, 6, 0)

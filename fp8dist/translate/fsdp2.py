@@ -14,7 +14,6 @@ from fp8dist.config.spec import Spec
 
 # torchao's _scaled_mm needs both Linear dims divisible by 16 (torchao/float8/config.py, pad_inner_dim).
 FP8_DIM_MULTIPLE = 16
-NEWEST_KNOWN_TORCHAO = (0, 18, 0)
 
 OPTIMIZER_CLASSES = {
     ("adamw", "fp8"): "torchao.optim.AdamWFp8",
@@ -29,7 +28,7 @@ def installed_torchao() -> tuple[compat.Version, str]:
     version = compat.installed_version("torchao")
     if version:
         return compat.parse_version(version), "installed"
-    return NEWEST_KNOWN_TORCHAO, "newest known (torchao is not installed)"
+    return compat.NEWEST_KNOWN_TORCHAO, "newest known (torchao is not installed)"
 
 
 def to_fsdp2(spec: Spec, deepspeed_version: str | None = None) -> dict[str, Any]:
