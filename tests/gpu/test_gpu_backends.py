@@ -26,7 +26,10 @@ needs_fp8_gpu = pytest.mark.skipif(CAP is None or CAP < (8, 9), reason="needs an
 def test_te_audit_on_gpu():
     result = run_cli("audit", "tiny-llama", "--config", ROOT / "configs" / "te.yaml", "--format", "json", timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert '"gemm"' in result.stdout
+    import json
+
+    gemm = {c["phase"]: c for c in json.loads(result.stdout)["checks"]}["gemm"]
+    assert gemm["observed"] == "fp8" and gemm["ok"]
 
 
 @needs_fp8_gpu
