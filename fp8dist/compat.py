@@ -147,21 +147,44 @@ def deepspeed_has_bf16_master(ds: Version) -> tuple[bool, str]:
 # MS-AMP 0.4 pins deepspeed==0.13.1; it needs use_multi_rank_bucket_allreduce (0.12.4) and breaks from
 # 0.17.5, where DeepSpeedZeroOptimizer.__init__ gained the positional `optimizer_params`
 # (Azure/MS-AMP v0.4.0 pyproject.toml, msamp/deepspeed/runtime/engine.py; research/msamp.md section 2).
+# Each window: (label, first MS-AMP release it covers, last one, lowest DeepSpeed, highest DeepSpeed).
 MSAMP_DEEPSPEED_WINDOWS = (
-    ("MS-AMP <= 0.3 (pins deepspeed 0.9.2)", (0, 9, 2), (0, 10, 0)),
-    ("MS-AMP 0.4 (pins deepspeed 0.13.1)", (0, 12, 4), (0, 17, 4)),
+    ("MS-AMP <= 0.3 (pins deepspeed 0.9.2)", (0, 2, 0), (0, 3, 99), (0, 9, 2), (0, 10, 0)),
+    ("MS-AMP 0.4 (pins deepspeed 0.13.1)", (0, 4, 0), (0, 4, 99), (0, 12, 4), (0, 17, 4)),
 )
 MSAMP_TESTED_DEEPSPEED = ((0, 9, 2), (0, 13, 1))
+MSAMP_DISTRIBUTION = "ms-amp"  # pyproject name "MS-AMP"; set only by a source install (not on PyPI)
+# Last MS-AMP release (2024-02-26); main has three commits since, none about DeepSpeed.
+NEWEST_KNOWN_MSAMP = (0, 4, 0)
 
 
-def msamp_supports_deepspeed(ds: Version) -> tuple[bool, str]:
-    for label, low, high in MSAMP_DEEPSPEED_WINDOWS:
+def installed_msamp() -> Version | None:
+    version = installed_version(MSAMP_DISTRIBUTION)
+    return parse_version(version) if version else None
+
+
+def msamp_supports_deepspeed(ds: Version, msamp: Version | None = None) -> tuple[bool, str]:
+    """Can MS-AMP `msamp` (None: whichever release the user installs) drive DeepSpeed `ds`?"""
+    windows = [w for w in MSAMP_DEEPSPEED_WINDOWS if msamp is None or w[1] <= msamp <= w[2]]
+    if not windows:
+        return False, (f"MS-AMP {fmt(msamp)} is not a release fp8dist knows (newest known: "
+                       f"{fmt(NEWEST_KNOWN_MSAMP)}); its DeepSpeed range is unknown")
+    for label, _, _, low, high in windows:
         if low <= ds <= high:
             tested = " (the pinned, tested version)" if ds in MSAMP_TESTED_DEEPSPEED else \
                 " (API-compatible by code reading; MS-AMP tested only its pin)"
             return True, f"DeepSpeed {fmt(ds)} is inside {label}: {fmt(low)}-{fmt(high)}{tested}"
-    windows = "; ".join(f"{label}: {fmt(lo)}-{fmt(hi)}" for label, lo, hi in MSAMP_DEEPSPEED_WINDOWS)
-    return False, f"DeepSpeed {fmt(ds)} is outside every MS-AMP window ({windows})"
+    ranges = "; ".join(f"{label}: {fmt(lo)}-{fmt(hi)}" for label, _, _, lo, hi in windows)
+    who = f"installed MS-AMP {fmt(msamp)}" if msamp else "every MS-AMP window"
+    return False, f"DeepSpeed {fmt(ds)} is outside {who} ({ranges})"
+
+
+# msamp.initialize (v0.4.0 msamp/__init__.py) tests isinstance(optimizer, torch.optim.Adam) before AdamW and
+# builds its low-bit optimizer from optimizer.defaults minus foreach/capturable/differentiable/fused. Since
+# torch's "Refactor AdamW into Adam" (pytorch#143710) AdamW subclasses Adam, so an AdamW becomes LBAdam,
+# whose `use_adam=True` applies L2 weight decay instead of decoupled decay (msamp/optim/adamw_base.py), and
+# both classes carry defaults LBAdamW.__init__ does not accept (TypeError).
+MSAMP_REJECTED_OPTIMIZER_DEFAULTS = ("decoupled_weight_decay",)
 
 
 # Real FP8 GEMMs in MS-AMP only when the GPU name contains "h100"; elsewhere emulated in 16-bit
@@ -192,6 +215,11 @@ TE_RECIPE_CAPABILITY = {
     "mxfp8": ((10, 0), (12, 0)),
     "nvfp4": ((10, 0), None),
 }
+# Both Linear dims must be multiples of this for te.Linear to quantize them: FP8 GEMMs need 16 (utils.py
+# assert_dim_for_fp8_exec: in % 16, out % 8; 16 for both, as torchao and Accelerate do); MXFP8 blocks are
+# 32 wide, NVFP4 16, Float8BlockScaling 128 (TE 2.20 constants.py MXFP8_BLOCK_SCALING_SIZE,
+# NVFP4_BLOCK_SCALING_SIZE; tensor/float8_blockwise_tensor.py block_len; each quantizer's is_quantizable).
+TE_RECIPE_DIM_MULTIPLE = {"delayed": 16, "current": 16, "mxfp8": 32, "block": 128, "nvfp4": 16}
 # Float8BlockScaling needs CUDA >= 12.9 (TE 2.9+ check_fp8_block_scaling_support); SM 8.9 needs CUDA 12.1.
 TE_BLOCK_MIN_CUDA = (12, 9, 0)
 TE_ADA_MIN_CUDA = (12, 1, 0)

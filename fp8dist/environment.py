@@ -7,7 +7,7 @@ from typing import Any
 from fp8dist import compat
 
 PACKAGES = {"torch": "torch", "deepspeed": "deepspeed", "torchao": "torchao", "transformers": "transformers",
-            "transformer_engine": "transformer-engine", "msamp": "ms-amp", "omegaconf": "omegaconf",
+            "transformer_engine": "transformer-engine", "msamp": compat.MSAMP_DISTRIBUTION, "omegaconf": "omegaconf",
             "jsonschema": "jsonschema"}
 
 
@@ -64,12 +64,20 @@ def backend_status(versions: dict[str, str | None], device: dict[str, Any]) -> d
         out["transformer_engine"] = {"usable": ok, "reason": why}
 
     if not versions.get("msamp"):
-        out["msamp"] = {"usable": False, "reason": "not installed: MS-AMP is not on PyPI; install from source or use "
-                        "the ghcr.io/azure/msamp images (CUDA GPU, deepspeed 0.13.1)"}
+        why = ("not installed: MS-AMP is not on PyPI; install from source or use the ghcr.io/azure/msamp images "
+               "(CUDA GPU, deepspeed 0.13.1)")
+        if versions.get("deepspeed"):
+            fits, window = compat.msamp_supports_deepspeed(compat.parse_version(versions["deepspeed"]))
+            why += "" if fits else f"; and {window}"
+        out["msamp"] = {"usable": False, "reason": why}
     else:
         ok, why = _importable("msamp")
         if ok and versions.get("deepspeed"):
-            ok, why = compat.msamp_supports_deepspeed(compat.parse_version(versions["deepspeed"]))
+            ok, why = compat.msamp_supports_deepspeed(compat.parse_version(versions["deepspeed"]),
+                                                      compat.parse_version(versions["msamp"]))
+        if ok:
+            native, native_why = compat.msamp_native_fp8(device["name"])
+            why = why if native else f"{why}; {native_why}"
         out["msamp"] = {"usable": ok, "reason": why}
     return out
 

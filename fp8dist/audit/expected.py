@@ -10,6 +10,10 @@ from fp8dist.config.rules import effective_state_dtype, weight_dtype
 from fp8dist.config.schema import read_schema_file
 from fp8dist.config.spec import Spec
 
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "fp4": 0.5, "n/a": 0}
+# Optimizer states per parameter when a cell names one dtype for all of them (torch Adam/AdamW: exp_avg,
+# exp_avg_sq; fp8dist's SGD has no momentum).
+STATES_PER_PARAM = {"adam": 2, "adamw": 2, "sgd": 0}
 PHASES = ("loading", "preparation", "weights", "master_weights", "training", "gemm", "weight_gradients",
           "optimizer", "communication", "weight_all_gather")
 MULTI_RANK_PHASES = {"communication", "weight_all_gather"}
@@ -61,8 +65,12 @@ def expected(spec: Spec, nproc: int = 1) -> dict[str, tuple[str, str]]:
         row["weight_gradients"] = (spec.deepspeed.grad_accum_dtype or (p.mixed_precision if section else "fp32"),
                                    "data_types.grad_accum_dtype, else the model dtype from the precision flags")
     row["training"] = (compute, "precision.mixed_precision (or the weight dtype without it)")
-    row["gemm"] = ("fp8" if spec.fp8.enabled else compute, f"FP8 backend {spec.fp8.backend}" if spec.fp8.enabled
-                   else "no FP8 backend: GEMMs run in the compute dtype")
+    if not spec.fp8.enabled:
+        row["gemm"] = (compute, "no FP8 backend: GEMMs run in the compute dtype")
+    elif spec.fp8.backend == "te" and spec.fp8.te.recipe == "nvfp4":
+        row["gemm"] = ("fp4", "Transformer Engine NVFP4BlockScaling: E2M1 operands")
+    else:
+        row["gemm"] = ("fp8", f"FP8 backend {spec.fp8.backend}")
     state = effective_state_dtype(doc)
     if engine == "deepspeed" and state in ("fp32", "bf16", "fp16") and p.master_weights == "none":
         state = row["preparation"][0]
@@ -76,3 +84,19 @@ def expected(spec: Spec, nproc: int = 1) -> dict[str, tuple[str, str]]:
         for phase in MULTI_RANK_PHASES:
             row.pop(phase, None)
     return {phase: row[phase] for phase in PHASES if phase in row}
+
+
+def implied_bytes_per_param(spec: Spec) -> dict[str, float]:
+    """Bytes per parameter that the expected row implies, per store: the weights the engine keeps, a separate
+    master copy (0 under FSDP2, whose sharded weights are the master copy), gradients, optimizer states.
+    E.g. fp32 Adam 4+0+4+8 = 16; DeepSpeed bf16 2+4+2+8 = 16; MS-AMP O2 2+0+1+3 = 6."""
+    row = expected(spec, nproc=2)
+
+    def size(cell: str) -> float:
+        return sum(DTYPE_BYTES[normalize(part)] for part in cell.split("+"))
+
+    states = row["optimizer"][0]
+    optimizer = size(states) if "+" in states else size(states) * STATES_PER_PARAM[spec.optimizer.name]
+    return {"weights": size(row["weights"][0]),
+            "master": 0.0 if spec.engine == "fsdp2" else size(row["master_weights"][0]),
+            "gradients": size(row["weight_gradients"][0]), "optimizer": optimizer}

@@ -1,8 +1,8 @@
 """Probes that observe a real prepared model without changing its numerics.
 
-Tensor subclasses are read by their storage, not their logical `.dtype`: torchao float8 tensors
-(`Float8TrainingTensor._data`), FSDP2 float8 all-gather weights (`WeightWithDynamicFloat8CastTensor._tensor`),
-torchao low-bit optimizer states (`.codes`), DTensors (`.to_local()`).
+Every tensor is read by what it stores, not its logical `.dtype` (fp8dist.audit.formats); GEMMs are seen
+as aten matmuls (TorchDispatchMode) and, for Transformer Engine and MS-AMP, at their own GEMM entry points
+(fp8dist.audit.library_gemms).
 """
 from __future__ import annotations
 
@@ -12,76 +12,85 @@ from typing import Any, Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
-         torch.uint8: "uint8", torch.int8: "int8"}
-for _name, _short in (("float8_e4m3fn", "fp8_e4m3"), ("float8_e5m2", "fp8_e5m2"), ("float8_e4m3fnuz", "fp8_e4m3"),
-                      ("float8_e5m2fnuz", "fp8_e5m2")):
-    if hasattr(torch, _name):
-        SHORT[getattr(torch, _name)] = _short
+from fp8dist.audit.formats import is_tensor_like, short, storage
+from fp8dist.audit.library_gemms import LibraryGemmRecorder
+
+__all__ = ["short", "summarize", "trainable", "MatmulRecorder", "describe_fp8", "low_precision_format",
+           "compute_dtype", "optimizer_states", "state_tensors", "nbytes"]
 
 
-def short(dtype) -> str:
-    return SHORT.get(dtype, str(dtype).replace("torch.", ""))
-
-
-def storage(tensor) -> torch.Tensor:
-    """The tensor that really holds the bytes."""
-    if hasattr(tensor, "to_local"):
-        tensor = tensor.to_local()
-    for attr in ("_data", "codes", "_tensor"):
-        inner = getattr(tensor, attr, None)
-        if isinstance(inner, torch.Tensor):
-            return storage(inner)
-    return tensor
-
-
-def summarize(tensors: Iterable[torch.Tensor]) -> tuple[str, dict[str, int]]:
-    """Dominant storage dtype over floating tensors, and elements per dtype."""
+def summarize(tensors: Iterable) -> tuple[str, dict[str, int]]:
+    """Dominant storage format over the tensors, and elements per format."""
     counts: Counter = Counter()
     for t in tensors:
         s = storage(t)
-        counts[short(s.dtype)] += s.numel()
+        counts[s.format] += s.numel
     if not counts:
         return "none", {}
     return ("+".join(sorted(counts)) if len(counts) > 1 else next(iter(counts))), dict(counts)
 
 
-def trainable(model) -> list[torch.Tensor]:
+def trainable(model) -> list:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+FLOAT_FORMATS = ("fp", "bf")  # fp32/fp16/fp8_*/fp4_*, bf16: not integer index tensors
+LOW_PRECISION = ("fp8", "fp4")
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm",
            "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
            "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention"}
 
 
 class MatmulRecorder(TorchDispatchMode):
-    """Records the operand storage dtypes of every matmul-like op (forward and backward)."""
+    """Records the operand storage formats of every matmul-like op (forward and backward), and of the
+    GEMMs Transformer Engine and MS-AMP run outside aten. `notes`: what the libraries said about them."""
 
     def __init__(self):
         super().__init__()
         self.calls: Counter = Counter()
+        self.library = LibraryGemmRecorder(self.calls)
+
+    @property
+    def notes(self) -> list[str]:
+        return self.library.notes
+
+    def __enter__(self):
+        self.library.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.library.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in MATMULS:
-            operands = tuple(short(storage(a).dtype) for a in args[:3] if isinstance(a, torch.Tensor)
-                             and (a.is_floating_point() or hasattr(a, "_data")))
+            formats = (storage(a).format for a in args[:3] if isinstance(a, torch.Tensor))
+            operands = tuple(f for f in formats if f.startswith(FLOAT_FORMATS))
             self.calls[(name, operands)] += 1
         return func(*args, **(kwargs or {}))
 
     def split(self) -> tuple[Counter, Counter]:
+        """(GEMMs with an FP8/FP4 operand, the others)."""
         fp8, other = Counter(), Counter()
         for (name, operands), n in self.calls.items():
-            (fp8 if any(o.startswith("fp8") for o in operands) else other)[(name, operands)] += n
+            (fp8 if any(o.startswith(LOW_PRECISION) for o in operands) else other)[(name, operands)] += n
         return fp8, other
 
 
 def describe_fp8(fp8: Counter) -> str:
     formats = Counter()
     for (_, operands), n in fp8.items():
-        formats["x".join(o.replace("fp8_", "") for o in operands)] += n
+        formats["x".join(o.replace("fp8_", "") for o in operands)] += n  # e4m3xe4m3, e5m2xe4m3, fp4_e2m1x...
     return ", ".join(f"{k}: {v}" for k, v in sorted(formats.items()))
+
+
+def low_precision_format(fp8: Counter) -> str:
+    """'fp8', 'fp4' (or both) over the recorded low-precision operands."""
+    found = {o.split("_")[0] for (_, operands) in fp8 for o in operands if o.startswith(LOW_PRECISION)}
+    return "+".join(sorted(found))
 
 
 def compute_dtype(other: Counter) -> tuple[str, str]:
@@ -97,13 +106,13 @@ def compute_dtype(other: Counter) -> tuple[str, str]:
 
 
 def optimizer_states(optimizer) -> tuple[str, dict[str, Any]]:
-    """Adam-like states as 'exp_avg+exp_avg_sq' storage dtypes; other optimizers: all tensor states."""
+    """Adam-like states as 'exp_avg+exp_avg_sq' storage formats; other optimizers: all tensor states."""
     per_key: dict[str, Counter] = {}
     for state in optimizer.state.values():
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.numel() > 1:
+            if is_tensor_like(value) and value.numel() > 1:
                 s = storage(value)
-                per_key.setdefault(key, Counter())[short(s.dtype)] += s.numel()
+                per_key.setdefault(key, Counter())[s.format] += s.numel
     if not per_key:
         return "none", {}
     ordered = [k for k in ("exp_avg", "exp_avg_sq") if k in per_key] or sorted(per_key)
@@ -111,9 +120,9 @@ def optimizer_states(optimizer) -> tuple[str, dict[str, Any]]:
     return "+".join(parts), {k: dict(v) for k, v in per_key.items()}
 
 
-def nbytes(tensors: Iterable[torch.Tensor]) -> int:
-    total = 0
-    for t in tensors:
-        s = storage(t)
-        total += s.numel() * s.element_size()
-    return total
+def state_tensors(optimizer) -> list:
+    return [t for state in optimizer.state.values() for t in state.values() if is_tensor_like(t) and t.numel() > 1]
+
+
+def nbytes(tensors: Iterable) -> int:
+    return sum(storage(t).nbytes for t in tensors)

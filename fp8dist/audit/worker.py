@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from fp8dist.audit import probes
+from fp8dist.audit.formats import is_scaling_tensor, is_tensor_like
 from fp8dist.config.load import load_config
 from fp8dist.errors import Fp8distError
 from fp8dist.models import forward_loss, load_model
@@ -22,8 +23,8 @@ DS_MASTER = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", 
 DS_GRADS = ("averaged_gradients", "fp32_groups_gradients_flat", "grad_partitions_flat_buffer")
 
 
-def _tensors(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
+def _tensors(obj) -> list:
+    if is_tensor_like(obj):
         return [obj]
     if isinstance(obj, dict):
         obj = list(obj.values())
@@ -38,6 +39,14 @@ def _first_attr(obj, names) -> tuple[str | None, list[torch.Tensor]]:
         if found:
             return name, found
     return None, []
+
+
+def _msamp_scope(params) -> tuple[list, str]:
+    """Table A's MS-AMP cells describe the Linear weights MS-AMP converted (ScalingParameters); embeddings,
+    norms and biases follow the engine's own precision and are named in the detail only."""
+    scope = [p for p in params if is_scaling_tensor(p)]
+    rest, counts = probes.summarize(p for p in params if not is_scaling_tensor(p))
+    return scope, f" converted by MS-AMP ({len(scope)}; the other parameters: {rest} {counts})"
 
 
 def _obs(value: str, detail: str = "", measured: bool = True) -> dict[str, Any]:
@@ -89,10 +98,14 @@ def run_deepspeed(spec, loaded, steps, nproc, out):
     optimizer = loaded.make_optimizer(loaded.model.parameters()) if loaded.make_optimizer else None
     engine, optimizer, _, _ = initialize(loaded.model, spec, optimizer=optimizer)
     params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters() if p.requires_grad]
-    weights, counts = probes.summarize(params)
-    out["weights"] = _obs(weights, f"module parameters (ZeRO-3: partitions): {counts}")
+    scope, scope_note = _msamp_scope(params) if spec.fp8.backend == "msamp" else (params, "")
+    weights, counts = probes.summarize(scope)
+    out["weights"] = _obs(weights, f"module parameters (ZeRO-3: partitions){scope_note}: {counts}")
     inner = engine.optimizer
     attr, master = _first_attr(inner, DS_MASTER)
+    linked = [m for m in (getattr(p, "_link_hp_param", None) for p in scope) if m is not None]
+    if linked:  # MS-AMP's FP8 ZeRO optimizer: a 16-bit master per FP8 weight it owns (fp8_stage_1_and_2.py)
+        attr, master = "_link_hp_param of the FP8 weights", linked
     if master:
         value, counts = probes.summarize(master)
         out["preparation"] = _obs(value, f"optimizer.{attr}: {counts}")
@@ -108,6 +121,8 @@ def run_deepspeed(spec, loaded, steps, nproc, out):
             loss = forward_loss(engine, batch)
         engine.backward(loss)
     attr, grads = _first_attr(inner, DS_GRADS)
+    if spec.fp8.backend == "msamp":
+        attr, grads = "FP8 weights' .grad", [p.grad for p in scope if p.grad is not None]
     if not grads:
         grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
         attr = "param.grad"
@@ -126,6 +141,8 @@ def run_deepspeed(spec, loaded, steps, nproc, out):
     out["_bytes"] = {"weights": probes.nbytes(params) / sum(t.numel() for t in params)}
     if master:
         out["_bytes"]["master"] = probes.nbytes(master) / covered
+    if grads:
+        out["_bytes"]["gradients"] = probes.nbytes(grads) / sum(t.numel() for t in grads)
     return recorder, getattr(inner, "optimizer", inner), engine.fp8dist_decisions, covered
 
 
@@ -148,11 +165,12 @@ def main(model_name: str, config: str, steps: int, out_path: str) -> int:
         fp8, other = recorder.split()
         compute, detail = probes.compute_dtype(other)
         out["training"] = _obs(compute, f"non-FP8 matmul operands: {detail}")
-        out["gemm"] = _obs("fp8", probes.describe_fp8(fp8)) if fp8 else _obs(compute, "no float8 operands seen")
+        notes = "".join(f"; {note}" for note in recorder.notes)
+        out["gemm"] = (_obs(probes.low_precision_format(fp8), probes.describe_fp8(fp8) + notes) if fp8
+                       else _obs(compute, "no FP8/FP4 operands seen" + notes))
         state, per_key = probes.optimizer_states(optimizer)
         out["optimizer"] = _obs(state, f"state storage: {per_key}")
-        out["_bytes"]["optimizer"] = probes.nbytes(t for s in optimizer.state.values() for t in s.values()
-                                                   if isinstance(t, torch.Tensor) and t.numel() > 1) / covered
+        out["_bytes"]["optimizer"] = probes.nbytes(probes.state_tensors(optimizer)) / covered
         out["_decisions"] = [d.__dict__ for d in decisions]
     except Fp8distError as exc:
         out = {"_error": str(exc)}

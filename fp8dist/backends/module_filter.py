@@ -21,8 +21,9 @@ class Decision:
 
 
 def decide(linears: Sequence[LinearInfo], exclude: Iterable[str], skip_first_last: bool,
-           dim_multiple: int | None) -> list[Decision]:
-    """One decision per Linear, in model order. `dim_multiple` None means no divisibility rule."""
+           dim_multiple: int | None, dim_hint: str = "") -> list[Decision]:
+    """One decision per Linear, in model order. `dim_multiple` None means no divisibility rule;
+    `dim_hint` is appended to the reason of a layer that breaks it (how to convert it anyway)."""
     exclude = list(exclude)
     edges = {linears[0].fqn, linears[-1].fqn} if (skip_first_last and linears) else set()
     out = []
@@ -35,7 +36,7 @@ def decide(linears: Sequence[LinearInfo], exclude: Iterable[str], skip_first_las
             out.append(Decision(info.fqn, False, "first/last Linear (skip_first_last)"))
         elif dim_multiple and (info.in_features % dim_multiple or info.out_features % dim_multiple):
             out.append(Decision(info.fqn, False, f"dims {info.in_features}x{info.out_features} are not multiples of "
-                                f"{dim_multiple} (FP8 GEMM rule; set pad_inner_dim to pad instead)"))
+                                f"{dim_multiple} (FP8 quantization rule{dim_hint})"))
         else:
             out.append(Decision(info.fqn, True, "converted"))
     return out

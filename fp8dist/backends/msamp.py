@@ -1,24 +1,34 @@
 """Microsoft MS-AMP backend, written against MS-AMP v0.4.0 (Azure/MS-AMP 51f34ac: msamp/__init__.py,
-msamp/deepspeed/__init__.py, msamp/deepspeed/runtime/config.py).
+msamp/nn/linear.py, msamp/optim/{adam,adamw,adamw_base}.py, msamp/deepspeed/__init__.py,
+msamp/deepspeed/runtime/{config,engine}.py).
 
 - Under DeepSpeed (every level, O3 included) the `msamp` section of the translated config is read by
   `msamp.deepspeed.initialize`, imported under an alias: `from msamp import deepspeed` would shadow
-  DeepSpeed's namespace (Azure/MS-AMP#183). That initialize calls msamp.initialize itself.
+  DeepSpeed's namespace (Azure/MS-AMP#183). That initialize calls msamp.initialize itself (O3 as O2).
 - Without an engine, O1/O2 go through `msamp.initialize(model, optimizer, opt_level, use_te)`, which
   accepts torch Adam/AdamW only and rejects O3; amsgrad fails at step time, so it is refused here.
+- MS-AMP swaps the layers itself, inside those calls. fp8dist's module filter reaches it through the flag
+  its LinearReplacer skips on (`use_fp32_linear`); with `use_te` fp8dist swaps to te.Linear first and MS-AMP's
+  TeReplacer takes the TE weights, the forward then runs in TE's autocast (MS-AMP's cifar10_deepspeed_te.py).
 MS-AMP is not on PyPI, needs a CUDA GPU, and runs real FP8 GEMMs only on GPUs named "H100".
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 from fp8dist import compat
 from fp8dist.backends.base import PrecisionBackend
+from fp8dist.backends.module_filter import Decision, decide, linear_infos
 from fp8dist.errors import Fp8distError, UnsupportedEnvironment
 
 NOT_INSTALLED = ("MS-AMP is not installed. It is not on PyPI: install it from source "
                  "(github.com/Azure/MS-AMP, v0.4.0) or run in the ghcr.io/azure/msamp:v0.4.0-cuda12.2 image, on a "
                  "CUDA GPU with deepspeed 0.13.1")
+WHERE_IT_RUNS = ("run on a CUDA GPU machine with MS-AMP 0.4 and deepspeed 0.13.1 (the ghcr.io/azure/msamp:v0.4.0 "
+                 "images); on this machine use precision.fp8.backend=torchao (with emulate=true on a CPU)")
+# LinearReplacer._replace leaves an nn.Linear alone when this attribute is true (msamp/nn/linear.py).
+KEEP_LINEAR_FLAG = "use_fp32_linear"
 
 
 def _import_msamp():
@@ -26,48 +36,100 @@ def _import_msamp():
         import msamp
     except Exception as exc:  # its import also loads TE internals and libmsamp_dist.so
         raise UnsupportedEnvironment(f"{NOT_INSTALLED} (`import msamp` failed: {type(exc).__name__}: "
-                                     f"{str(exc).splitlines()[0] if str(exc) else ''})",
-                                     "on a CPU machine use backend=torchao with precision.fp8.torchao.emulate=true") from None
+                                     f"{str(exc).splitlines()[0] if str(exc) else ''})", WHERE_IT_RUNS) from None
     return msamp
-
-
-def msamp_deepspeed_initialize():
-    """`msamp.deepspeed.initialize`, imported without shadowing `deepspeed`."""
-    _import_msamp()
-    from msamp import deepspeed as msamp_deepspeed
-
-    return msamp_deepspeed.initialize
 
 
 class MSAMP(PrecisionBackend):
     name = "msamp"
 
+    def __init__(self, spec):
+        super().__init__(spec)
+        if spec.fp8.msamp.use_te:
+            from fp8dist.backends.transformer_engine import TransformerEngine
+
+            self.te = TransformerEngine(spec)
+        else:
+            self.te = None
+
     def check_environment(self, device: dict[str, Any]) -> None:
-        _import_msamp()
+        """Every reason MS-AMP cannot run here, in one error: a CPU user learns all that is missing at once."""
+        problems = []
+        try:
+            _import_msamp()
+        except UnsupportedEnvironment as exc:
+            problems.append(str(exc).split("\n  fix:")[0])
         ds = compat.installed_version("deepspeed")
         if self.spec.engine == "deepspeed" and ds:
-            ok, reason = compat.msamp_supports_deepspeed(compat.parse_version(ds))
+            ok, reason = compat.msamp_supports_deepspeed(compat.parse_version(ds), compat.installed_msamp())
             if not ok:
-                raise UnsupportedEnvironment(f"MS-AMP cannot drive the installed DeepSpeed: {reason}",
-                                             "pip install deepspeed==0.13.1 (MS-AMP 0.4's pin)")
+                problems.append(f"MS-AMP cannot drive the installed DeepSpeed: {reason}")
         if not device.get("cuda_available"):
-            raise UnsupportedEnvironment("MS-AMP needs a CUDA GPU; none is visible")
+            problems.append("MS-AMP needs a CUDA GPU; none is visible")
+        if problems:
+            raise UnsupportedEnvironment("precision.fp8.backend=msamp cannot run here:\n" +
+                                         "\n".join(f"  - {p}" for p in problems), WHERE_IT_RUNS)
         native, why = compat.msamp_native_fp8(device.get("name"))
         if not native:
             import logging
 
             logging.getLogger("fp8dist").warning(why)
+        if self.te is not None:
+            self.te.check_environment(device)
 
-    def initialize(self, model, optimizer):
-        """Engine-less O1/O2: msamp.initialize(model, optimizer, opt_level, use_te) -> (model, optimizer)."""
+    def convert_module(self, model) -> list[Decision]:
+        """Decide which Linears MS-AMP may take and mark the others; MS-AMP swaps them later, itself."""
+        if self.te is not None:
+            return self.te.convert_module(model)
+        rules = self.spec.fp8.modules
+        # No divisibility rule: MS-AMP pads GEMM operands to multiples of 16 (msamp/operators/gemm/gemm.py).
+        decisions = decide(linear_infos(model), rules.exclude, rules.skip_first_last, None)
+        for decision in decisions:
+            setattr(model.get_submodule(decision.fqn), KEEP_LINEAR_FLAG, not decision.convert)
+        return [Decision(d.fqn, d.convert, "left to MS-AMP's FP8Linear" if d.convert else d.reason)
+                for d in decisions]
+
+    def forward_context(self):
+        return self.te.forward_context() if self.te is not None else nullcontext()
+
+    def prepare_optimizer(self, optimizer) -> bool:
+        """Check `optimizer` and make msamp.initialize accept it; True when the low-bit optimizer MS-AMP will
+        build needs `restore_decoupled_decay` (see compat.MSAMP_REJECTED_OPTIMIZER_DEFAULTS)."""
         import torch
 
-        level = self.spec.fp8.msamp.opt_level
-        if level == "O3":
-            raise Fp8distError("MS-AMP O3 exists only inside DeepSpeed ZeRO 1/2: use engine=deepspeed")
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             raise Fp8distError(f"msamp.initialize accepts torch.optim.Adam/AdamW only, got {type(optimizer).__name__}")
         if any(group.get("amsgrad") for group in optimizer.param_groups):
             raise Fp8distError("MS-AMP's low-bit Adam supports amsgrad=False only")
+        for key in compat.MSAMP_REJECTED_OPTIMIZER_DEFAULTS:
+            optimizer.defaults.pop(key, None)
+        return isinstance(optimizer, torch.optim.AdamW) and issubclass(torch.optim.AdamW, torch.optim.Adam)
+
+    @staticmethod
+    def restore_decoupled_decay(low_bit_optimizer) -> None:
+        """LBAdam differs from LBAdamW only by `use_adam` (msamp/optim/adam.py, adamw.py): turn AdamW's
+        decoupled weight decay back on where MS-AMP took an AdamW for an Adam."""
+        low_bit_optimizer.use_adam = False
+
+    def initialize(self, model, optimizer):
+        """Engine-less O1/O2: msamp.initialize(model, optimizer, opt_level, use_te) -> (model, optimizer)."""
+        level = self.spec.fp8.msamp.opt_level
+        if level == "O3":
+            raise Fp8distError("MS-AMP O3 exists only inside DeepSpeed ZeRO 1/2: use engine=deepspeed")
+        restore = self.prepare_optimizer(optimizer)
         msamp = _import_msamp()
-        return msamp.initialize(model, optimizer, opt_level=level, use_te=self.spec.fp8.msamp.use_te)
+        model, low_bit = msamp.initialize(model, optimizer, opt_level=level, use_te=self.spec.fp8.msamp.use_te)
+        if restore:
+            self.restore_decoupled_decay(low_bit)
+        return model, low_bit
+
+    def deepspeed_initialize(self, **kwargs):
+        """`msamp.deepspeed.initialize(**kwargs)`, imported without shadowing `deepspeed`; same return tuple."""
+        restore = self.prepare_optimizer(kwargs["optimizer"])
+        _import_msamp()
+        from msamp import deepspeed as msamp_deepspeed
+
+        engine, optimizer, dataloader, scheduler = msamp_deepspeed.initialize(**kwargs)
+        if restore:  # MSAMPDeepSpeedEngine keeps msamp.initialize's optimizer as basic_optimizer (engine.py)
+            self.restore_decoupled_decay(engine.basic_optimizer)
+        return engine, optimizer, dataloader, scheduler

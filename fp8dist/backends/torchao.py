@@ -43,7 +43,7 @@ class TorchaoFloat8(PrecisionBackend):
 
         rules = self.plan["module_filter"]
         decisions = decide(linear_infos(model), rules["exclude"], rules["skip_first_last"],
-                           rules["require_dims_multiple_of"])
+                           rules["require_dims_multiple_of"], "; precision.fp8.torchao.pad_inner_dim=true pads instead")
         chosen = {d.fqn for d in decisions if d.convert}
         if chosen:
             convert_to_float8_training(model, config=self.float8_linear_config(),

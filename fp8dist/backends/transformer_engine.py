@@ -3,8 +3,16 @@ transformer_engine/common/recipe/__init__.py, transformer_engine/pytorch/{quanti
 module/layernorm}.py) with the fallbacks older 2.x releases need.
 
 What it does, as Accelerate's convert_model / apply_fp8_autowrap do: swap nn.Linear -> te.Linear and
-nn.LayerNorm -> te.LayerNorm copying the weights, then run the forward inside te.autocast (TE >= 2.9)
-or te.fp8_autocast (older) with the recipe built from the config's upstream-named knobs.
+nn.LayerNorm -> te.LayerNorm copying the weights (Linears whose dims break the recipe's block size stay
+nn.Linear: compat.TE_RECIPE_DIM_MULTIPLE), then run the forward inside te.autocast (TE >= 2.9) or
+te.fp8_autocast (older) with the recipe built from the config's upstream-named knobs.
+
+Engines: under DeepSpeed the JSON carries only the bf16/fp16 section (DeepSpeed has no FP8 key) and the
+forward runs in the autocast, backward and step outside it (Accelerate benchmarks/fp8/transformer_engine/
+distrib_deepspeed.py). Under FSDP2 the swap happens before fully_shard, the te modules keep high-precision
+primary weights (no quantized_model_init) and `fuse_wgrad_accumulation` stays at its default False: FSDP2's
+reduce-scatter must see the gradients (TE examples/pytorch/quantized_model_init/fully_shard.py). Delayed
+scaling reduces amax over the default group, so every rank must run every module each step.
 """
 from __future__ import annotations
 
@@ -15,18 +23,16 @@ from fp8dist import compat
 from fp8dist.backends.base import PrecisionBackend
 from fp8dist.backends.module_filter import Decision, decide, linear_infos
 from fp8dist.errors import UnsupportedEnvironment
+from fp8dist.translate.fsdp2 import te_recipe_fields
 
-# te.Linear needs in_features % 16 and out_features % 8 (transformer_engine/pytorch/utils.py
-# assert_dim_for_fp8_exec); fp8dist uses 16 for both, as torchao and Accelerate do.
-TE_DIM_MULTIPLE = 16
 TE_DISTRIBUTION = "transformer-engine"
 
 
 def recipe_kwargs(spec, te_version: compat.Version) -> tuple[str, dict[str, Any]]:
     """The TE recipe class name and constructor kwargs for the config. Pure (no TE import).
 
-    Only fields the user set are passed: unset ones fall through to TE's own defaults (TE would
-    silently drop unknown kwargs, so the rules in fp8dist.config.rules refuse them up front).
+    Only fields the user set are passed (TE would silently drop unknown kwargs, so the rules in
+    fp8dist.config.rules refuse them up front).
     """
     te = spec.fp8.te
     ok, reason = compat.te_recipe_available(te.recipe, te_version)
@@ -38,10 +44,7 @@ def recipe_kwargs(spec, te_version: compat.Version) -> tuple[str, dict[str, Any]
         removed, why = compat.te_field_removed(field, te_version)
         if value is not None and removed:
             raise UnsupportedEnvironment(f"precision.fp8.te.{field}={value!r}: {why}", f"remove precision.fp8.te.{field}")
-    names = ("fp8_format", "margin", "amax_history_len", "amax_compute_algo", "reduce_amax", "use_power_2_scales",
-             "enable_2d_quantization", "fp8_dpa", "fp8_mha")
-    kwargs = {name: getattr(te, name) for name in names if getattr(te, name) is not None}
-    return compat.TE_RECIPES[te.recipe][0], kwargs
+    return compat.TE_RECIPES[te.recipe][0], te_recipe_fields(spec)
 
 
 def _te_version() -> compat.Version | None:
@@ -87,7 +90,8 @@ class TransformerEngine(PrecisionBackend):
         import transformer_engine.pytorch as te
 
         rules = self.spec.fp8.modules
-        decisions = decide(linear_infos(model), rules.exclude, rules.skip_first_last, TE_DIM_MULTIPLE)
+        decisions = decide(linear_infos(model), rules.exclude, rules.skip_first_last,
+                           compat.TE_RECIPE_DIM_MULTIPLE[self.spec.fp8.te.recipe])
         chosen = {d.fqn for d in decisions if d.convert}
         for fqn, module in list(model.named_modules()):
             if fqn in chosen:

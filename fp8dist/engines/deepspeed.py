@@ -1,9 +1,9 @@
 """DeepSpeed runtime: `fp8dist.engines.deepspeed.initialize` mirrors `deepspeed.initialize`.
 
-It applies the precision backend to the model first (torchao float8 conversion, Transformer Engine
-swap), builds the optimizer the config names, and calls `deepspeed.initialize` with the translated
-config -- or, for MS-AMP, `msamp.deepspeed.initialize` imported under an alias (importing it as
-`deepspeed` shadows DeepSpeed's namespace: Azure/MS-AMP#183).
+It checks the environment, applies the precision backend to the model (torchao float8 conversion,
+Transformer Engine swap, MS-AMP's module marks), builds the optimizer the config names (or points the
+caller's at the swapped parameters), and calls `deepspeed.initialize` with the translated config -- or,
+for MS-AMP, `msamp.deepspeed.initialize` through the MS-AMP backend.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 from fp8dist.backends.base import get_backend
 from fp8dist.config.spec import Spec
-from fp8dist.engines.optim import build_optimizer
+from fp8dist.engines.optim import build_optimizer, rebind_optimizer, rebind_parameters
 from fp8dist.environment import device_info
 from fp8dist.errors import Fp8distError
 from fp8dist.translate.deepspeed import to_deepspeed
@@ -29,13 +29,17 @@ def initialize(model, spec: Spec, optimizer=None, model_parameters=None, trainin
     if "config" in kwargs or "config_params" in kwargs:
         raise Fp8distError("fp8dist builds the DeepSpeed config from the fp8dist spec; put raw keys in "
                            "deepspeed.extra instead of passing config=")
-    config = to_deepspeed(spec)
     backend = get_backend(spec)
-    backend.check_environment(device_info())
+    backend.check_environment(device_info())  # a missing library is the first thing to say
+    config = to_deepspeed(spec)
+    before = dict(model.named_parameters())
     decisions = backend.convert_module(model)
     if optimizer is None:
-        optimizer = build_optimizer(model_parameters if model_parameters is not None else model.parameters(), spec)
-    initialize_fn = _initialize_function(spec)
+        params = model.parameters() if model_parameters is None else rebind_parameters(model_parameters, before, model)
+        optimizer = build_optimizer(params, spec)
+    else:
+        rebind_optimizer(optimizer, before, model)
+    initialize_fn = backend.deepspeed_initialize if spec.fp8.backend == "msamp" else _deepspeed_initialize()
     engine, optimizer, dataloader, scheduler = initialize_fn(
         model=model, optimizer=optimizer, training_data=training_data, lr_scheduler=lr_scheduler,
         config=config, **kwargs)
@@ -45,11 +49,7 @@ def initialize(model, spec: Spec, optimizer=None, model_parameters=None, trainin
     return engine, optimizer, dataloader, scheduler
 
 
-def _initialize_function(spec: Spec):
-    if spec.fp8.backend == "msamp":
-        from fp8dist.backends.msamp import msamp_deepspeed_initialize
-
-        return msamp_deepspeed_initialize()
+def _deepspeed_initialize():
     import deepspeed
 
     return deepspeed.initialize

@@ -1,8 +1,11 @@
 """The optimizer named by `optimizer` in the config (torch.optim, or torchao's low-bit AdamW on FSDP2)."""
 from __future__ import annotations
 
+from typing import Any
+
 from fp8dist.config.rules import effective_state_dtype
 from fp8dist.config.spec import Spec
+from fp8dist.errors import Fp8distError
 
 
 def build_optimizer(params, spec: Spec):
@@ -18,3 +21,35 @@ def build_optimizer(params, spec: Spec):
 
         return (AdamWFp8 if state == "fp8" else AdamW8bit)(params, **kwargs)
     return (torch.optim.Adam if opt.name == "adam" else torch.optim.AdamW)(params, **kwargs)
+
+
+def _moved(before: dict, model) -> dict[int, Any]:
+    """id(parameter before the backend's module swap) -> the parameter of the same name now in `model`."""
+    after = dict(model.named_parameters())
+    return {id(old): after[name] for name, old in before.items() if name in after and after[name] is not old}
+
+
+def rebind_parameters(params, before: dict, model) -> list:
+    """`params` (tensors or param-group dicts, as deepspeed.initialize takes them) collected before the
+    backend swapped modules, pointed at the parameters that replaced them. te.Linear/te.LayerNorm are new
+    modules with new parameters (copied weights); torchao's Float8Linear keeps the original ones."""
+    moved = _moved(before, model)
+    out = []
+    for item in params:
+        if isinstance(item, dict):
+            out.append({**item, "params": [moved.get(id(p), p) for p in item["params"]]})
+        else:
+            out.append(moved.get(id(item), item))
+    return out
+
+
+def rebind_optimizer(optimizer, before: dict, model) -> None:
+    """Point a caller's optimizer, built before the module swap, at the new parameters (in place)."""
+    moved = _moved(before, model)
+    for group in optimizer.param_groups:
+        for i, param in enumerate(group["params"]):
+            if id(param) in moved:
+                if optimizer.state.get(param):
+                    raise Fp8distError("the optimizer already holds state for parameters that the FP8 backend "
+                                       "replaces; pass a fresh optimizer (or none) to fp8dist's initialize")
+                group["params"][i] = moved[id(param)]

@@ -100,7 +100,7 @@ def _zero_section(spec: Spec) -> dict[str, Any]:
 
 def _msamp_section(spec: Spec, version, origin, issues) -> dict[str, Any]:
     level = spec.fp8.msamp.opt_level
-    ok, reason = compat.msamp_supports_deepspeed(version)
+    ok, reason = compat.msamp_supports_deepspeed(version, compat.installed_msamp())
     if not ok:
         issues.append(Issue("precision.fp8.msamp.opt_level", f"MS-AMP {level} runs through msamp.deepspeed.initialize, "
                             f"which needs an older DeepSpeed: {reason}; target DeepSpeed {compat.fmt(version)} is "

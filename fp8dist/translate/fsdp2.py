@@ -68,10 +68,9 @@ def float8_plan(spec: Spec) -> dict[str, Any] | None:
         return None
     modules = {"exclude": list(fp8.modules.exclude), "skip_first_last": fp8.modules.skip_first_last}
     if fp8.backend == "te":
-        te = {k: v for k, v in _te_fields(spec).items() if v is not None}
-        return {"backend": "te", "recipe": fp8.te.recipe, "recipe_fields": te,
+        return {"backend": "te", "recipe": fp8.te.recipe, "recipe_fields": te_recipe_fields(spec),
                 "swap": ["nn.Linear -> te.Linear"] + (["nn.LayerNorm -> te.LayerNorm"] if fp8.te.swap_layernorm else []),
-                "module_filter": modules}
+                "module_filter": {**modules, "require_dims_multiple_of": compat.TE_RECIPE_DIM_MULTIPLE[fp8.te.recipe]}}
     ao = fp8.torchao
     all_gather = ao.enable_fsdp_float8_all_gather
     if all_gather == "auto":
@@ -93,8 +92,9 @@ def float8_plan(spec: Spec) -> dict[str, Any] | None:
     }
 
 
-def _te_fields(spec: Spec) -> dict[str, Any]:
+def te_recipe_fields(spec: Spec) -> dict[str, Any]:
+    """The TE recipe knobs the user set (upstream names); unset ones fall through to TE's own defaults."""
     te = spec.fp8.te
     names = ("fp8_format", "margin", "amax_history_len", "amax_compute_algo", "reduce_amax", "use_power_2_scales",
              "enable_2d_quantization", "fp8_dpa", "fp8_mha")
-    return {name: getattr(te, name) for name in names}
+    return {name: getattr(te, name) for name in names if getattr(te, name) is not None}

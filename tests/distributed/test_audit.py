@@ -1,5 +1,6 @@
 """`fp8dist audit` on real models with real FSDP2 / DeepSpeed on gloo: the documented rows reproduce,
 float8 shows up where it should, and the audit fails when a model or optimizer lies."""
+import importlib.util
 import json
 
 import pytest
@@ -73,9 +74,14 @@ def test_audit_of_local_hf_directories(tmp_path, arch):
     assert "**PASS**" in result.stdout
 
 
+@pytest.mark.skipif(any(importlib.util.find_spec(m) for m in ("transformer_engine", "msamp")),
+                    reason="Transformer Engine or MS-AMP is installed here")
 def test_audit_environment_errors_exit_2():
     result = audit("tiny-llama", "te", nproc=1, fmt="table")
     assert result.returncode == 2 and "Transformer Engine is not installed" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    result = audit("tiny-llama", "msamp-o2", nproc=1, fmt="json")
+    assert result.returncode == 2 and "MS-AMP is not installed" in result.stderr and "needs a CUDA GPU" in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
     result = run_cli("audit", "no-such-model")
     assert result.returncode == 2 and "unknown MODEL" in result.stderr and "Traceback" not in result.stderr

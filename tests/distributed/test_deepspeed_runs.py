@@ -27,7 +27,18 @@ def test_torchao_float8_zero3_under_deepspeed():
     assert all(math.isfinite(v) for v in losses(result.stdout))
 
 
-def test_msamp_refused_cleanly_on_this_deepspeed():
-    result = deepspeed(TRAIN, "--fp8dist-config", ROOT / "configs" / "msamp-o3.yaml", timeout=200)
-    assert result.returncode != 0
-    assert "MS-AMP" in result.stderr and "0.12.4-0.17.4" in result.stderr and "Traceback" not in result.stderr
+@pytest.mark.parametrize("config,needs", [
+    ("msamp-o3", ["MS-AMP is not installed", "0.12.4-0.17.4", "needs a CUDA GPU", "fix: run on a CUDA GPU machine"]),
+    ("deepspeed-te", ["Transformer Engine is not installed", "fix: on a CUDA machine"]),
+])
+def test_gpu_only_backends_refused_cleanly_here(config, needs):
+    """Where the library cannot exist (no CUDA): exit 2, every missing piece named, where it runs, no traceback."""
+    import importlib.util
+
+    if importlib.util.find_spec("msamp" if config.startswith("msamp") else "transformer_engine"):
+        pytest.skip("the library is installed here")
+    result = deepspeed(TRAIN, "--fp8dist-config", ROOT / "configs" / f"{config}.yaml", timeout=200)
+    assert result.returncode == 2, describe(result)
+    for fragment in needs:
+        assert fragment in result.stderr, describe(result)
+    assert "Traceback" not in result.stderr and "step 1 loss" not in result.stdout

@@ -1,7 +1,7 @@
 """The expected rows derived from a spec reproduce the documented tables (schemas/dtype_tables.json)."""
 import pytest
 
-from fp8dist.audit.expected import expected, normalize, tables
+from fp8dist.audit.expected import expected, implied_bytes_per_param, normalize, tables
 from fp8dist.config.load import load_config
 
 ROWS = [(name, row) for name, table in tables().items() for row in table["rows"]]
@@ -26,3 +26,17 @@ def test_normalize():
 def test_single_rank_has_no_communication_phase():
     spec = load_config({"precision": {"preset": "bf16"}})
     assert "communication" not in expected(spec, nproc=1) and "communication" in expected(spec, nproc=2)
+
+
+@pytest.mark.parametrize("values,total,optimizer", [
+    ({"precision": {"preset": "fp32"}}, 16, 8),                           # fp32 Adam: 4 + 4 + 8
+    ({"precision": {"preset": "bf16"}, "engine": "deepspeed"}, 16, 8),    # ZeRO paper: 2 + 4 + 2 + 8 (2+2+12)
+    ({"precision": {"preset": "bf16"}}, 16, 8),                           # FSDP2: the fp32 shards are the master
+    ({"precision": {"preset": "bf16-pure"}}, 8, 4),
+    ({"precision": {"preset": "msamp-o2"}}, 6, 3),                        # fp8 + fp16 moments
+    ({"precision": {"preset": "msamp-o3"}}, 7, 3),                        # fp8 weights, fp16 master
+    ({"precision": {"preset": "fp32"}, "optimizer": {"name": "sgd"}}, 8, 0),
+])
+def test_bytes_per_parameter_the_tables_imply(values, total, optimizer):
+    implied = implied_bytes_per_param(load_config(values))
+    assert sum(implied.values()) == total and implied["optimizer"] == optimizer, implied

@@ -42,6 +42,18 @@ def test_msamp_deepspeed_windows(ds, ok):
     assert compat.msamp_supports_deepspeed(ds)[0] is ok
 
 
+@pytest.mark.parametrize("ds,msamp,ok", [((0, 9, 2), (0, 3, 0), True), ((0, 13, 1), (0, 3, 0), False),
+                                         ((0, 13, 1), (0, 4, 0), True), ((0, 9, 2), (0, 4, 0), False),
+                                         ((0, 17, 4), (0, 4, 0), True), ((0, 13, 1), (0, 5, 0), False)])
+def test_msamp_window_follows_the_installed_msamp(ds, msamp, ok):
+    supported, reason = compat.msamp_supports_deepspeed(ds, msamp)
+    assert supported is ok, reason
+    if msamp == (0, 5, 0):
+        assert "not a release fp8dist knows" in reason
+    elif not ok:
+        assert f"installed MS-AMP {compat.fmt(msamp)}" in reason
+
+
 @pytest.mark.parametrize("recipe,cap,ok", [("tensorwise", (8, 9), True), ("tensorwise", (8, 0), False),
                                            ("rowwise", (8, 9), False), ("rowwise", (9, 0), True),
                                            ("rowwise_with_gw_hp", (10, 0), True), ("tensorwise", None, False)])
