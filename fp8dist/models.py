@@ -40,6 +40,12 @@ def tiny_llama_config():
     return _llama_config()
 
 
+def small_llama_config():
+    """~3.7M parameters: big enough that a CPU step is dominated by GEMMs, not Python (benchmarks)."""
+    return _llama_config(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=4)
+
+
 def tiny_config(arch: str):
     """Small configs for the architectures the tests exercise (built offline)."""
     if arch == "llama":
@@ -82,7 +88,7 @@ def _from_hf_config(config, dtype: str, seed: int) -> Any:
     return AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
 
 
-BUILTIN = {"tiny-llama": tiny_llama_config}
+BUILTIN = {"tiny-llama": tiny_llama_config, "small-llama": small_llama_config}
 
 
 def load_model(name: str, dtype: str, seed: int = 0) -> LoadedModel:

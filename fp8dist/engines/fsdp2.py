@@ -59,6 +59,11 @@ def wrap_units(model, spec: Spec) -> list[tuple[str, torch.nn.Module]]:
     return []
 
 
+def _float8_all_gather(plan: dict) -> bool:
+    float8 = plan.get("float8") or {}
+    return bool(float8.get("float8_linear_config", {}).get("enable_fsdp_float8_all_gather"))
+
+
 def prepare(model, spec: Spec, mesh=None, *, record_comm: bool = False, optimizer=None) -> FSDP2Run:
     """Make `model` an FSDP2 model with the precision of `spec`, and build its optimizer.
 
@@ -97,7 +102,8 @@ def prepare(model, spec: Spec, mesh=None, *, record_comm: bool = False, optimize
                 offload_policy=offload)
 
     record = CommRecord() if record_comm else None
-    if record is not None or dist.get_backend() == "gloo":
+    float8_on_gloo = dist.get_backend() == "gloo" and _float8_all_gather(plan)
+    if record is not None or float8_on_gloo:  # the default collective is kept wherever it can carry the bytes
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_custom_all_gather(ByteViewAllGather(record))

@@ -1,0 +1,44 @@
+"""The benchmark harness (benchmarks/run.py, _common.py): it reads every script's `result` lines and judges
+them against their goals. The measurements themselves are not tests (benchmarks/README.md)."""
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _common import parse_results  # noqa: E402
+
+
+def test_result_lines_are_collected_and_judged():
+    text = """noise before
+result overhead_fsdp2_bf16=1.0132 goal=<=1.02 median step time fp8dist / by hand
+result allgather=0.5009 goal=<=0.5
+result cli=0.3000 goal=<=0.25 slow start
+result bytes_per_param_fp32=1.0050 goal==1 measured 16.08 / implied 16
+result bytes_per_param_bf16=0.9800 goal==1
+result gap=0.0041 goal=>=0.01
+result noise=0.9977 goal=info A/A
+not a result=1 goal=<=2"""
+    got = {r.name: (r.value, r.verdict(), r.label) for r in parse_results(text)}
+    assert got == {
+        "overhead_fsdp2_bf16": (1.0132, "meets", "median step time fp8dist / by hand"),
+        "allgather": (0.5009, "MISSES", ""),
+        "cli": (0.3, "MISSES", "slow start"),
+        "bytes_per_param_fp32": (1.005, "meets", "measured 16.08 / implied 16"),  # within 1%
+        "bytes_per_param_bf16": (0.98, "MISSES", ""),
+        "gap": (0.0041, "MISSES", ""),
+        "noise": (0.9977, "info", "A/A"),
+    }
+
+
+def test_gpu_throughput_refuses_cleanly_without_an_fp8_gpu():
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= (8, 9):
+        pytest.skip("an FP8 GPU is present: the script would run for real")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_throughput.py")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "refusing" in done.stderr and "fix:" in done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
