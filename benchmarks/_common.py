@@ -30,10 +30,10 @@ def cpu_env() -> dict[str, str]:
             "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
 
 
-def relaunch(script: str, nproc: int = 2, args: list[str] | None = None) -> int:
-    """Run `script` under torchrun on CPU/gloo."""
+def relaunch(script: str, nproc: int = 2, args: list[str] | None = None, env: dict[str, str] | None = None) -> int:
+    """Run `script` under torchrun (default environment: CPU/gloo, `cpu_env`)."""
     return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                            str(nproc), script, *(args or [])], env=cpu_env())
+                            str(nproc), script, *(args or [])], env=env or cpu_env())
 
 
 def median(values: list[float]) -> float:

@@ -25,7 +25,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ROOT, quiet_libraries, result, under_torchrun  # noqa: E402
+from _common import ROOT, quiet_libraries, relaunch, result, under_torchrun  # noqa: E402
 
 TRAIN = {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
 CASES = {
@@ -50,15 +50,22 @@ def gpu_problem() -> str | None:
         return "torch is not installed"
     if not torch.cuda.is_available():
         return "no CUDA GPU is visible (this benchmark measures real FP8 GEMMs: H100/H200, SM 8.9+)"
+    from fp8dist import compat
+
     capability = torch.cuda.get_device_capability(0)
-    if capability < (8, 9):
-        return f"{torch.cuda.get_device_name(0)} has compute capability {capability[0]}.{capability[1]}; FP8 needs 8.9+"
+    ok, why = compat.torchao_fp8_hardware("tensorwise", capability)
+    if not ok:
+        return f"{torch.cuda.get_device_name(0)}: {why}"
     return None
 
 
 def skip_reason(name: str, capability) -> str | None:
-    if name == "float8 rowwise" and capability < (9, 0):
-        return "rowwise scaling needs SM 9.0"
+    from fp8dist import compat
+
+    if name == "float8 rowwise":
+        ok, why = compat.torchao_fp8_hardware("rowwise", capability)
+        if not ok:
+            return why
     if name.startswith("te ") and importlib.util.find_spec("transformer_engine") is None:
         return "Transformer Engine is not installed"
     return None
@@ -157,13 +164,10 @@ def main() -> int:
         print(f"gpu_throughput.py: refusing: {problem}.\n  fix: run it on an H100/H200 node "
               "(python benchmarks/gpu_throughput.py); the CPU benchmarks are in benchmarks/run.py", file=sys.stderr)
         return 2
-    import subprocess
-
     import torch
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                            str(torch.cuda.device_count()), os.path.abspath(__file__), *sys.argv[1:]], env=env)
+    return relaunch(os.path.abspath(__file__), torch.cuda.device_count(), sys.argv[1:], env)
 
 
 if __name__ == "__main__":

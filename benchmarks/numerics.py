@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import ROOT, cpu_env, result  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+from tests.distributed.launch import losses as train_losses  # noqa: E402  (parses launch/train.py's lines)
 
 RUNS = {"bf16": "fsdp2-bf16", "float8 tensorwise": "fsdp2-torchao-float8", "float8 rowwise": "fsdp2-torchao-rowwise"}
 
@@ -28,7 +30,7 @@ def losses(config: str, steps: int) -> list[float]:
                str(ROOT / "launch" / "train.py"), "--fp8dist-config", str(ROOT / "configs" / f"{config}.yaml"),
                "--steps", str(steps)]
     done = subprocess.run(command, capture_output=True, text=True, env=cpu_env(), cwd=ROOT)
-    values = [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", done.stdout, flags=re.M)]
+    values = train_losses(done.stdout)
     if done.returncode != 0 or len(values) != steps:
         raise SystemExit(f"{config}: exit {done.returncode}, {len(values)} losses\n{done.stderr[-3000:]}")
     return values

@@ -154,8 +154,16 @@ MSAMP_DEEPSPEED_WINDOWS = (
 )
 MSAMP_TESTED_DEEPSPEED = ((0, 9, 2), (0, 13, 1))
 MSAMP_DISTRIBUTION = "ms-amp"  # pyproject name "MS-AMP"; set only by a source install (not on PyPI)
-# Last MS-AMP release (2024-02-26); main has three commits since, none about DeepSpeed.
-NEWEST_KNOWN_MSAMP = (0, 4, 0)
+# The last release, the DeepSpeed it pins, and its image (Azure/MS-AMP v0.4.0 pyproject.toml,
+# docs/user-tutorial/container-images.mdx).
+MSAMP_RELEASE, MSAMP_RELEASE_DEEPSPEED = (0, 4, 0), (0, 13, 1)
+MSAMP_IMAGE = "ghcr.io/azure/msamp:v0.4.0-cuda12.2"
+
+
+def msamp_install_hint() -> str:
+    """Where MS-AMP runs, for messages: not on PyPI; the release, its DeepSpeed pin, the image."""
+    return (f"not on PyPI: install it from source (github.com/Azure/MS-AMP, v{fmt(MSAMP_RELEASE)}) or "
+            f"run in the {MSAMP_IMAGE} image, on a CUDA GPU with deepspeed {fmt(MSAMP_RELEASE_DEEPSPEED)}")
 
 
 def installed_msamp() -> Version | None:
@@ -168,7 +176,7 @@ def msamp_supports_deepspeed(ds: Version, msamp: Version | None = None) -> tuple
     windows = [w for w in MSAMP_DEEPSPEED_WINDOWS if msamp is None or w[1] <= msamp <= w[2]]
     if not windows:
         return False, (f"MS-AMP {fmt(msamp)} is not a release fp8dist knows (newest known: "
-                       f"{fmt(NEWEST_KNOWN_MSAMP)}); its DeepSpeed range is unknown")
+                       f"{fmt(MSAMP_RELEASE)}, 2024-02-26); its DeepSpeed range is unknown")
     for label, _, _, low, high in windows:
         if low <= ds <= high:
             tested = " (the pinned, tested version)" if ds in MSAMP_TESTED_DEEPSPEED else \

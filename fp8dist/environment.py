@@ -64,8 +64,7 @@ def backend_status(versions: dict[str, str | None], device: dict[str, Any]) -> d
         out["transformer_engine"] = {"usable": ok, "reason": why}
 
     if not versions.get("msamp"):
-        why = ("not installed: MS-AMP is not on PyPI; install from source or use the ghcr.io/azure/msamp images "
-               "(CUDA GPU, deepspeed 0.13.1)")
+        why = f"not installed, and {compat.msamp_install_hint()}"
         if versions.get("deepspeed"):
             fits, window = compat.msamp_supports_deepspeed(compat.parse_version(versions["deepspeed"]))
             why += "" if fits else f"; and {window}"

@@ -22,11 +22,10 @@ from fp8dist.backends.base import PrecisionBackend
 from fp8dist.backends.module_filter import Decision, decide, linear_infos
 from fp8dist.errors import Fp8distError, UnsupportedEnvironment
 
-NOT_INSTALLED = ("MS-AMP is not installed. It is not on PyPI: install it from source "
-                 "(github.com/Azure/MS-AMP, v0.4.0) or run in the ghcr.io/azure/msamp:v0.4.0-cuda12.2 image, on a "
-                 "CUDA GPU with deepspeed 0.13.1")
-WHERE_IT_RUNS = ("run on a CUDA GPU machine with MS-AMP 0.4 and deepspeed 0.13.1 (the ghcr.io/azure/msamp:v0.4.0 "
-                 "images); on this machine use precision.fp8.backend=torchao (with emulate=true on a CPU)")
+NOT_INSTALLED = f"MS-AMP is not installed, and {compat.msamp_install_hint()}"
+WHERE_IT_RUNS = (f"run on a CUDA GPU machine with MS-AMP {compat.fmt(compat.MSAMP_RELEASE)} and deepspeed "
+                 f"{compat.fmt(compat.MSAMP_RELEASE_DEEPSPEED)} ({compat.MSAMP_IMAGE}); on this machine use "
+                 "precision.fp8.backend=torchao (with emulate=true on a CPU)")
 # LinearReplacer._replace leaves an nn.Linear alone when this attribute is true (msamp/nn/linear.py).
 KEEP_LINEAR_FLAG = "use_fp32_linear"
 
@@ -98,9 +97,11 @@ class MSAMP(PrecisionBackend):
         import torch
 
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            raise Fp8distError(f"msamp.initialize accepts torch.optim.Adam/AdamW only, got {type(optimizer).__name__}")
+            raise Fp8distError(f"msamp.initialize accepts torch.optim.Adam/AdamW only, got {type(optimizer).__name__}"
+                               "\n  fix: pass a torch.optim.AdamW (or Adam), or none: fp8dist builds optimizer.name")
         if any(group.get("amsgrad") for group in optimizer.param_groups):
-            raise Fp8distError("MS-AMP's low-bit Adam supports amsgrad=False only")
+            raise Fp8distError("MS-AMP's low-bit Adam supports amsgrad=False only (msamp/optim/adamw.py)"
+                               "\n  fix: create the optimizer with amsgrad=False")
         for key in compat.MSAMP_REJECTED_OPTIMIZER_DEFAULTS:
             optimizer.defaults.pop(key, None)
         return isinstance(optimizer, torch.optim.AdamW) and issubclass(torch.optim.AdamW, torch.optim.Adam)
@@ -115,7 +116,9 @@ class MSAMP(PrecisionBackend):
         """Engine-less O1/O2: msamp.initialize(model, optimizer, opt_level, use_te) -> (model, optimizer)."""
         level = self.spec.fp8.msamp.opt_level
         if level == "O3":
-            raise Fp8distError("MS-AMP O3 exists only inside DeepSpeed ZeRO 1/2: use engine=deepspeed")
+            raise Fp8distError("precision.fp8.msamp.opt_level=O3: O3 exists only inside DeepSpeed ZeRO 1/2, "
+                               "msamp.initialize rejects it\n  fix: use fp8dist.engines.deepspeed.initialize "
+                               "(engine=deepspeed), or opt_level=O2")
         restore = self.prepare_optimizer(optimizer)
         msamp = _import_msamp()
         model, low_bit = msamp.initialize(model, optimizer, opt_level=level, use_te=self.spec.fp8.msamp.use_te)

@@ -105,7 +105,8 @@ def _msamp_section(spec: Spec, version, origin, issues) -> dict[str, Any]:
         issues.append(Issue("precision.fp8.msamp.opt_level", f"MS-AMP {level} runs through msamp.deepspeed.initialize, "
                             f"which needs an older DeepSpeed: {reason}; target DeepSpeed {compat.fmt(version)} is "
                             f"{origin}", level,
-                            "translate for an MS-AMP environment with --deepspeed-version 0.13.1 (MS-AMP 0.4's pin), "
+                            f"translate for an MS-AMP environment with --deepspeed-version "
+                            f"{compat.fmt(compat.MSAMP_RELEASE_DEEPSPEED)} (MS-AMP {compat.fmt(compat.MSAMP_RELEASE)}'s pin), "
                             "or use backend=torchao or te on this DeepSpeed"))
     return {"enabled": True, "opt_level": level, "use_te": spec.fp8.msamp.use_te}
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from fp8dist import compat
 from tests.conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.gpu
@@ -20,7 +21,8 @@ def _cuda_capability():
 
 
 CAP = _cuda_capability()
-needs_fp8_gpu = pytest.mark.skipif(CAP is None or CAP < (8, 9), reason="needs an NVIDIA GPU with compute capability >= 8.9")
+needs_fp8_gpu = pytest.mark.skipif(CAP is None or CAP < compat.FP8_MIN_CAPABILITY,
+                                   reason="needs an NVIDIA GPU with compute capability >= 8.9")
 needs_te = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
                               reason="Transformer Engine not installed (needs CUDA to build)")
 needs_msamp = pytest.mark.skipif(importlib.util.find_spec("msamp") is None, reason="MS-AMP not installed (not on PyPI)")

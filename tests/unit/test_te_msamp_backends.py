@@ -218,9 +218,9 @@ def test_msamp_refuses_what_its_optimizers_cannot_do(fake_msamp):
 
 
 def test_msamp_deepspeed_initialize_uses_the_alias_and_restores_decay(fake_msamp):
-    import importlib
+    import fp8dist.backends.msamp as backend_module
+    import fp8dist.engines.deepspeed as engine_module
 
-    real_deepspeed = importlib.import_module("deepspeed")
     spec = msamp_spec("O3")
     model = torch.nn.Linear(16, 16)
     config = to_deepspeed(spec, "0.13.1")
@@ -229,7 +229,8 @@ def test_msamp_deepspeed_initialize_uses_the_alias_and_restores_decay(fake_msamp
     assert [c[0] for c in fake_msamp] == ["msamp.deepspeed.initialize", "msamp.initialize"]
     assert fake_msamp[0][1]["msamp"] == {"enabled": True, "opt_level": "O3", "use_te": False}
     assert engine.basic_optimizer.use_adam is False
-    assert sys.modules["deepspeed"] is real_deepspeed  # not shadowed by msamp.deepspeed
+    for module in (backend_module, engine_module):  # `from msamp import deepspeed` would bind it here (MS-AMP#183)
+        assert vars(module).get("deepspeed") is not sys.modules["msamp.deepspeed"], module.__name__
 
 
 def test_msamp_module_filter_reaches_msamp_through_its_flag():
@@ -263,7 +264,7 @@ def test_msamp_environment_error_lists_everything_missing_here():
     with pytest.raises(UnsupportedEnvironment) as info:
         MSAMP(msamp_spec()).check_environment({"cuda_available": False})
     text = str(info.value)
-    assert "MS-AMP is not installed. It is not on PyPI" in text and "needs a CUDA GPU" in text
+    assert "MS-AMP is not installed, and not on PyPI" in text and "needs a CUDA GPU" in text
     assert "fix: run on a CUDA GPU machine with MS-AMP 0.4" in text
     from fp8dist import compat
 
