@@ -77,9 +77,13 @@ def cmd_translate(args) -> int:
     from fp8dist.translate import TARGETS
 
     spec = load_config(args.config, overrides=args.overrides)
-    if args.deepspeed_version and args.to != "deepspeed":
-        raise Fp8distError("--deepspeed-version applies to --to deepspeed only")
-    document = TARGETS[args.to](spec, deepspeed_version=args.deepspeed_version)
+    versions = {"deepspeed": ("--deepspeed-version", "deepspeed_version", args.deepspeed_version),
+                "fsdp2": ("--torchao-version", "torchao_version", args.torchao_version)}
+    for target, (flag, _, value) in versions.items():
+        if value and args.to != target:
+            raise Fp8distError(f"{flag} applies to --to {target} only")
+    _, keyword, value = versions[args.to]
+    document = TARGETS[args.to](spec, **{keyword: value})
     text = _dump(document)
     if args.output:
         write_atomic(args.output, text)
@@ -139,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", choices=["deepspeed", "fsdp2"], required=True)
     p.add_argument("-o", "--output", help="write to this file (atomically) instead of stdout")
     p.add_argument("--deepspeed-version", help="target DeepSpeed version (default: installed, else newest known)")
+    p.add_argument("--torchao-version", help="target torchao version for --to fsdp2 (default: installed, else newest known)")
     p.set_defaults(func=cmd_translate)
 
     p = sub.add_parser("schema", help="print the JSON Schema of the config")
@@ -157,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["table", "json", "markdown"], default="table")
     p.add_argument("--nproc", type=int, default=1, help="processes (2+ observes communication)")
     p.add_argument("--steps", type=int, default=2, help="training steps to observe")
+    p.add_argument("--timeout", type=float, default=600, help="seconds the audit run may take before it is stopped "
+                   "(default 600)")
     p.set_defaults(func=cmd_audit)
     return parser
 

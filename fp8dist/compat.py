@@ -37,6 +37,12 @@ def installed_version(distribution: str) -> str | None:
 # --- PyTorch / FSDP2 -------------------------------------------------------------------------
 # fully_shard is public at torch.distributed.fsdp from torch 2.6 (pytorch#141868).
 TORCH_FSDP2_PUBLIC = (2, 6, 0)
+# FSDPModule.set_custom_all_gather / set_custom_reduce_scatter (DefaultAllGather, DefaultReduceScatter in
+# _fully_shard/_fsdp_collectives.py) first ship in torch 2.9.0 (pytorch#155189; absent from the 2.8 API docs).
+# fp8dist needs them for float8 all-gather over gloo and the audit's FSDP2 collective record.
+TORCH_FSDP2_CUSTOM_COLLECTIVES = (2, 9, 0)
+# The lowest torch fp8dist runs on: pyproject.toml's `torch>=` (tests/unit/test_compat.py keeps them equal).
+TORCH_FLOOR = TORCH_FSDP2_CUSTOM_COLLECTIVES
 # Axolotl refuses FP8 + FSDP2 below torch 2.7 (axolotl src/axolotl/utils/config.py check_fsdp_torch_version).
 TORCH_FSDP2_FP8_RECOMMENDED = (2, 7, 0)
 
@@ -112,6 +118,16 @@ def torchao_force_recompute(torchao_version: Version, requested: object,
                           f"(pytorch/ao#936)")
         return False, "off: only useful with float8 all-gather"
     return bool(requested), f"as configured (torchao {version} honours it)"
+
+
+# torchao.optim.AdamWFp8 steps FSDP2's DTensor shards through a torch.compile'd kernel that fails on CPU
+# ("AttributeError: 'OptimStateFp8' object has no attribute 'qmap'"); on plain CPU tensors it works, and
+# AdamW8bit works on both. Measured with torch 2.13.0+cpu and torchao 0.18.0 (2026-11-22, tests/option_matrix.py).
+def torchao_fp8_states_on_fsdp2(cuda_available: bool) -> tuple[bool, str]:
+    if cuda_available:
+        return True, "CUDA is available"
+    return False, ("torchao's AdamWFp8 fails on FSDP2's CPU shards (its compiled step raises AttributeError "
+                   "'OptimStateFp8' object has no attribute 'qmap'; torch 2.13, torchao 0.18)")
 
 
 # --- DeepSpeed -------------------------------------------------------------------------------

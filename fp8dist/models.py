@@ -91,25 +91,33 @@ def _from_hf_config(config, dtype: str, seed: int) -> Any:
 BUILTIN = {"tiny-llama": tiny_llama_config, "small-llama": small_llama_config}
 
 
+def check_model_name(name: str) -> None:
+    """Refuse a MODEL that names nothing fp8dist can build or load (cheap: no torch import)."""
+    if name in BUILTIN or ":" in name:
+        return
+    if Path(name).is_dir():
+        if not (Path(name) / "config.json").exists():
+            raise Fp8distError(f"{name} has no config.json: not a Hugging Face model directory")
+        return
+    raise Fp8distError(f"unknown MODEL {name!r}: use a built-in name ({', '.join(BUILTIN)}), a local Hugging Face "
+                       "model directory, or package.module:factory")
+
+
 def load_model(name: str, dtype: str, seed: int = 0) -> LoadedModel:
     """Build or load MODEL in the load dtype. No network access ever."""
+    check_model_name(name)
     if name in BUILTIN:
         config = BUILTIN[name]()
         return LoadedModel(_from_hf_config(config, dtype, seed), causal_lm_batch(config.vocab_size), name)
     if Path(name).is_dir():
         return _load_local_hf(Path(name), dtype)
-    if ":" in name:
-        return _load_factory(name, dtype, seed)
-    raise Fp8distError(f"unknown MODEL {name!r}: use a built-in name ({', '.join(BUILTIN)}), a local Hugging Face "
-                       "model directory, or package.module:factory")
+    return _load_factory(name, dtype, seed)
 
 
 def _load_local_hf(path: Path, dtype: str) -> LoadedModel:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if not (path / "config.json").exists():
-        raise Fp8distError(f"{path} has no config.json: not a Hugging Face model directory")
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch_dtype(dtype))

@@ -39,18 +39,35 @@ def batches_for(loaded, spec, step: int, rank: int):
             for i in range(t.gradient_accumulation_steps)]
 
 
-def run_deepspeed(spec, loaded, steps, on_step, checkpoint_dir):
-    import deepspeed
+def init_distributed(engine: str) -> None:
+    """One process group per job: DeepSpeed's init (gloo on its CPU accelerator) or torch's (nccl/gloo)."""
+    import torch
+    import torch.distributed as dist
 
+    if dist.is_initialized():
+        return
+    if engine == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed()
+        return
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def run_deepspeed(spec, loaded, steps, on_step, checkpoint_dir):
     from fp8dist.engines.deepspeed import initialize, train_step
 
     if checkpoint_dir:
         raise Fp8distError("--checkpoint-dir is for engine=fsdp2; use engine.save_checkpoint with DeepSpeed")
-    deepspeed.init_distributed()
     engine, _, _, _ = initialize(loaded.model, spec)
     for step in range(steps):
-        on_step(step, train_step(engine, batches_for(loaded, spec, step, engine.global_rank)))
-    _shutdown()
+        skipped_before = engine.skipped_steps
+        loss = train_step(engine, batches_for(loaded, spec, step, engine.global_rank))
+        note = "skipped by DeepSpeed (overflow)" if engine.skipped_steps > skipped_before else None
+        on_step(step, loss, note)
 
 
 def run_fsdp2(spec, loaded, steps, on_step, checkpoint_dir):
@@ -60,24 +77,31 @@ def run_fsdp2(spec, loaded, steps, on_step, checkpoint_dir):
     from fp8dist.engines.fsdp2 import prepare, train_step
 
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         loaded.model.to("cuda")
     run = prepare(loaded.model, spec)
     for step in range(steps):
         batches = batches_for(loaded, spec, step, dist.get_rank())
         if cuda:
             batches = [{k: v.cuda() for k, v in b.items()} for b in batches]
-        on_step(step, train_step(run, batches, spec.train.gradient_clipping))
+        loss = train_step(run, batches, spec.train.gradient_clipping)
+        outcome = run.last_step
+        note = (f"skipped on every rank (non-finite gradients; loss scale {outcome.scale_before:g} -> "
+                f"{outcome.scale_after:g})") if outcome is not None and outcome.skipped else None
+        on_step(step, loss, note)
     if checkpoint_dir:
         from fp8dist.engines.checkpoint import save
 
         save(run, checkpoint_dir)
-    _shutdown()
 
 
-def _shutdown():
+def train(spec, loaded, steps, on_step, checkpoint_dir=None) -> None:
+    """Run `steps` optimizer steps of `loaded` under `spec` (the process group is already initialised)."""
+    runner = run_deepspeed if spec.engine == "deepspeed" else run_fsdp2
+    runner(spec, loaded, steps, on_step, checkpoint_dir)
+
+
+def shutdown():
     """Leave together: a rank that tears gloo down while its peer still talks aborts the job."""
     import torch.distributed as dist
 
@@ -90,18 +114,24 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     losses: list[float] = []
 
-    def on_step(step, loss):
+    def on_step(step, loss, note=None):
         losses.append(loss)
         if rank == 0:
             print(f"step {step + 1} loss {loss:.4f}", flush=True)
+            if note:
+                print(f"step {step + 1} {note}", flush=True)
 
     try:
         spec = fp8dist.spec_from_args(args)
+        from fp8dist.engines.preflight import preflight
         from fp8dist.models import load_model
 
+        preflight(spec)
+
         loaded = load_model(args.model, spec.precision.load_dtype, seed=spec.train.seed)
-        runner = run_deepspeed if spec.engine == "deepspeed" else run_fsdp2
-        runner(spec, loaded, args.steps or spec.train.steps, on_step, args.checkpoint_dir)
+        init_distributed(spec.engine)
+        train(spec, loaded, args.steps or spec.train.steps, on_step, args.checkpoint_dir)
+        shutdown()
     except Fp8distError as exc:
         print(f"train.py: {exc}", file=sys.stderr)
         return 2

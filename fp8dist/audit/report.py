@@ -7,17 +7,20 @@ from fp8dist.audit.expected import expected, normalize
 from fp8dist.config.spec import Spec
 
 
+OK, MISMATCH, NOT_MEASURED = "ok", "MISMATCH", "NOT MEASURED"
+
+
 def build(spec: Spec, model: str, observed: dict[str, Any], nproc: int) -> dict[str, Any]:
+    """One check per phase. A row is `ok` only when it was measured and matches: a value read from a
+    setting, or no probe result at all, is NOT MEASURED and keeps the verdict from PASS."""
     checks = []
     for phase, (want, why) in expected(spec, nproc).items():
-        got = observed.get(phase)
-        if got is None:
-            checks.append({"phase": phase, "expected": want, "observed": "not observed", "ok": False,
-                           "why": why, "detail": "no probe result for this phase", "measured": False})
-            continue
-        ok = normalize(got["observed"]) == normalize(want)
-        checks.append({"phase": phase, "expected": want, "observed": got["observed"], "ok": ok, "why": why,
-                       "detail": got["detail"], "measured": got["measured"]})
+        got = observed.get(phase) or {"observed": "not observed", "detail": "no probe result for this phase",
+                                      "measured": False}
+        matches = normalize(got["observed"]) == normalize(want)
+        status = NOT_MEASURED if not got["measured"] else (OK if matches else MISMATCH)
+        checks.append({"phase": phase, "expected": want, "observed": got["observed"], "ok": status == OK,
+                       "status": status, "why": why, "detail": got["detail"], "measured": got["measured"]})
     per_param = {k: round(v, 2) for k, v in observed.get("_bytes", {}).items()}
     return {"passed": all(c["ok"] for c in checks), "model": model, "engine": spec.engine,
             "config": spec.source, "preset": spec.precision.preset, "nproc": nproc, "checks": checks,
@@ -30,13 +33,15 @@ def table(result: dict[str, Any]) -> str:
             f"{'es' if result['nproc'] > 1 else ''}), config {result['config']}"
             + (f", preset {result['preset']}" if result["preset"] else ""))
     rows = [("phase", "expected", "observed", ""), ("-----", "--------", "--------", "")]
-    rows += [(c["phase"], c["expected"], c["observed"], "ok" if c["ok"] else "MISMATCH") for c in result["checks"]]
+    rows += [(c["phase"], c["expected"], c["observed"], c["status"]) for c in result["checks"]]
     widths = [max(len(str(r[i])) for r in rows) for i in range(3)]
     lines = [head, ""] + ["  ".join(str(r[i]).ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in rows]
     for c in result["checks"]:
-        if not c["ok"]:
+        if c["status"] == MISMATCH:
             lines.append(f"  ! {c['phase']}: expected {c['expected']} ({c['why']}), observed {c['observed']}: "
                          f"{c['detail']}")
+        elif c["status"] == NOT_MEASURED:
+            lines.append(f"  ? {c['phase']}: not measured ({c['detail']}); it cannot count as a match")
     if result["bytes_per_param"]:
         lines.append("")
         lines.append("bytes per parameter: " + ", ".join(f"{k} {v}" for k, v in result["bytes_per_param"].items()))
@@ -46,18 +51,27 @@ def table(result: dict[str, Any]) -> str:
                      ("; ".join(f"{m['fqn']} ({m['reason']})" for m in result["fp8_modules"] if not m["convert"])
                       or "none"))
     lines.append("")
-    lines.append("PASS: every observed dtype matches the documented table" if result["passed"]
-                 else "FAIL: see MISMATCH rows")
+    lines.append(verdict(result))
     return "\n".join(lines) + "\n"
+
+
+def verdict(result: dict[str, Any]) -> str:
+    statuses = {c["status"] for c in result["checks"]}
+    if result["passed"]:
+        return "PASS: every phase was measured and matches the documented table"
+    if MISMATCH in statuses:
+        return "FAIL: see MISMATCH rows"
+    return "FAIL: no mismatch, but some phases were NOT MEASURED, so the audit cannot say PASS"
 
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"**fp8dist audit** `{result['model']}` on `{result['engine']}`, {result['nproc']} process(es), "
              f"config `{result['config']}`: **{'PASS' if result['passed'] else 'FAIL'}**", "",
              "| phase | expected | observed | ok | detail |", "|---|---|---|---|---|"]
+    marks = {OK: "yes", MISMATCH: "**no**", NOT_MEASURED: "**not measured**"}
     for c in result["checks"]:
         detail = c["detail"].replace("|", "/")
-        lines.append(f"| {c['phase']} | {c['expected']} | {c['observed']} | {'yes' if c['ok'] else '**no**'} | {detail} |")
+        lines.append(f"| {c['phase']} | {c['expected']} | {c['observed']} | {marks[c['status']]} | {detail} |")
     if result["bytes_per_param"]:
         lines += ["", "Bytes per parameter: " + ", ".join(f"{k} {v}" for k, v in result["bytes_per_param"].items())]
     return "\n".join(lines) + "\n"

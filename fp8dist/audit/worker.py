@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from fp8dist.audit import probes
 from fp8dist.audit.formats import is_scaling_tensor, is_tensor_like
+from fp8dist.audit.wire import REDUCTIONS, WireRecorder
 from fp8dist.config.load import load_config
 from fp8dist.errors import Fp8distError
 from fp8dist.models import forward_loss, load_model
@@ -115,28 +116,31 @@ def run_deepspeed(spec, loaded, steps, nproc, out):
         out["master_weights"] = _obs("n/a", "no separate master copy")
     batch = {k: v.to(engine.device) for k, v in
              loaded.make_batch(spec.train.micro_batch_size, spec.train.seq_len, seed=dist.get_rank()).items()}
-    recorder = probes.MatmulRecorder()
-    with recorder:
-        with engine.fp8dist_backend.forward_context():
-            loss = forward_loss(engine, batch)
-        engine.backward(loss)
-    attr, grads = _first_attr(inner, DS_GRADS)
-    if spec.fp8.backend == "msamp":
-        attr, grads = "FP8 weights' .grad", [p.grad for p in scope if p.grad is not None]
-    if not grads:
-        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-        attr = "param.grad"
-    if grads:
-        value, counts = probes.summarize(grads)
-        out["weight_gradients"] = _obs(value, f"{attr}: {counts}")
-    else:
-        out["weight_gradients"] = _obs(probes.short(engine.get_data_types()[1]), "engine.get_data_types()", False)
-    engine.step()
+    recorder, wire = probes.MatmulRecorder(), WireRecorder()
+    with wire:
+        with recorder:
+            with engine.fp8dist_backend.forward_context():
+                loss = forward_loss(engine, batch)
+            engine.backward(loss)
+        attr, grads = _first_attr(inner, DS_GRADS)
+        if spec.fp8.backend == "msamp":
+            attr, grads = "FP8 weights' .grad", [p.grad for p in scope if p.grad is not None]
+        if not grads:
+            grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+            attr = "param.grad"
+        if grads:
+            value, counts = probes.summarize(grads)
+            out["weight_gradients"] = _obs(value, f"{attr}: {counts}")
+        else:
+            out["weight_gradients"] = _obs(probes.short(engine.get_data_types()[1]), "engine.get_data_types()", False)
+        engine.step()
+    if nproc > 1:
+        reduced = wire.dtypes(REDUCTIONS)
+        out["communication"] = _obs("+".join(reduced) or "none",
+                                    f"gradient reductions captured on the wire (scalars left out): {wire.as_dict()}")
+        out["_comm"] = wire.as_dict()
     for _ in range(max(steps - 1, 0)):
         train_step(engine, [batch])
-    if nproc > 1:
-        out["communication"] = _obs(probes.short(engine.communication_data_type),
-                                    "engine.communication_data_type (DeepSpeed's setting, not a wire capture)", False)
     covered = sum(t.numel() for t in (master or params))
     out["_bytes"] = {"weights": probes.nbytes(params) / sum(t.numel() for t in params)}
     if master:

@@ -31,6 +31,12 @@ def weight_dtype(doc: Doc) -> str:
     return p["load_dtype"] if p["master_weights"] == "none" else p["master_weights"]
 
 
+def compute_dtype(doc: Doc) -> str:
+    """dtype of the non-FP8 ops (PrecisionSpec.compute_dtype on a plain dict)."""
+    p = doc["precision"]
+    return p["mixed_precision"] if p["mixed_precision"] != "none" else weight_dtype(doc)
+
+
 def effective_state_dtype(doc: Doc) -> str:
     """optimizer.state_dtype with `auto` resolved (MS-AMP O2/O3: fp8 first moment + fp16 second)."""
     state = doc["optimizer"]["state_dtype"]
@@ -68,6 +74,24 @@ def _explicit_block_matches_backend(doc, explicit):
             issues.append(Issue(f"precision.fp8.{block}", f"these settings do nothing with backend "
                                 f"'{fp8['backend']}'", fix=f"set precision.fp8.backend={block}, or remove the block"))
     return issues
+
+
+@rule
+def _loss_scaling(doc, explicit):
+    written = (explicit.get("precision") or {}).get("loss_scaling")
+    if not written:
+        return []
+    p = doc["precision"]
+    if compute_dtype(doc) != "fp16":
+        return [Issue("precision.loss_scaling", f"loss scaling acts only on fp16 compute; the compute dtype here is "
+                      f"{compute_dtype(doc)}, so these settings would do nothing", written,
+                      "remove precision.loss_scaling, or set precision.mixed_precision=fp16")]
+    if doc["engine"] == "deepspeed" and p["mixed_precision"] == "fp16" and p["master_weights"] == "none":
+        return [Issue("precision.loss_scaling", "fp16 compute on fp32 weights maps to DeepSpeed's torch_autocast, "
+                      "whose torch.amp.GradScaler keeps its own defaults and never reads these settings "
+                      "(deepspeed/runtime/engine.py, 0.19.8)", written,
+                      "remove precision.loss_scaling, or set precision.master_weights=fp32 (DeepSpeed fp16 section)")]
+    return []
 
 
 @rule
@@ -194,6 +218,10 @@ def _deepspeed(doc, _):
             issues.append(Issue("precision.master_weights", f"DeepSpeed keeps {master} master weights with fp32 "
                                 "optimizer states only under ZeRO-Offload (DeepSpeedCPUAdam)", master,
                                 "set deepspeed.offload_optimizer=cpu, or optimizer.state_dtype=bf16 with bf16 masters"))
+        if needs_offload and doc["optimizer"]["name"] == "sgd":
+            issues.append(Issue("optimizer.name", f"DeepSpeed steps {master} master weights only with "
+                                "DeepSpeedCPUAdam (stage_1_and_2.py _enforce_cpu_offload), an Adam", "sgd",
+                                "set optimizer.name=adamw, or use fp32 master weights with SGD"))
     if state == "bf16" and master != "bf16":
         issues.append(Issue("optimizer.state_dtype", "DeepSpeed's bf16_optimizer_states needs bf16 master weights",
                             state, "set precision.master_weights=bf16 (and mixed_precision=bf16)"))
@@ -202,6 +230,22 @@ def _deepspeed(doc, _):
                             "DeepSpeed has none (MS-AMP O2/O3 has its own)", state,
                             "use engine=fsdp2, or backend=msamp with opt_level O2/O3"))
     return issues
+
+
+@rule
+def _fsdp2_output_dtype(doc, _):
+    f, p = doc["fsdp2"], doc["precision"]
+    out, compute = f["output_dtype"], compute_dtype(doc)
+    if doc["engine"] != "fsdp2" or out is None or out == compute:
+        return []
+    casts_inputs = f["cast_forward_inputs"] and p["mixed_precision"] != "none" and weight_dtype(doc) != compute
+    if casts_inputs:
+        return []
+    return [Issue("fsdp2.output_dtype", f"every FSDP unit returns {out}, and the next block casts its inputs back to "
+                  f"{compute} only with cast_forward_inputs=true and a param_dtype that differs from the stored "
+                  f"{weight_dtype(doc)} weights (torch _fsdp_state.py _cast_forward_inputs); here it would multiply "
+                  f"{out} inputs with {compute} weights and fail", out,
+                  "leave fsdp2.output_dtype null, or use it with cast_forward_inputs=true and fp32 master weights")]
 
 
 @rule

@@ -12,6 +12,8 @@ from typing import Any
 from fp8dist.errors import Issue
 
 SCHEMA_FILE = "fp8dist.schema.json"
+# Keys that moved: old dotted path -> new one. An old key is refused with the new name (no silent alias).
+MOVED_KEYS = {"deepspeed.fp16": "precision.loss_scaling"}
 PRESETS_FILE = "presets.json"
 
 
@@ -92,6 +94,11 @@ def _issues_for(error) -> list[Issue]:
         known = sorted(error.schema.get("properties", {}))
         out = []
         for key in sorted(set(error.instance) - set(known)):
+            moved = MOVED_KEYS.get(_path(path + [key]))
+            if moved:
+                out.append(Issue(_path(path + [key]), f"this key moved to `{moved}` (same sub-keys)",
+                                 fix=f"write it as {moved}"))
+                continue
             close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
             hint = f"did you mean `{close[0]}`?" if close else f"known keys here: {', '.join(known)}"
             out.append(Issue(_path(path + [key]), "unknown key", fix=f"remove it; {hint}"))

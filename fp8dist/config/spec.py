@@ -65,13 +65,30 @@ class FP8Spec:
 
 
 @dataclass(frozen=True)
+class LossScalingSpec:
+    loss_scale: float
+    initial_scale_power: int
+    loss_scale_window: int
+    hysteresis: int
+    min_loss_scale: float
+
+
+@dataclass(frozen=True)
 class PrecisionSpec:
     preset: str | None
     load_dtype: Dtype
     mixed_precision: str
     master_weights: str
     reduce_dtype: Dtype
+    loss_scaling: LossScalingSpec
     fp8: FP8Spec
+
+    @property
+    def compute_dtype(self) -> str:
+        """dtype of the non-FP8 ops: the mixed-precision dtype, or the stored weight dtype without it."""
+        if self.mixed_precision != "none":
+            return self.mixed_precision
+        return self.load_dtype if self.master_weights == "none" else self.master_weights
 
 
 @dataclass(frozen=True)
@@ -104,22 +121,12 @@ class FSDP2Spec:
 
 
 @dataclass(frozen=True)
-class DSFP16Spec:
-    loss_scale: float
-    initial_scale_power: int
-    loss_scale_window: int
-    hysteresis: int
-    min_loss_scale: float
-
-
-@dataclass(frozen=True)
 class DeepSpeedSpec:
     zero_stage: int
     offload_optimizer: str
     offload_param: str
     nvme_path: str | None
     grad_accum_dtype: Dtype | None
-    fp16: DSFP16Spec
     steps_per_print: int
     extra: dict = field(hash=False, compare=True)
 

@@ -11,9 +11,9 @@ from typing import Any
 
 from fp8dist.backends.base import get_backend
 from fp8dist.config.spec import Spec
-from fp8dist.engines.optim import build_optimizer, rebind_optimizer, rebind_parameters
+from fp8dist.engines.optim import build_optimizer, offloads_optimizer, rebind_optimizer, rebind_parameters
 from fp8dist.environment import device_info
-from fp8dist.errors import Fp8distError
+from fp8dist.errors import Fp8distError, UnsupportedEnvironment
 from fp8dist.translate.deepspeed import to_deepspeed
 
 
@@ -32,12 +32,14 @@ def initialize(model, spec: Spec, optimizer=None, model_parameters=None, trainin
     backend = get_backend(spec)
     backend.check_environment(device_info())  # a missing library is the first thing to say
     config = to_deepspeed(spec)
+    check_environment(spec, config)
     before = dict(model.named_parameters())
     decisions = backend.convert_module(model)
     if optimizer is None:
         params = model.parameters() if model_parameters is None else rebind_parameters(model_parameters, before, model)
         optimizer = build_optimizer(params, spec)
     else:
+        _check_client_optimizer(optimizer, spec, config)
         rebind_optimizer(optimizer, before, model)
     initialize_fn = backend.deepspeed_initialize if spec.fp8.backend == "msamp" else _deepspeed_initialize()
     engine, optimizer, dataloader, scheduler = initialize_fn(
@@ -46,7 +48,42 @@ def initialize(model, spec: Spec, optimizer=None, model_parameters=None, trainin
     engine.fp8dist_backend = backend
     engine.fp8dist_config = config
     engine.fp8dist_decisions = decisions
+    if spec.compile:
+        engine.compile()  # DeepSpeedEngine.compile (0.19.8): torch.compile of the module, hooks kept
     return engine, optimizer, dataloader, scheduler
+
+
+def check_environment(spec: Spec, config: dict) -> None:
+    """What DeepSpeed itself would reject here, said before any process group or model work:
+    a 16-bit mode the accelerator lacks, nvme offload without the async_io op."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if config.get("fp16", {}).get("enabled") and not accelerator.is_fp16_supported():
+        raise UnsupportedEnvironment(
+            f"precision.mixed_precision=fp16 with master_weights={spec.precision.master_weights} maps to DeepSpeed's "
+            f"fp16 section, which the {accelerator.device_name()} accelerator here does not support "
+            "(DeepSpeedEngine._do_sanity_check: 'Type fp16 is not supported on your device')",
+            "run on a CUDA GPU, or use mixed_precision=bf16 here")
+    if "nvme" in (spec.deepspeed.offload_optimizer, spec.deepspeed.offload_param):
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        if not AsyncIOBuilder().is_compatible(verbose=False):
+            raise UnsupportedEnvironment("nvme offload needs DeepSpeed's async_io op, which cannot be built here "
+                                         "(libaio is missing)",
+                                         "install libaio-dev (apt) on the training nodes, or offload to cpu")
+
+
+def _check_client_optimizer(optimizer, spec: Spec, config: dict) -> None:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    if (offloads_optimizer(spec) and not isinstance(optimizer, DeepSpeedCPUAdam)
+            and config.get("zero_force_ds_cpu_optimizer", True)):
+        raise Fp8distError(f"deepspeed.offload_optimizer={spec.deepspeed.offload_optimizer} steps the optimizer on "
+                           f"the CPU, and DeepSpeed accepts only DeepSpeedCPUAdam there, not {type(optimizer).__name__}"
+                           "\n  fix: pass no optimizer (fp8dist builds DeepSpeedCPUAdam from `optimizer`), pass a "
+                           "deepspeed.ops.adam.DeepSpeedCPUAdam, or set "
+                           "deepspeed.extra.zero_force_ds_cpu_optimizer=false to step yours on the CPU (slow)")
 
 
 def _deepspeed_initialize():

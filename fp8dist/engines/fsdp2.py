@@ -1,8 +1,11 @@
 """FSDP2 runtime: execute the plan of fp8dist.translate.fsdp2 on a real model.
 
-Order (torchtitan, Accelerate fsdp2_prepare_model): upcast to the master dtype (FSDP2 wants one
-original dtype per group) -> FP8 conversion -> fully_shard each block -> fully_shard the root ->
-torch.compile. The optimizer gets a step post-hook for the backend (torchao float8 scale precompute).
+Order (torchtitan parallelize_llama, Accelerate fsdp2_prepare_model): upcast to the master dtype (FSDP2
+wants one original dtype per group) -> FP8 conversion -> torch.compile per block, in place -> fully_shard
+each block -> fully_shard the root. Compiling blocks in place before sharding (torchtitan apply_compile:
+"per-TransformerBlock compile ... before FSDP") keeps the root an FSDPModule, so gradient accumulation
+still skips the reduce-scatter of all but the last micro-batch. The optimizer gets a step post-hook for the
+backend (torchao float8 scale precompute); fp16 compute gets the loss scaler (engines/loss_scaling.py).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from fp8dist.backends.base import PrecisionBackend, get_backend
 from fp8dist.backends.module_filter import Decision
 from fp8dist.config.spec import Spec
-from fp8dist.engines.collectives import ByteViewAllGather, CommRecord, RecordingReduceScatter
+from fp8dist.engines.loss_scaling import DynamicLossScaler, StepOutcome
 from fp8dist.engines.optim import build_optimizer
 from fp8dist.environment import device_info
 from fp8dist.errors import Fp8distError
@@ -34,7 +37,9 @@ class FSDP2Run:
     plan: dict
     decisions: list[Decision] = field(default_factory=list)
     wrapped: list[str] = field(default_factory=list)
-    comm: CommRecord | None = None
+    comm: Any = None  # engines.collectives.CommRecord when prepare(record_comm=True)
+    scaler: DynamicLossScaler | None = None  # fp16 compute only
+    last_step: StepOutcome | None = None
 
 
 def _dtype(name):
@@ -84,6 +89,10 @@ def prepare(model, spec: Spec, mesh=None, *, record_comm: bool = False, optimize
             if param.is_floating_point() and param.dtype != master:
                 param.data = param.data.to(master)
     decisions = backend.convert_module(model)
+    units = wrap_units(model, spec)
+    if plan["compile"]:
+        for unit in [unit for _, unit in units] or [model]:
+            unit.compile()  # in place: the module object (and so the FSDP unit) stays the same
 
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -93,17 +102,19 @@ def prepare(model, spec: Spec, mesh=None, *, record_comm: bool = False, optimize
     mp = plan["mixed_precision_policy"]
     policy = MixedPrecisionPolicy(param_dtype=_dtype(mp["param_dtype"]), reduce_dtype=_dtype(mp["reduce_dtype"]),
                                   output_dtype=_dtype(mp["output_dtype"]), cast_forward_inputs=mp["cast_forward_inputs"])
-    offload = CPUOffloadPolicy() if plan["offload_policy"] else OffloadPolicy()
-    units = wrap_units(model, spec)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan["offload_policy"] else OffloadPolicy()
     for _, unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=plan["reshard_after_forward"],
                     offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=plan["reshard_after_forward"],
                 offload_policy=offload)
 
-    record = CommRecord() if record_comm else None
+    record = None
     float8_on_gloo = dist.get_backend() == "gloo" and _float8_all_gather(plan)
-    if record is not None or float8_on_gloo:  # the default collective is kept wherever it can carry the bytes
+    if record_comm or float8_on_gloo:  # the default collective is kept wherever it can carry the bytes
+        from fp8dist.engines.collectives import ByteViewAllGather, CommRecord, RecordingReduceScatter
+
+        record = CommRecord() if record_comm else None
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_custom_all_gather(ByteViewAllGather(record))
@@ -112,25 +123,47 @@ def prepare(model, spec: Spec, mesh=None, *, record_comm: bool = False, optimize
 
     optimizer = (optimizer or (lambda params: build_optimizer(params, spec)))(model.parameters())
     optimizer.register_step_post_hook(lambda *_: backend.after_optimizer_step(model))
-    if spec.compile:
-        model = torch.compile(model)
-    return FSDP2Run(model, optimizer, backend, plan, decisions, [name for name, _ in units], record)
+    scaler = None
+    if plan["loss_scaling"]:
+        scaler = DynamicLossScaler(spec.precision.loss_scaling)  # all ranks of the job agree on a skip
+    return FSDP2Run(model, optimizer, backend, plan, decisions, [name for name, _ in units], record, scaler)
 
 
-def train_step(run: FSDP2Run, batches: list[dict], clip: float) -> float:
-    """One optimizer step over `batches` (gradient accumulation); returns the mean loss."""
+def accumulate_gradients(run: FSDP2Run, batches: list[dict]) -> float:
+    """Forward and backward over `batches` (gradient accumulation, reduce-scatter on the last micro-batch
+    only); the loss is scaled where fp16 compute needs it. Returns the mean loss."""
     from fp8dist.models import forward_loss
 
     total = 0.0
     for i, batch in enumerate(batches):
-        if isinstance(run.model, FSDPModule):  # reduce-scatter only on the last micro-batch
-            run.model.set_requires_gradient_sync(i == len(batches) - 1)
+        run.model.set_requires_gradient_sync(i == len(batches) - 1)
         with run.backend.forward_context():
             loss = forward_loss(run.model, batch) / len(batches)
-        loss.backward()
+        (run.scaler.scale_loss(loss) if run.scaler else loss).backward()
         total += loss.detach().float().item()
+    return total
+
+
+def apply_gradients(run: FSDP2Run, clip: float) -> bool:
+    """Unscale (fp16), clip and step; returns False when the step was skipped because some rank saw a
+    non-finite gradient (all ranks skip together; `run.last_step` says how the scale moved)."""
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    if run.scaler is not None:
+        overflow = run.scaler.found_inf_anywhere(params)
+        run.last_step = run.scaler.update(overflow)
+        if overflow:
+            run.optimizer.zero_grad(set_to_none=True)
+            return False
+        run.scaler.unscale_(params)
     if clip > 0:
-        torch.nn.utils.clip_grad_norm_(run.model.parameters(), clip)
+        torch.nn.utils.clip_grad_norm_(params, clip)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
-    return total
+    return True
+
+
+def train_step(run: FSDP2Run, batches: list[dict], clip: float) -> float:
+    """One optimizer step over `batches` (gradient accumulation); returns the mean loss."""
+    loss = accumulate_gradients(run, batches)
+    apply_gradients(run, clip)
+    return loss

@@ -5,7 +5,22 @@ from typing import Any
 
 from fp8dist.config.rules import effective_state_dtype
 from fp8dist.config.spec import Spec
-from fp8dist.errors import Fp8distError
+from fp8dist.errors import Fp8distError, UnsupportedEnvironment
+
+
+def check_optimizer_environment(spec: Spec, device: dict[str, Any]) -> None:
+    """Refuse an optimizer that cannot step here, before anything is launched."""
+    from fp8dist import compat
+
+    if spec.engine == "fsdp2" and effective_state_dtype(spec.to_dict()) == "fp8":
+        ok, reason = compat.torchao_fp8_states_on_fsdp2(device["cuda_available"])
+        if not ok:
+            raise UnsupportedEnvironment(f"optimizer.state_dtype=fp8: {reason}",
+                                         "run on a CUDA GPU, or use optimizer.state_dtype=int8 (AdamW8bit) here")
+
+
+def offloads_optimizer(spec: Spec) -> bool:
+    return spec.engine == "deepspeed" and spec.deepspeed.offload_optimizer != "none"
 
 
 def build_optimizer(params, spec: Spec):
@@ -16,6 +31,14 @@ def build_optimizer(params, spec: Spec):
     if opt.name == "sgd":
         return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay)
     kwargs = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+    if offloads_optimizer(spec):
+        # ZeRO-Offload steps on the CPU with DeepSpeedCPUAdam, which it requires for a client Adam
+        # (engine.py _configure_optimizer) and for bf16/fp16 master weights (stage_1_and_2.py
+        # _enforce_cpu_offload), DeepSpeed 0.19.8. Its C++ op is JIT-built on first use (about a minute).
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, adamw_mode=opt.name == "adamw", fp32_optimizer_states=state != "bf16",
+                                **kwargs)
     if state in ("fp8", "int8"):
         from torchao.optim import AdamW8bit, AdamWFp8
 

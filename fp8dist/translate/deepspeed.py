@@ -50,6 +50,10 @@ def to_deepspeed(spec: Spec, deepspeed_version: str | None = None) -> dict[str, 
     if spec.optimizer.name not in ("adam", "adamw") and spec.deepspeed.zero_stage > 0:
         # torch.optim.SGD is not in ZERO_SUPPORTED_OPTIMIZERS (deepspeed/runtime/zero/utils.py).
         config["zero_allow_untested_optimizer"] = True
+        if spec.deepspeed.offload_optimizer != "none":
+            # DeepSpeed's CPU optimizers are Adam and Lion; SGD steps on the CPU as a client optimizer only
+            # with this switch (engine.py _configure_optimizer, 0.19.8).
+            config["zero_force_ds_cpu_optimizer"] = False
     if spec.fp8.backend == "msamp":
         config["msamp"] = _msamp_section(spec, version, origin, issues)
     if issues:
@@ -69,7 +73,7 @@ def _precision_sections(spec: Spec, version, origin, issues) -> dict[str, Any]:
                                 "upgrade DeepSpeed, or set precision.master_weights=fp32 (bf16/fp16 section)"))
         return {"torch_autocast": {"enabled": True, "dtype": _TORCH_DTYPE_NAME[p.mixed_precision]}}
     if p.mixed_precision == "fp16":
-        fp16 = spec.deepspeed.fp16
+        fp16 = p.loss_scaling
         section = {"enabled": True, "loss_scale": fp16.loss_scale, "initial_scale_power": fp16.initial_scale_power,
                    "loss_scale_window": fp16.loss_scale_window, "hysteresis": fp16.hysteresis,
                    "min_loss_scale": fp16.min_loss_scale}

@@ -1,8 +1,9 @@
 """Spec -> FSDP2 plan (plain data). Pure: no torch import.
 
 The plan is what `fp8dist.engines.fsdp2.prepare` executes, in this order (torchtitan, Accelerate):
-upcast to the master dtype -> float8 conversion -> fully_shard each block -> fully_shard the root ->
-torch.compile; plus the optimizer step post-hook that precomputes float8 scales.
+upcast to the master dtype -> float8 conversion -> torch.compile per block -> fully_shard each block ->
+fully_shard the root; plus the optimizer step post-hook that precomputes float8 scales and, for fp16
+compute, the loss scaler.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 from fp8dist import compat
 from fp8dist.config.rules import effective_state_dtype, weight_dtype
 from fp8dist.config.spec import Spec
+from fp8dist.errors import ConfigError, Issue
 
 # torchao's _scaled_mm needs both Linear dims divisible by 16 (torchao/float8/config.py, pad_inner_dim).
 FP8_DIM_MULTIPLE = 16
@@ -24,15 +26,20 @@ OPTIMIZER_CLASSES = {
 }
 
 
-def installed_torchao() -> tuple[compat.Version, str]:
+def target_torchao_version(explicit: str | None = None) -> tuple[compat.Version, str]:
+    """The torchao version to plan for, and where that choice came from (like the DeepSpeed target)."""
+    if explicit:
+        try:
+            return compat.parse_version(explicit), "given with --torchao-version"
+        except ValueError:
+            raise ConfigError([Issue("--torchao-version", "not a version", explicit, "write e.g. 0.18.0")]) from None
     version = compat.installed_version("torchao")
     if version:
         return compat.parse_version(version), "installed"
     return compat.NEWEST_KNOWN_TORCHAO, "newest known (torchao is not installed)"
 
 
-def to_fsdp2(spec: Spec, deepspeed_version: str | None = None) -> dict[str, Any]:
-    del deepspeed_version  # the CLI passes it to every target; FSDP2 has no use for it
+def to_fsdp2(spec: Spec, torchao_version: str | None = None) -> dict[str, Any]:
     p, f = spec.precision, spec.fsdp2
     master = weight_dtype(spec.to_dict())
     state = effective_state_dtype(spec.to_dict())
@@ -49,20 +56,35 @@ def to_fsdp2(spec: Spec, deepspeed_version: str | None = None) -> dict[str, Any]
         "wrap": {"units": "auto" if f.wrap == "auto" else list(f.wrap), "root": True,
                  "auto_rule": "Hugging Face _no_split_modules, else the children of the first nn.ModuleList"},
         "reshard_after_forward": f.reshard_after_forward,
-        "offload_policy": "CPUOffloadPolicy" if f.offload == "cpu" else None,
-        "float8": float8_plan(spec),
+        # pin_memory needs CUDA: CPUOffloadPolicy() pins by default and fails on CPU-only torch
+        # (torch 2.13 _fsdp_param.py; research/scaling.md section 6). The runtime pins where CUDA exists.
+        "offload_policy": {"class": "CPUOffloadPolicy", "pin_memory": "where CUDA is available"}
+        if f.offload == "cpu" else None,
+        "loss_scaling": loss_scaling_plan(spec),
+        "float8": float8_plan(spec, torchao_version),
         "optimizer": {
             "class": OPTIMIZER_CLASSES[(spec.optimizer.name, state if state in ("fp8", "int8") else None)],
             "steps_on": master, "state_dtype": state,
             "lr": spec.optimizer.lr, "weight_decay": spec.optimizer.weight_decay,
         },
-        "compile": spec.compile,
+        "compile": {"per_block": True, "before": "fully_shard"} if spec.compile else False,
         "gradient_clipping": spec.train.gradient_clipping,
     }
     return plan
 
 
-def float8_plan(spec: Spec) -> dict[str, Any] | None:
+def loss_scaling_plan(spec: Spec) -> dict[str, Any] | None:
+    """fp16 compute needs loss scaling; FSDP2 has none, so fp8dist's scaler runs (engines/loss_scaling.py)."""
+    if spec.precision.compute_dtype != "fp16":
+        return None
+    ls = spec.precision.loss_scaling
+    return {"scaler": "fp8dist.engines.loss_scaling.DynamicLossScaler", "found_inf": "all-reduced (MAX) across ranks",
+            "dynamic": ls.loss_scale == 0, "loss_scale": ls.loss_scale, "initial_scale_power": ls.initial_scale_power,
+            "loss_scale_window": ls.loss_scale_window, "hysteresis": ls.hysteresis,
+            "min_loss_scale": ls.min_loss_scale}
+
+
+def float8_plan(spec: Spec, torchao_version: str | None = None) -> dict[str, Any] | None:
     fp8 = spec.fp8
     if fp8.backend == "none":
         return None
@@ -75,7 +97,7 @@ def float8_plan(spec: Spec) -> dict[str, Any] | None:
     all_gather = ao.enable_fsdp_float8_all_gather
     if all_gather == "auto":
         all_gather = ao.recipe_name == "tensorwise" and spec.engine == "fsdp2"
-    version, origin = installed_torchao()
+    version, origin = target_torchao_version(torchao_version)
     recompute, reason = compat.torchao_force_recompute(version, ao.force_recompute_fp8_weight_in_bwd, all_gather)
     config = {"recipe_name": ao.recipe_name, "enable_fsdp_float8_all_gather": all_gather,
               "pad_inner_dim": ao.pad_inner_dim, "emulate": ao.emulate}

@@ -23,8 +23,8 @@ def _env():
 
 
 def torchrun(script, *args, nproc=2, timeout=300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(script), *map(str, args)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(script), *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=ROOT)
 
 

@@ -6,23 +6,27 @@ from fp8dist.config.load import load_config
 from fp8dist.translate import TARGETS
 
 ROOT = Path(__file__).resolve().parents[2]
-# MS-AMP configs are translated for MS-AMP 0.4's pinned DeepSpeed; the rest for the newest known.
+# Goldens pin the versions they were made for, so they hold whatever torchao/DeepSpeed is installed
+# (tests/unit/test_translate.py covers the "installed version" resolution separately). MS-AMP configs are
+# translated for MS-AMP 0.4's pinned DeepSpeed; the rest for the newest known.
 DEEPSPEED_VERSION = {"msamp": "0.13.1"}
+DEFAULT_DEEPSPEED_VERSION = "0.19.8"
+TORCHAO_VERSION = "0.18.0"
 
 
 def golden_cases():
     for config in sorted((ROOT / "configs").glob("*.yaml")):
         spec = load_config(config)
-        version = DEEPSPEED_VERSION.get(spec.fp8.backend, "0.19.8") if spec.engine == "deepspeed" else None
+        if spec.engine == "deepspeed":
+            version = DEEPSPEED_VERSION.get(spec.fp8.backend, DEFAULT_DEEPSPEED_VERSION)
+        else:
+            version = TORCHAO_VERSION
         yield config, spec, spec.engine, version
 
 
 def translate(spec, target, version):
-    document = TARGETS[target](spec, deepspeed_version=version)
-    if target == "fsdp2" and document["float8"] and "torchao_version" in document["float8"]:
-        for key in ("torchao_version", "torchao_version_origin"):  # the installed torchao, not the config
-            document["float8"].pop(key)
-    return document
+    keyword = "deepspeed_version" if target == "deepspeed" else "torchao_version"
+    return TARGETS[target](spec, **{keyword: version})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,28 @@
+"""Every refusal that can be decided before a process group exists: the FP8 backend's library and
+hardware, the engine's translation, and what the engine itself would reject on this machine.
+
+The audit's parent process, launch/train.py and the tests call this, so a config that cannot run
+exits 2 with fp8dist's message before anything is launched.
+"""
+from __future__ import annotations
+
+from fp8dist.config.spec import Spec
+
+
+def preflight(spec: Spec) -> None:
+    from fp8dist.backends.base import get_backend
+    from fp8dist.engines.optim import check_optimizer_environment
+    from fp8dist.environment import device_info
+
+    device = device_info()
+    get_backend(spec).check_environment(device)
+    check_optimizer_environment(spec, device)
+    if spec.engine == "deepspeed":
+        from fp8dist.engines.deepspeed import check_environment
+        from fp8dist.translate.deepspeed import to_deepspeed
+
+        check_environment(spec, to_deepspeed(spec))
+    else:
+        from fp8dist.translate.fsdp2 import to_fsdp2
+
+        to_fsdp2(spec)

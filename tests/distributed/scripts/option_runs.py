@@ -1,0 +1,115 @@
+"""Run option-matrix cases for real, one after the other in one 2-rank job (one launch, one process group):
+
+    torchrun --nproc_per_node 2 tests/distributed/scripts/option_runs.py [CASE_ID ...]
+
+Each case builds tiny-llama fresh, prepares it with fp8dist's engine (FSDP2 or DeepSpeed) and trains
+`train.steps` steps through the library's train steps. Rank 0 prints one line per case:
+`CASE <id> <rank> <json facts>` (any rank whose case failed prints `{"error": ...}` too), the facts that tests/distributed/test_option_runs.py checks.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fp8dist.audit import probes
+from fp8dist.config.load import load_config
+from fp8dist.engines.preflight import preflight
+from fp8dist.models import load_model
+from launch.train import batches_for
+from tests.option_matrix import RUN_BASE, RUNS, merge
+
+CASE_TIMEOUT = timedelta(seconds=180)  # a rank stuck in a collective fails the job instead of hanging
+
+
+def float8_linears(model) -> int:
+    return sum(1 for m in model.modules() if type(m).__name__ == "Float8Linear")
+
+
+def _checksum(model) -> float:
+    return float(sum(p.detach().float().sum() for p in probes.trainable(model)
+                     for p in [p.to_local() if hasattr(p, "to_local") else p]))
+
+
+def run_fsdp2(case, spec, loaded) -> dict:
+    from torch.distributed.fsdp import FSDPModule
+
+    from fp8dist.engines.fsdp2 import accumulate_gradients, apply_gradients, prepare
+
+    run = prepare(loaded.model, spec, record_comm=True)
+    losses, skipped, scales = [], [], []
+    for step in range(spec.train.steps):
+        loss = accumulate_gradients(run, batches_for(loaded, spec, step, dist.get_rank()))
+        inject = case.inject_inf
+        if inject and inject["step"] == step + 1 and inject["rank"] == dist.get_rank():
+            grad = next(p.grad for p in run.model.parameters() if p.grad is not None)
+            (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
+        before = _checksum(run.model)
+        if not apply_gradients(run, spec.train.gradient_clipping):
+            skipped.append(step + 1)
+            assert _checksum(run.model) == before, "a skipped step changed the weights"
+        losses.append(loss)
+        if run.scaler is not None:
+            scales.append(run.scaler.scale)
+    local, _ = probes.summarize(p.to_local() for p in probes.trainable(run.model))
+    state = [v for s in run.optimizer.state.values() for k, v in s.items() if k == "exp_avg"]
+    record = run.comm.as_dict()
+    units = [m for m in run.model.modules() if isinstance(m, FSDPModule)]
+    all_skipped = [None] * dist.get_world_size()
+    dist.all_gather_object(all_skipped, skipped)
+    return {
+        "losses": losses, "local_dtype": local, "optimizer": type(run.optimizer).__name__,
+        "state_dtype": probes.summarize(state)[0] if state else None,
+        "compiled": all(getattr(m, "_compiled_call_impl", None) is not None
+                        for name, m in run.model.named_modules() if name in run.wrapped) and bool(run.wrapped),
+        "root_is_fsdp": isinstance(run.model, FSDPModule),
+        "reduce_scatters_per_step": sum(v["calls"] for v in record["reduce_scatter"].values()) // spec.train.steps,
+        "fsdp_units": len(units), "float8_linears": float8_linears(run.model),
+        "skipped_steps": skipped, "skipped_by_rank": all_skipped, "loss_scales": scales,
+    }
+
+
+def run_deepspeed(case, spec, loaded) -> dict:
+    from fp8dist.audit.worker import DS_MASTER, _first_attr
+    from fp8dist.engines.deepspeed import initialize, train_step
+
+    engine, _, _, _ = initialize(loaded.model, spec)
+    losses = [train_step(engine, batches_for(loaded, spec, step, dist.get_rank())) for step in range(spec.train.steps)]
+    _, master = _first_attr(engine.optimizer, DS_MASTER)
+    facts = {"losses": losses, "zero_stage": engine.zero_optimization_stage(),
+             "optimizer": type(engine.basic_optimizer).__name__, "compiled": engine.is_compiled,
+             "master_dtype": probes.summarize(master)[0] if master else None,
+             "float8_linears": float8_linears(engine.module), "skipped_steps": engine.skipped_steps}
+    engine.destroy()
+    return facts
+
+
+def main(ids: list[str]) -> int:
+    import deepspeed
+
+    deepspeed.init_distributed(timeout=CASE_TIMEOUT)  # gloo on the CPU accelerator; serves FSDP2 cases too
+    for case in [c for c in RUNS if not ids or c.id in ids]:
+        try:
+            spec = load_config(merge(RUN_BASE, case.config))
+            preflight(spec)
+            loaded = load_model("tiny-llama", spec.precision.load_dtype, seed=spec.train.seed)
+            facts = (run_deepspeed if spec.engine == "deepspeed" else run_fsdp2)(case, spec, loaded)
+            facts["finite"] = all(math.isfinite(v) for v in facts["losses"])
+        except Exception as exc:  # report, then let the next case run (the peers raised the same or time out)
+            facts = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+        if dist.get_rank() == 0 or "error" in facts:
+            print(f"CASE {case.id} {dist.get_rank()} {json.dumps(facts)}", flush=True)
+        dist.barrier()
+        torch._dynamo.reset()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,402 @@
+"""The option matrix: every key and enum value of schemas/fp8dist.schema.json, either run for real on
+2 ranks (RUNS, one torchrun launch for all: tests/distributed/test_option_runs.py) or refused with a
+clear message (REFUSALS, decided in-process: tests/unit/test_option_matrix.py).
+
+`uncovered()` walks the schema and lists what neither exercises; the unit test fails on any. Regenerate
+the table with `python -m tests.option_matrix > docs/options.md` (a test keeps it in step).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from fp8dist.config.schema import defaults, schema
+
+# Every run is short: 2 optimizer steps of tiny-llama unless the case says otherwise.
+RUN_BASE = {"train": {"steps": 2, "seq_len": 32}}
+
+
+@dataclass(frozen=True)
+class Run:
+    id: str
+    config: dict
+    expect: dict = field(default_factory=dict)  # facts the worker reports, checked by the run test
+    inject_inf: dict | None = None  # {"rank": r, "step": s}: a non-finite gradient on one rank
+
+
+@dataclass(frozen=True)
+class Refusal:
+    id: str
+    config: dict
+    says: str  # a fragment of the message
+    kind: str = "config"  # config: load_config refuses; environment: fp8dist.engines.preflight refuses
+
+
+DS = {"engine": "deepspeed"}
+EMULATE = {"emulate": True}
+
+
+def merge(*docs: dict) -> dict:
+    out: dict = {}
+    for doc in docs:
+        for key, value in doc.items():
+            if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "extra":
+                out[key] = merge(out[key], value)
+            else:
+                out[key] = copy.deepcopy(value)
+    return out
+
+
+RUNS = [
+    Run("fsdp2-defaults", {}, {"optimizer": "AdamW", "local_dtype": "fp32"}),
+    Run("fsdp2-fp32-adam", {"precision": {"preset": "fp32"},
+                            "optimizer": {"name": "adam", "lr": 0.002, "weight_decay": 0.01, "betas": [0.8, 0.99],
+                                          "eps": 1e-6},
+                            "train": {"seed": 3, "micro_batch_size": 1}},
+        {"optimizer": "Adam", "local_dtype": "fp32"}),
+    Run("fsdp2-bf16-pure-sgd", {"precision": {"preset": "bf16-pure"}, "optimizer": {"name": "sgd"},
+                                "train": {"gradient_clipping": 0}},
+        {"optimizer": "SGD", "local_dtype": "bf16"}),
+    Run("fsdp2-fp16-amp-offload-overflow",
+        {"precision": {"preset": "fp16-amp", "reduce_dtype": "fp16",
+                       "loss_scaling": {"loss_scale": 0, "initial_scale_power": 10, "loss_scale_window": 2,
+                                        "hysteresis": 1, "min_loss_scale": 0.5}},
+         "fsdp2": {"offload": "cpu", "output_dtype": "fp16"}, "train": {"steps": 4}},
+        {"local_dtype": "fp32", "offload": True, "skipped_steps": [2], "loss_scales": [1024, 512, 512, 1024]},
+        inject_inf={"rank": 1, "step": 2}),
+    Run("fsdp2-fp16-masters-static-scale",
+        {"precision": {"load_dtype": "fp16", "mixed_precision": "fp16", "master_weights": "fp16",
+                       "loss_scaling": {"loss_scale": 64}},
+         "optimizer": {"eps": 1e-4}},
+        {"local_dtype": "fp16", "loss_scales": [64, 64]}),
+    Run("fsdp2-bf16-masters", {"precision": {"master_weights": "bf16"}, "optimizer": {"state_dtype": "bf16"},
+                               "fsdp2": {"reshard_after_forward": False}},
+        {"local_dtype": "bf16", "state_dtype": "bf16"}),
+    Run("fsdp2-inputs-not-cast", {"fsdp2": {"cast_forward_inputs": False}}, {"local_dtype": "fp32"}),
+    Run("fsdp2-torchao-tensorwise",
+        {"precision": {"preset": "torchao-float8",
+                       "fp8": {"torchao": {**EMULATE, "enable_fsdp_float8_all_gather": True,
+                                           "force_recompute_fp8_weight_in_bwd": True,
+                                           "precompute_float8_dynamic_scale_for_fsdp": False},
+                               "modules": {"exclude": ["lm_head", "model.layers.0.mlp.*"], "skip_first_last": True}}},
+         "fsdp2": {"wrap": ["LlamaDecoderLayer"], "output_dtype": "bf16"},
+         "train": {"gradient_accumulation_steps": 2}},
+        {"float8_linears": 10, "reduce_scatters_per_step": 3}),
+    Run("fsdp2-torchao-rowwise",
+        {"precision": {"preset": "torchao-float8-rowwise",
+                       "fp8": {"torchao": {**EMULATE, "enable_fsdp_float8_all_gather": False,
+                                           "force_recompute_fp8_weight_in_bwd": False, "pad_inner_dim": True}}}},
+        {"float8_linears": 14}),
+    Run("fsdp2-torchao-gw-hp-int8-states",
+        {"precision": {"fp8": {"backend": "torchao", "torchao": {**EMULATE, "recipe_name": "rowwise_with_gw_hp"}}},
+         "optimizer": {"state_dtype": "int8"}},
+        {"float8_linears": 14, "optimizer": "AdamW8bit"}),
+    Run("fsdp2-compile-accumulate", {"compile": True, "train": {"gradient_accumulation_steps": 2}},
+        {"compiled": True, "reduce_scatters_per_step": 3}),
+    Run("ds-zero0-fp32", {**DS, "precision": {"preset": "fp32"},
+                          "deepspeed": {"zero_stage": 0, "steps_per_print": 1,
+                                        "extra": {"wall_clock_breakdown": False}}},
+        {"zero_stage": 0, "optimizer": "AdamW"}),
+    Run("ds-zero1-compile", {**DS, "compile": True, "precision": {"preset": "bf16"},
+                             "deepspeed": {"zero_stage": 1, "grad_accum_dtype": "fp32"}},
+        {"zero_stage": 1, "compiled": True}),
+    Run("ds-zero2-bf16-masters-fp32-states-offload",
+        {**DS, "precision": {"master_weights": "bf16"}, "optimizer": {"state_dtype": "fp32"},
+         "deepspeed": {"zero_stage": 2, "offload_optimizer": "cpu", "grad_accum_dtype": "bf16"}},
+        {"zero_stage": 2, "optimizer": "DeepSpeedCPUAdam", "master_dtype": "bf16"}),
+    Run("ds-zero1-bf16-masters-bf16-states", {**DS, "precision": {"master_weights": "bf16"},
+                                              "optimizer": {"state_dtype": "bf16"}, "deepspeed": {"zero_stage": 1}},
+        {"zero_stage": 1, "master_dtype": "bf16"}),
+    Run("ds-zero3-offload-params", {**DS, "optimizer": {"name": "adam"},
+                                    "deepspeed": {"zero_stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu"}},
+        {"zero_stage": 3, "optimizer": "DeepSpeedCPUAdam"}),
+    Run("ds-sgd-offload", {**DS, "optimizer": {"name": "sgd"},
+                           "deepspeed": {"zero_stage": 1, "offload_optimizer": "cpu"}},
+        {"zero_stage": 1, "optimizer": "SGD"}),
+    Run("ds-bf16-pure-fp16-accumulation", {**DS, "precision": {"preset": "bf16-pure"},
+                                           "deepspeed": {"grad_accum_dtype": "fp16"}}, {"zero_stage": 2}),
+    Run("ds-fp16-amp-autocast", {**DS, "precision": {"preset": "fp16-amp"}}, {"zero_stage": 2}),
+    Run("ds-torchao-float8", {**DS, "precision": {"preset": "torchao-float8", "fp8": {"torchao": EMULATE}}},
+        {"float8_linears": 14}),
+]
+
+TE = {"precision": {"fp8": {"backend": "te"}}}
+TE_MISSING = "Transformer Engine is not installed"
+MSAMP_MISSING = "MS-AMP is not installed"
+
+
+def te(**fields) -> dict:
+    return merge(TE, {"precision": {"fp8": {"te": fields}}})
+
+
+REFUSALS = [
+    # Needs a GPU or a library that cannot exist here: refused by preflight, naming what is missing.
+    Refusal("preset-te", {"precision": {"preset": "te"}}, TE_MISSING, "environment"),
+    *[Refusal(f"te-recipe-{recipe}", te(recipe=recipe), TE_MISSING, "environment")
+      for recipe in ("delayed", "current", "block", "mxfp8", "nvfp4")],
+    Refusal("te-delayed-fields", te(recipe="delayed", fp8_format="HYBRID", margin=1, amax_history_len=16,
+                                    amax_compute_algo="most_recent", reduce_amax=False, fp8_dpa=True, fp8_mha=True,
+                                    swap_layernorm=False), TE_MISSING, "environment"),
+    Refusal("te-delayed-max", te(amax_compute_algo="max", fp8_format="E4M3"), TE_MISSING, "environment"),
+    Refusal("te-current-fields", te(recipe="current", use_power_2_scales=True), TE_MISSING, "environment"),
+    Refusal("te-mxfp8-fields", te(recipe="mxfp8", enable_2d_quantization=True), TE_MISSING, "environment"),
+    Refusal("te-on-deepspeed", {**DS, **te()}, TE_MISSING, "environment"),
+    *[Refusal(f"preset-msamp-{level.lower()}", {"precision": {"preset": f"msamp-{level.lower()}"}}, MSAMP_MISSING,
+              "environment") for level in ("O1", "O2", "O3")],
+    Refusal("msamp-use-te", {**DS, "precision": {"preset": "msamp-o2", "fp8": {"msamp": {"use_te": True}}}},
+            MSAMP_MISSING, "environment"),
+    Refusal("msamp-bf16", {**DS, "precision": {"preset": "msamp-o1", "mixed_precision": "bf16"}}, MSAMP_MISSING,
+            "environment"),
+    Refusal("torchao-without-fp8-hardware", {"precision": {"preset": "torchao-float8"}}, "refusing FP8",
+            "environment"),
+    Refusal("torchao-explicit-no-emulate", {"precision": {"preset": "torchao-float8",
+                                                          "fp8": {"torchao": {"emulate": False}}}},
+            "refusing FP8", "environment"),
+    Refusal("deepspeed-fp16-section", {**DS, "precision": {"load_dtype": "fp32", "mixed_precision": "fp16"}},
+            "does not support", "environment"),
+    Refusal("deepspeed-fp16-masters", {**DS, "precision": {"load_dtype": "fp16", "mixed_precision": "fp16",
+                                                           "master_weights": "fp16"},
+                                       "deepspeed": {"offload_optimizer": "cpu"}}, "does not support", "environment"),
+    Refusal("deepspeed-nvme-optimizer", {**DS, "deepspeed": {"offload_optimizer": "nvme", "nvme_path": "/tmp/nvme"}},
+            "async_io", "environment"),
+    Refusal("deepspeed-nvme-params", {**DS, "deepspeed": {"zero_stage": 3, "offload_param": "nvme",
+                                                          "nvme_path": "/tmp/nvme"}}, "async_io", "environment"),
+    Refusal("fsdp2-fp8-states-on-cpu", {"optimizer": {"state_dtype": "fp8"}}, "AdamWFp8", "environment"),
+    # Cross-field rules (fp8dist/config/rules.py): every Issue it can raise.
+    Refusal("master-without-mixed", {"precision": {"mixed_precision": "none"}}, "a master copy only exists"),
+    Refusal("bf16-master-fp16-compute", {"precision": {"master_weights": "bf16", "mixed_precision": "fp16"}},
+            "bf16 master weights need bf16 mixed precision"),
+    Refusal("block-without-backend", {"precision": {"fp8": {"torchao": {"emulate": True}}}},
+            "these settings do nothing"),
+    Refusal("loss-scaling-without-fp16", {"precision": {"loss_scaling": {"hysteresis": 1}}},
+            "loss scaling acts only on fp16 compute"),
+    Refusal("loss-scaling-under-autocast", {**DS, "precision": {"preset": "fp16-amp", "loss_scaling":
+                                                                {"initial_scale_power": 8}}},
+            "torch.amp.GradScaler keeps its own defaults"),
+    Refusal("float8-all-gather-rowwise", {"precision": {"preset": "torchao-float8-rowwise", "fp8": {
+        "torchao": {"enable_fsdp_float8_all_gather": True}}}}, "float8 all-gather needs tensorwise"),
+    Refusal("float8-all-gather-deepspeed", {**DS, "precision": {"preset": "torchao-float8", "fp8": {
+        "torchao": {"enable_fsdp_float8_all_gather": True}}}}, "float8 all-gather is an FSDP2 feature"),
+    Refusal("emulate-with-compile", {"compile": True, "precision": {"preset": "torchao-float8", "fp8": {
+        "torchao": {"emulate": True}}}}, "emulated float8 does not work with torch.compile"),
+    Refusal("torchao-without-mixed", {"precision": {"preset": "bf16-pure", "fp8": {"backend": "torchao"}}},
+            "torchao float8 runs the non-FP8 ops"),
+    Refusal("te-interval-removed", te(interval=16), "`interval` was removed"),
+    Refusal("te-override-removed", te(override_linear_precision=[False, False, True]),
+            "`override_linear_precision` was removed"),
+    Refusal("te-field-of-other-recipe", te(recipe="current", margin=2), "not a field of recipe 'current'"),
+    Refusal("te-nvfp4-format", te(recipe="nvfp4", fp8_format="HYBRID"), "NVFP4BlockScaling requires fp8_format E4M3"),
+    Refusal("msamp-on-fsdp2", {"precision": {"preset": "msamp-o2"}, "engine": "fsdp2"}, "MS-AMP has no FSDP2"),
+    Refusal("msamp-o3-zero3", {"precision": {"preset": "msamp-o3"}, "deepspeed": {"zero_stage": 3}},
+            "MS-AMP O3 needs ZeRO stage 1 or 2"),
+    Refusal("msamp-zero3", {"precision": {"preset": "msamp-o2"}, "deepspeed": {"zero_stage": 3}},
+            "MS-AMP does not work with ZeRO-3"),
+    Refusal("msamp-sgd", {"precision": {"preset": "msamp-o2"}, "optimizer": {"name": "sgd"}},
+            "msamp.initialize accepts Adam/AdamW only"),
+    Refusal("msamp-state-dtype", {"precision": {"preset": "msamp-o2"}, "optimizer": {"state_dtype": "fp32"}},
+            "MS-AMP decides the optimizer-state dtypes"),
+    Refusal("msamp-offload", {"precision": {"preset": "msamp-o2"}, "deepspeed": {"offload_optimizer": "cpu"}},
+            "MS-AMP cannot step DeepSpeedCPUAdam"),
+    Refusal("msamp-bf16-zero1-fp32-accum", {"precision": {"preset": "msamp-o1", "mixed_precision": "bf16"},
+                                            "deepspeed": {"zero_stage": 1, "grad_accum_dtype": "fp32"}},
+            "bypasses MS-AMP's FP8 ZeRO optimizer"),
+    Refusal("msamp-without-mixed", {"precision": {"preset": "msamp-o2", "mixed_precision": "none",
+                                                  "master_weights": "none"}}, "MS-AMP runs on DeepSpeed's fp16"),
+    Refusal("ds-accum-dtype-zero0", {**DS, "deepspeed": {"zero_stage": 0, "grad_accum_dtype": "fp32"}},
+            "separate accumulation dtype at ZeRO stage 0"),
+    Refusal("ds-param-offload-zero2", {**DS, "deepspeed": {"offload_param": "cpu"}},
+            "parameter offload needs ZeRO stage 3"),
+    Refusal("ds-optimizer-offload-zero0", {**DS, "deepspeed": {"zero_stage": 0, "offload_optimizer": "cpu"}},
+            "optimizer offload needs ZeRO stage >= 1"),
+    Refusal("ds-nvme-without-path", {**DS, "deepspeed": {"offload_optimizer": "nvme"}}, "nvme offload needs a path"),
+    Refusal("ds-bf16-masters-zero0", {**DS, "precision": {"master_weights": "bf16"}, "deepspeed": {"zero_stage": 0}},
+            "bf16 master weights need ZeRO stage >= 1"),
+    Refusal("ds-fp32-states-need-offload", {**DS, "precision": {"master_weights": "bf16"},
+                                            "optimizer": {"state_dtype": "fp32"}},
+            "only under ZeRO-Offload"),
+    Refusal("ds-low-precision-masters-sgd", {**DS, "precision": {"master_weights": "bf16"},
+                                             "optimizer": {"name": "sgd", "state_dtype": "fp32"},
+                                             "deepspeed": {"offload_optimizer": "cpu"}},
+            "only with DeepSpeedCPUAdam"),
+    Refusal("ds-bf16-states-fp32-masters", {**DS, "optimizer": {"state_dtype": "bf16"}},
+            "bf16_optimizer_states needs bf16 master weights"),
+    Refusal("ds-fp8-states", {**DS, "optimizer": {"state_dtype": "fp8"}}, "torchao optimizer for FSDP2"),
+    Refusal("fsdp2-output-dtype-not-cast-back", {"fsdp2": {"output_dtype": "fp32", "cast_forward_inputs": False}},
+            "every FSDP unit returns fp32"),
+    Refusal("fsdp2-output-dtype-bf16-masters", {"precision": {"master_weights": "bf16"},
+                                                "fsdp2": {"output_dtype": "fp32"}}, "every FSDP unit returns fp32"),
+    Refusal("fsdp2-low-bit-states-sgd", {"optimizer": {"name": "sgd", "state_dtype": "int8"}},
+            "states come from torchao's low-bit AdamW"),
+    Refusal("fsdp2-state-dtype-mismatch", {"optimizer": {"state_dtype": "bf16"}}, "torch.optim keeps states"),
+    # Moved keys are refused with their new name.
+    Refusal("moved-deepspeed-fp16", {**DS, "deepspeed": {"fp16": {"loss_scale": 0}}},
+            "moved to `precision.loss_scaling`"),
+]
+
+
+# --- the schema walk --------------------------------------------------------------------------
+
+def leaves(node: dict | None = None, path: tuple = ()) -> dict[str, dict]:
+    """Dotted path -> schema node, for every leaf key of the schema."""
+    node = schema() if node is None else node
+    props = node.get("properties")
+    if node.get("type") == "object" and props:
+        out: dict[str, dict] = {}
+        for key, sub in props.items():
+            out.update(leaves(sub, path + (key,)))
+        return out
+    return {".".join(path): node}
+
+
+def enum_values(node: dict) -> list | None:
+    """The finite set of values a leaf takes (enums, booleans, nullable enums), None for free values."""
+    defs = schema()["$defs"]
+
+    def of(sub: dict) -> list | None:
+        if "enum" in sub:
+            return list(sub["enum"])
+        if "const" in sub:
+            return [sub["const"]]
+        if "$ref" in sub:
+            return of(defs[sub["$ref"].rsplit("/", 1)[-1]])
+        if sub.get("type") == "boolean":
+            return [True, False]
+        if sub.get("type") == "null":
+            return [None]
+        return None
+
+    if "anyOf" in node:
+        parts = [of(sub) for sub in node["anyOf"]]
+        return None if any(p is None for p in parts) else [v for p in parts for v in p]
+    return of(node)
+
+
+def _get(doc: dict, dotted: str, missing=KeyError):
+    for part in dotted.split("."):
+        if not isinstance(doc, dict) or part not in doc:
+            return missing
+        doc = doc[part]
+    return doc
+
+
+def _key(value: Any) -> str:
+    return json.dumps(value)
+
+
+def active(path: str, resolved: dict) -> bool:
+    """Does this key act in this resolved config? A block's defaults do not run when its backend or engine
+    is off (te.recipe is `delayed` in every config, but only a TE run exercises it)."""
+    from fp8dist.config.rules import compute_dtype
+
+    fp8 = resolved["precision"]["fp8"]
+    gates = {
+        "precision.fp8.torchao.": fp8["backend"] == "torchao",
+        "precision.fp8.te.": fp8["backend"] == "te" or (fp8["backend"] == "msamp" and fp8["msamp"]["use_te"]),
+        "precision.fp8.msamp.": fp8["backend"] == "msamp",
+        "precision.fp8.modules.": fp8["backend"] != "none",
+        "precision.loss_scaling.": compute_dtype(resolved) == "fp16",
+        "fsdp2.": resolved["engine"] == "fsdp2",
+        "deepspeed.": resolved["engine"] == "deepspeed",
+    }
+    return all(on for prefix, on in gates.items() if path.startswith(prefix))
+
+
+def coverage() -> dict[tuple[str, str], dict[str, list[str]]]:
+    """(key, value) -> {"run": [case ids], "refusal": [case ids]}. Enum leaves are covered per value by the
+    resolved config of a run or of an environment refusal (defaults and presets count where the key acts)
+    or by a config refusal that wrote it; free leaves (numbers, lists, strings, `extra`) by a case that
+    writes a non-default value."""
+    from fp8dist.config.load import resolve
+
+    found: dict[tuple[str, str], dict[str, list[str]]] = {}
+    base = defaults()
+    for kind, cases in (("run", RUNS), ("refusal", REFUSALS)):
+        for case in cases:
+            written = merge(RUN_BASE, case.config) if kind == "run" else case.config
+            resolvable = kind == "run" or case.kind == "environment"
+            resolved = resolve(written) if resolvable else None
+            for path, node in leaves().items():
+                values = enum_values(node)
+                if path == "fsdp2.wrap" and resolved is not None and active(path, resolved):
+                    wrap = _get(resolved, path)
+                    item = (path, _key(wrap) if wrap == "auto" else "<set>")
+                    found.setdefault(item, {"run": [], "refusal": []})[kind].append(case.id)
+                elif values is not None and path != "fsdp2.wrap":
+                    if resolved is not None and not active(path, resolved):
+                        continue
+                    value = _get(resolved if resolved is not None else written, path)
+                    if value is KeyError:
+                        continue
+                    found.setdefault((path, _key(value)), {"run": [], "refusal": []})[kind].append(case.id)
+                else:
+                    value = _get(written, path)
+                    if value is KeyError or value == _get(base, path, None):
+                        continue
+                    found.setdefault((path, "<set>"), {"run": [], "refusal": []})[kind].append(case.id)
+    return found
+
+
+def required() -> list[tuple[str, str]]:
+    """Every (key, value) that must be covered; free leaves need one non-default use ("<set>")."""
+    out = []
+    for path, node in leaves().items():
+        values = enum_values(node)
+        if path == "fsdp2.wrap":
+            out += [(path, _key("auto")), (path, "<set>")]
+        elif values is None:
+            out.append((path, "<set>"))
+        else:
+            out += [(path, _key(v)) for v in values]
+    return out
+
+
+def uncovered() -> list[tuple[str, str]]:
+    found = coverage()
+    return [item for item in required() if item not in found]
+
+
+# --- the generated table --------------------------------------------------------------------
+
+AUDIT_ROWS = {  # what the audit shows for a key: the phases whose expected dtype it sets
+    "precision.preset": "every phase (the row of the documented table)",
+    "precision.load_dtype": "loading",
+    "precision.mixed_precision": "training, gemm, weight_all_gather",
+    "precision.master_weights": "preparation, master_weights, weights, weight_gradients",
+    "precision.reduce_dtype": "communication",
+    "precision.fp8.backend": "gemm",
+    "precision.fp8.torchao.enable_fsdp_float8_all_gather": "weight_all_gather",
+    "precision.fp8.te.recipe": "gemm (fp4 for nvfp4)",
+    "precision.fp8.msamp.opt_level": "gemm, communication, weights, master_weights, weight_gradients, optimizer",
+    "optimizer.state_dtype": "optimizer",
+    "optimizer.name": "optimizer (states per parameter)",
+    "deepspeed.grad_accum_dtype": "weight_gradients",
+    "deepspeed.zero_stage": "preparation, master_weights",
+    "precision.fp8.modules.exclude": "FP8 modules list",
+    "precision.fp8.modules.skip_first_last": "FP8 modules list",
+    "precision.fp8.torchao.pad_inner_dim": "FP8 modules list",
+}
+
+
+def render() -> str:
+    found = coverage()
+    lines = ["# Option matrix", "",
+             "Generated by `python -m tests.option_matrix > docs/options.md`; `tests/unit/test_option_matrix.py` "
+             "fails when a schema key or value has neither a run nor a refusal, or when this file is stale.", "",
+             "- **run**: trained for real on 2 ranks (gloo) in `tests/distributed/test_option_runs.py`, one case "
+             "per id in `tests/option_matrix.py` `RUNS`.",
+             "- **refused**: a clear error, tested in-process in `tests/unit/test_option_matrix.py` (`REFUSALS`): "
+             "the key needs a GPU or a library that cannot exist on a CPU machine, or the combination is invalid.",
+             "", "| option | value | run | refused | audit shows |", "|---|---|---|---|---|"]
+    for path, value in required():
+        cases = found.get((path, value), {"run": [], "refusal": []})
+        shown = "any non-default" if value == "<set>" else f"`{value}`"
+        audit = AUDIT_ROWS.get(path, "not a dtype: not audited")
+        lines.append(f"| `{path}` | {shown} | {', '.join(cases['run'][:3]) or '-'} | "
+                     f"{', '.join(cases['refusal'][:3]) or '-'} | {audit} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")
