@@ -64,7 +64,7 @@ RUNS = [
                        "loss_scaling": {"loss_scale": 0, "initial_scale_power": 10, "loss_scale_window": 2,
                                         "hysteresis": 1, "min_loss_scale": 0.5}},
          "fsdp2": {"offload": "cpu", "output_dtype": "fp16"}, "train": {"steps": 4}},
-        {"local_dtype": "fp32", "offload": True, "skipped_steps": [2], "loss_scales": [1024, 512, 512, 1024]},
+        {"local_dtype": "fp32", "skipped_steps": [2], "loss_scales": [1024, 512, 512, 1024]},
         inject_inf={"rank": 1, "step": 2}),
     Run("fsdp2-fp16-masters-static-scale",
         {"precision": {"load_dtype": "fp16", "mixed_precision": "fp16", "master_weights": "fp16",

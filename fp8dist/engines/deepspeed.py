@@ -7,6 +7,8 @@ for MS-AMP, `msamp.deepspeed.initialize` through the MS-AMP backend.
 """
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import Any
 
 from fp8dist.backends.base import get_backend
@@ -56,9 +58,7 @@ def initialize(model, spec: Spec, optimizer=None, model_parameters=None, trainin
 def check_environment(spec: Spec, config: dict) -> None:
     """What DeepSpeed itself would reject here, said before any process group or model work:
     a 16-bit mode the accelerator lacks, nvme offload without the async_io op."""
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator = get_accelerator()
+    accelerator = _accelerator()
     if config.get("fp16", {}).get("enabled") and not accelerator.is_fp16_supported():
         raise UnsupportedEnvironment(
             f"precision.mixed_precision=fp16 with master_weights={spec.precision.master_weights} maps to DeepSpeed's "
@@ -72,6 +72,15 @@ def check_environment(spec: Spec, config: dict) -> None:
             raise UnsupportedEnvironment("nvme offload needs DeepSpeed's async_io op, which cannot be built here "
                                          "(libaio is missing)",
                                          "install libaio-dev (apt) on the training nodes, or offload to cpu")
+
+
+def _accelerator():
+    """DeepSpeed's accelerator. Importing DeepSpeed sets up its logger on stdout and logs the accelerator it
+    picks; done here first, both go to stderr, so a report on stdout (the audit's JSON) stays clean."""
+    with contextlib.redirect_stdout(sys.stderr):
+        from deepspeed.accelerator import get_accelerator
+
+        return get_accelerator()
 
 
 def _check_client_optimizer(optimizer, spec: Spec, config: dict) -> None:
