@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from fp8dist.errors import Fp8distError
 
 EXIT_OK, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
+AUDIT_TIMEOUT_S = 600  # default bound of an audit run (fp8dist.audit.run imports torch: not imported here)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -162,8 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["table", "json", "markdown"], default="table")
     p.add_argument("--nproc", type=int, default=1, help="processes (2+ observes communication)")
     p.add_argument("--steps", type=int, default=2, help="training steps to observe")
-    p.add_argument("--timeout", type=float, default=600, help="seconds the audit run may take before it is stopped "
-                   "(default 600)")
+    p.add_argument("--timeout", type=float, default=AUDIT_TIMEOUT_S,
+                   help=f"seconds the audit run may take before it is stopped (default {AUDIT_TIMEOUT_S})")
     p.set_defaults(func=cmd_audit)
     return parser
 

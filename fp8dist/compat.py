@@ -41,10 +41,17 @@ TORCH_FSDP2_PUBLIC = (2, 6, 0)
 # _fully_shard/_fsdp_collectives.py) first ship in torch 2.9.0 (pytorch#155189; absent from the 2.8 API docs).
 # fp8dist needs them for float8 all-gather over gloo and the audit's FSDP2 collective record.
 TORCH_FSDP2_CUSTOM_COLLECTIVES = (2, 9, 0)
-# The lowest torch fp8dist runs on: pyproject.toml's `torch>=` (tests/unit/test_compat.py keeps them equal).
+# The lowest torch fp8dist runs on: pyproject.toml's `torch>=` (tests/unit/test_promises.py keeps them equal).
 TORCH_FLOOR = TORCH_FSDP2_CUSTOM_COLLECTIVES
 # Axolotl refuses FP8 + FSDP2 below torch 2.7 (axolotl src/axolotl/utils/config.py check_fsdp_torch_version).
 TORCH_FSDP2_FP8_RECOMMENDED = (2, 7, 0)
+
+
+def torch_supported(torch_version: Version) -> tuple[bool, str]:
+    if torch_version >= TORCH_FLOOR:
+        return True, f"torch {fmt(torch_version)} >= {fmt(TORCH_FLOOR)}"
+    return False, (f"torch {fmt(torch_version)} is older than fp8dist's floor {fmt(TORCH_FLOOR)} (FSDP2 custom "
+                   "collectives, pytorch#155189)")
 
 
 def fsdp2_supported(torch_version: Version) -> tuple[bool, str]:

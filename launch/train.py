@@ -60,8 +60,6 @@ def init_distributed(engine: str) -> None:
 def run_deepspeed(spec, loaded, steps, on_step, checkpoint_dir):
     from fp8dist.engines.deepspeed import initialize, train_step
 
-    if checkpoint_dir:
-        raise Fp8distError("--checkpoint-dir is for engine=fsdp2; use engine.save_checkpoint with DeepSpeed")
     engine, _, _, _ = initialize(loaded.model, spec)
     for step in range(steps):
         skipped_before = engine.skipped_steps
@@ -127,6 +125,8 @@ def main(argv=None) -> int:
         from fp8dist.models import load_model
 
         preflight(spec)
+        if args.checkpoint_dir and spec.engine == "deepspeed":
+            raise Fp8distError("--checkpoint-dir is for engine=fsdp2; use engine.save_checkpoint with DeepSpeed")
 
         loaded = load_model(args.model, spec.precision.load_dtype, seed=spec.train.seed)
         init_distributed(spec.engine)

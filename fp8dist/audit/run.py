@@ -20,11 +20,10 @@ from fp8dist.config.load import load_config
 from fp8dist.errors import Fp8distError, UnsupportedEnvironment
 
 EXIT_OK, EXIT_MISMATCH = 0, 1
-DEFAULT_TIMEOUT_S = 600
-# torchrun's own failure report (torch.distributed.elastic): said better by fp8dist's message.
+# torchrun's own failure report (torch.distributed.elastic), line by line: said better by fp8dist's message.
 _ELASTIC_NOISE = ("torch.distributed.elastic", "ChildFailedError", "error_file", "traceback :", "To enable traceback",
                   "Root Cause", "Failures:", "<NO_OTHER_FAILURES>", "exitcode  :", "host      :", "rank      :",
-                  "time      :", "FAILED", "====", "----")
+                  "time      :", "fp8dist.audit.worker FAILED", "=====", "-----", "[0]:", "[1]:")
 
 
 def check_before_launch(spec, model: str) -> None:
@@ -37,11 +36,12 @@ def check_before_launch(spec, model: str) -> None:
 
 
 def _failure_tail(stderr: str, lines: int = 15) -> str:
-    kept = [line for line in stderr.strip().splitlines() if not any(noise in line for noise in _ELASTIC_NOISE)]
+    kept = [line for line in stderr.strip().splitlines()
+            if not any(line.strip().startswith(noise) or "torch.distributed.elastic" in line for noise in _ELASTIC_NOISE)]
     return "\n".join(kept[-lines:])
 
 
-def measure(model: str, config: str | None, nproc: int, steps: int, timeout: float = DEFAULT_TIMEOUT_S) -> dict:
+def measure(model: str, config: str | None, nproc: int, steps: int, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="fp8dist-audit-") as tmp:
         out = os.path.join(tmp, "observed.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
@@ -52,9 +52,11 @@ def measure(model: str, config: str | None, nproc: int, steps: int, timeout: flo
                                 start_new_session=True)  # its own process group: a timeout ends every rank
         try:
             _, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except BaseException as exc:  # a timeout, or Ctrl-C that reached only this process: end every rank
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+            if not isinstance(exc, subprocess.TimeoutExpired):
+                raise
             raise Fp8distError(f"the audit run did not finish within {timeout:g} s and was stopped; raise --timeout "
                                "for a larger model or more --steps") from None
         if not os.path.exists(out):

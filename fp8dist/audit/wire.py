@@ -20,9 +20,13 @@ KINDS = {
     "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "allgather_": "all_gather", "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+    "allgather_coalesced_": "all_gather",
     "broadcast_": "broadcast",
 }
 REDUCTIONS = {"all_reduce", "reduce", "reduce_scatter"}
+# Gathers and reduce-scatters take (outputs, inputs); the others reduce or broadcast their first argument
+# in place (torch 2.13 c10d op schemas, torch/csrc/distributed/c10d/Ops.cpp).
+INPUT_SECOND = {"all_gather", "reduce_scatter"}
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -45,7 +49,7 @@ class WireRecorder(TorchDispatchMode):
         if func.namespace == "c10d":
             kind = KINDS.get(func._opname)
             if kind is not None:
-                sent = _tensors(args[1] if kind == "all_gather" and len(args) > 1 else args[0])
+                sent = _tensors(args[1] if kind in INPUT_SECOND else args[0])
                 for tensor in sent:
                     entry = self.calls[(kind, short(tensor.dtype))]
                     entry[0] += 1

@@ -55,7 +55,7 @@ def _obs(value: str, detail: str = "", measured: bool = True) -> dict[str, Any]:
 
 
 def run_fsdp2(spec, loaded, steps, nproc, out):
-    from fp8dist.engines.fsdp2 import prepare, train_step
+    from fp8dist.engines.fsdp2 import accumulate_gradients, apply_gradients, prepare, train_step
 
     run = prepare(loaded.model, spec, record_comm=nproc > 1, optimizer=loaded.make_optimizer)
     model = run.model
@@ -67,17 +67,14 @@ def run_fsdp2(spec, loaded, steps, nproc, out):
                                  "the optimizer steps on the local shards")
     batches = [loaded.make_batch(spec.train.micro_batch_size, spec.train.seq_len, seed=dist.get_rank())]
     recorder = probes.MatmulRecorder()
-    with recorder:
-        with run.backend.forward_context():
-            loss = forward_loss(model, batches[0])
-        loss.backward()
+    with recorder:  # the engine's own step (loss scaling, clipping): what the run does, not a stand-in
+        accumulate_gradients(run, batches)
     grads = [p.grad for p in probes.trainable(model) if p.grad is not None]
     grad_dtype, grad_counts = probes.summarize(grads)
     out["weight_gradients"] = _obs(grad_dtype, f"sharded gradients: {grad_counts}")
     covered = sum(t.numel() for t in local)
     out["_bytes"] = {"weights": probes.nbytes(local) / covered, "gradients": probes.nbytes(grads) / covered}
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    apply_gradients(run, spec.train.gradient_clipping)
     for _ in range(max(steps - 1, 0)):
         train_step(run, batches, spec.train.gradient_clipping)
     if run.comm is not None:
@@ -135,7 +132,8 @@ def run_deepspeed(spec, loaded, steps, nproc, out):
             out["weight_gradients"] = _obs(probes.short(engine.get_data_types()[1]), "engine.get_data_types()", False)
         engine.step()
     if nproc > 1:
-        reduced = wire.dtypes(REDUCTIONS)
+        # MS-AMP sends its FP8 gradients as uint8 (ScalingTensor bytes): name them by what they carry.
+        reduced = sorted({"fp8" if d == "uint8" and spec.fp8.backend == "msamp" else d for d in wire.dtypes(REDUCTIONS)})
         out["communication"] = _obs("+".join(reduced) or "none",
                                     f"gradient reductions captured on the wire (scalars left out): {wire.as_dict()}")
         out["_comm"] = wire.as_dict()

@@ -222,6 +222,12 @@ def _deepspeed(doc, _):
             issues.append(Issue("optimizer.name", f"DeepSpeed steps {master} master weights only with "
                                 "DeepSpeedCPUAdam (stage_1_and_2.py _enforce_cpu_offload), an Adam", "sgd",
                                 "set optimizer.name=adamw, or use fp32 master weights with SGD"))
+    if p["load_dtype"] == "fp16" and p["mixed_precision"] == "none":
+        issues.append(Issue("precision.load_dtype", "fp16 weights without mixed precision give DeepSpeed no fp16 "
+                            "section, so nothing scales the loss and small gradients underflow silently (its ZeRO "
+                            "optimizer then keeps a static loss scale of 1)", "fp16",
+                            "set precision.mixed_precision=fp16 with master_weights=fp32 (DeepSpeed's fp16 section), "
+                            "or use engine=fsdp2, whose fp16 compute runs fp8dist's loss scaler"))
     if state == "bf16" and master != "bf16":
         issues.append(Issue("optimizer.state_dtype", "DeepSpeed's bf16_optimizer_states needs bf16 master weights",
                             state, "set precision.master_weights=bf16 (and mixed_precision=bf16)"))
@@ -230,22 +236,6 @@ def _deepspeed(doc, _):
                             "DeepSpeed has none (MS-AMP O2/O3 has its own)", state,
                             "use engine=fsdp2, or backend=msamp with opt_level O2/O3"))
     return issues
-
-
-@rule
-def _fsdp2_output_dtype(doc, _):
-    f, p = doc["fsdp2"], doc["precision"]
-    out, compute = f["output_dtype"], compute_dtype(doc)
-    if doc["engine"] != "fsdp2" or out is None or out == compute:
-        return []
-    casts_inputs = f["cast_forward_inputs"] and p["mixed_precision"] != "none" and weight_dtype(doc) != compute
-    if casts_inputs:
-        return []
-    return [Issue("fsdp2.output_dtype", f"every FSDP unit returns {out}, and the next block casts its inputs back to "
-                  f"{compute} only with cast_forward_inputs=true and a param_dtype that differs from the stored "
-                  f"{weight_dtype(doc)} weights (torch _fsdp_state.py _cast_forward_inputs); here it would multiply "
-                  f"{out} inputs with {compute} weights and fail", out,
-                  "leave fsdp2.output_dtype null, or use it with cast_forward_inputs=true and fp32 master weights")]
 
 
 @rule

@@ -65,6 +65,13 @@ def check_environment(spec: Spec, config: dict) -> None:
             f"fp16 section, which the {accelerator.device_name()} accelerator here does not support "
             "(DeepSpeedEngine._do_sanity_check: 'Type fp16 is not supported on your device')",
             "run on a CUDA GPU, or use mixed_precision=bf16 here")
+    if offloads_optimizer(spec) and spec.optimizer.name in ("adam", "adamw"):
+        builder = accelerator.get_op_builder("CPUAdamBuilder")
+        if builder is None or not builder().is_compatible(verbose=False):
+            raise UnsupportedEnvironment("deepspeed.offload_optimizer steps with DeepSpeedCPUAdam, whose C++ op cannot "
+                                         f"be built on the {accelerator.device_name()} accelerator here",
+                                         "install a C++ compiler and the Python headers (the op is JIT-built), "
+                                         "or set deepspeed.offload_optimizer=none")
     if "nvme" in (spec.deepspeed.offload_optimizer, spec.deepspeed.offload_param):
         from deepspeed.ops.op_builder import AsyncIOBuilder
 
@@ -85,11 +92,13 @@ def _accelerator():
 
 def _check_client_optimizer(optimizer, spec: Spec, config: dict) -> None:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.lion import DeepSpeedCPULion
 
-    if (offloads_optimizer(spec) and not isinstance(optimizer, DeepSpeedCPUAdam)
+    if (offloads_optimizer(spec) and not isinstance(optimizer, (DeepSpeedCPUAdam, DeepSpeedCPULion))
             and config.get("zero_force_ds_cpu_optimizer", True)):
         raise Fp8distError(f"deepspeed.offload_optimizer={spec.deepspeed.offload_optimizer} steps the optimizer on "
-                           f"the CPU, and DeepSpeed accepts only DeepSpeedCPUAdam there, not {type(optimizer).__name__}"
+                           f"the CPU, and DeepSpeed accepts only its CPU optimizers there (DeepSpeedCPUAdam, DeepSpeedCPULion), not "
+                           f"{type(optimizer).__name__}"
                            "\n  fix: pass no optimizer (fp8dist builds DeepSpeedCPUAdam from `optimizer`), pass a "
                            "deepspeed.ops.adam.DeepSpeedCPUAdam, or set "
                            "deepspeed.extra.zero_force_ds_cpu_optimizer=false to step yours on the CPU (slow)")

@@ -100,13 +100,17 @@ def prepare(model, spec: Spec, mesh=None, *, record_comm: bool = False, optimize
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     mp = plan["mixed_precision_policy"]
-    policy = MixedPrecisionPolicy(param_dtype=_dtype(mp["param_dtype"]), reduce_dtype=_dtype(mp["reduce_dtype"]),
-                                  output_dtype=_dtype(mp["output_dtype"]), cast_forward_inputs=mp["cast_forward_inputs"])
+    policy = dict(param_dtype=_dtype(mp["param_dtype"]), reduce_dtype=_dtype(mp["reduce_dtype"]),
+                  cast_forward_inputs=mp["cast_forward_inputs"])
+    # output_dtype applies to the model's outputs, so only the root gets it: a block returning it would hand
+    # the next block (or a root-owned norm / lm_head) inputs in another dtype than its weights.
+    block_policy = MixedPrecisionPolicy(**policy)
+    root_policy = MixedPrecisionPolicy(**policy, output_dtype=_dtype(mp["output_dtype"]))
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan["offload_policy"] else OffloadPolicy()
     for _, unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=plan["reshard_after_forward"],
+        fully_shard(unit, mesh=mesh, mp_policy=block_policy, reshard_after_forward=plan["reshard_after_forward"],
                     offload_policy=offload)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=plan["reshard_after_forward"],
+    fully_shard(model, mesh=mesh, mp_policy=root_policy, reshard_after_forward=plan["reshard_after_forward"],
                 offload_policy=offload)
 
     record = None

@@ -48,13 +48,12 @@ class DynamicLossScaler:
         return loss * self.scale
 
     def found_inf_anywhere(self, params) -> bool:
-        """True when any rank holds a non-finite gradient (local shards; one all-reduce)."""
+        """True when any rank holds a non-finite gradient (local shards; one all-reduce, one host sync)."""
+        device = _collective_device(self.group)
         local = [_local(p.grad) for p in params if p.grad is not None]
-        flag = torch.zeros(1, dtype=torch.float32, device=local[0].device if local else "cpu")
-        for grad in local:
-            if not torch.isfinite(grad).all():
-                flag.fill_(1.0)
-                break
+        flag = torch.zeros(1, dtype=torch.float32, device=device)
+        if local:
+            flag += torch.stack([(~torch.isfinite(g)).any().to(device) for g in local]).any().float()
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
@@ -80,15 +79,16 @@ class DynamicLossScaler:
         self._iteration += 1
         return StepOutcome(overflow, before, self.scale)
 
-    def state_dict(self) -> dict:
-        return {"scale": self.scale, "hysteresis_left": self._hysteresis_left, "iteration": self._iteration,
-                "last_overflow": self._last_overflow}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
-        self._hysteresis_left = int(state["hysteresis_left"])
-        self._iteration = int(state["iteration"])
-        self._last_overflow = int(state["last_overflow"])
+
+def _collective_device(group) -> torch.device:
+    """Where the flag must live for the group's backend: NCCL alone carries only CUDA tensors (gradient
+    shards offloaded to the CPU included); gloo, or "cuda:nccl,cpu:gloo", takes a CPU tensor."""
+    if dist.is_initialized():
+        backend = str(dist.get_backend(group))
+        if "nccl" in backend and "cpu:" not in backend:
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -7,13 +7,19 @@ exits 2 with fp8dist's message before anything is launched.
 from __future__ import annotations
 
 from fp8dist.config.spec import Spec
+from fp8dist.errors import UnsupportedEnvironment
 
 
 def preflight(spec: Spec) -> None:
+    from fp8dist import compat
     from fp8dist.backends.base import get_backend
     from fp8dist.engines.optim import check_optimizer_environment
     from fp8dist.environment import device_info
 
+    installed = compat.installed_version("torch")
+    ok, reason = compat.torch_supported(compat.parse_version(installed)) if installed else (False, "torch is missing")
+    if not ok:
+        raise UnsupportedEnvironment(reason, f"pip install 'torch>={compat.fmt(compat.TORCH_FLOOR)}'")
     device = device_info()
     get_backend(spec).check_environment(device)
     check_optimizer_environment(spec, device)

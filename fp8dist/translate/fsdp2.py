@@ -50,7 +50,7 @@ def to_fsdp2(spec: Spec, torchao_version: str | None = None) -> dict[str, Any]:
         "mixed_precision_policy": {
             "param_dtype": None if p.mixed_precision == "none" else p.mixed_precision,
             "reduce_dtype": p.reduce_dtype,
-            "output_dtype": f.output_dtype,
+            "output_dtype": f.output_dtype,  # the root's (the model outputs); blocks keep the compute dtype
             "cast_forward_inputs": f.cast_forward_inputs,
         },
         "wrap": {"units": "auto" if f.wrap == "auto" else list(f.wrap), "root": True,
@@ -67,7 +67,7 @@ def to_fsdp2(spec: Spec, torchao_version: str | None = None) -> dict[str, Any]:
             "steps_on": master, "state_dtype": state,
             "lr": spec.optimizer.lr, "weight_decay": spec.optimizer.weight_decay,
         },
-        "compile": {"per_block": True, "before": "fully_shard"} if spec.compile else False,
+        "compile": {"per_block": True, "root_if_no_blocks": True, "before": "fully_shard"} if spec.compile else False,
         "gradient_clipping": spec.train.gradient_clipping,
     }
     return plan

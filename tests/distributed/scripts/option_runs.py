@@ -57,13 +57,16 @@ def run_fsdp2(case, spec, loaded) -> dict:
         if run.scaler is not None:
             scales.append(run.scaler.scale)
     local, _ = probes.summarize(p.to_local() for p in probes.trainable(run.model))
+    with torch.no_grad():
+        logits = run.model(**batches_for(loaded, spec, 0, dist.get_rank())[0]).logits
+    run.model.reshard()  # FSDP2 keeps the root unsharded after a forward that no backward follows
     state = [v for s in run.optimizer.state.values() for k, v in s.items() if k == "exp_avg"]
     record = run.comm.as_dict()
     units = [m for m in run.model.modules() if isinstance(m, FSDPModule)]
     all_skipped = [None] * dist.get_world_size()
     dist.all_gather_object(all_skipped, skipped)
     return {
-        "losses": losses, "local_dtype": local, "optimizer": type(run.optimizer).__name__,
+        "losses": losses, "local_dtype": local, "logits_dtype": probes.short(logits.dtype), "optimizer": type(run.optimizer).__name__,
         "state_dtype": probes.summarize(state)[0] if state else None,
         "compiled": all(getattr(m, "_compiled_call_impl", None) is not None
                         for name, m in run.model.named_modules() if name in run.wrapped) and bool(run.wrapped),
