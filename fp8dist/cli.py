@@ -1,8 +1,9 @@
-"""`fp8dist` command line: validate | translate | schema | env | audit.
+"""`fp8dist` command line: validate | translate | schema | presets | env | estimate | compare | audit.
 
-Exit codes: 0 ok; 1 the audit found a dtype that differs from the documented table; 2 a usage,
-config or environment error (message on stderr, no traceback). `validate`, `translate` and `schema`
-never import torch, DeepSpeed, torchao or transformers.
+Exit codes: 0 ok; 1 the audit found a dtype that differs from the documented table (or a phase it could not
+measure), or compare found a loss gap beyond its tolerance; 2 a usage,
+config or environment error (message on stderr, no traceback). `validate`, `translate`, `schema` and
+`estimate` never import torch at start (estimate builds its meta model lazily).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any, Sequence
 from fp8dist.errors import Fp8distError
 
 EXIT_OK, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
-AUDIT_TIMEOUT_S = 600  # default bound of an audit run (fp8dist.audit.run imports torch: not imported here)
+AUDIT_TIMEOUT_S = 600  # default bound of an audit or compare run (their modules import torch: not imported here)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -121,6 +122,26 @@ def cmd_env(args) -> int:
     return EXIT_OK
 
 
+def cmd_estimate(args) -> int:
+    from fp8dist.config.load import load_config
+
+    spec = load_config(args.config, overrides=args.overrides)  # config errors before torch is imported
+    from fp8dist.estimate import estimate, render_table
+
+    result = estimate(args.model, spec, args.world_size)
+    if args.format == "json":
+        sys.stdout.write(_dump(result))
+    else:
+        sys.stdout.write(render_table(result, markdown=args.format == "markdown"))
+    return EXIT_OK
+
+
+def cmd_compare(args) -> int:
+    from fp8dist.compare import run_compare
+
+    return run_compare(args)
+
+
 def cmd_audit(args) -> int:
     from fp8dist.audit.run import run_audit
 
@@ -157,6 +178,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.set_defaults(func=cmd_env)
 
+    p = sub.add_parser("estimate", help="per-rank memory of a run (model built on the meta device: no weights read)")
+    p.add_argument("model", help="built-in name (tiny-llama, small-llama), a shape (llama-3-8b, llama-3-70b, "
+                   "bert-base-cased), a local Hugging Face model directory, or a config.json")
+    p.add_argument("--config", help="fp8dist config (default: the schema defaults)")
+    p.add_argument("--world-size", type=int, default=1, help="ranks the run shards over (default 1)")
+    p.add_argument("--format", choices=["table", "json", "markdown"], default="table")
+    p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("compare", help="loss curves of a config vs a baseline from the same weights and batches")
+    p.add_argument("--config", required=True, help="the fp8dist config under test")
+    p.add_argument("--baseline", required=True, help="the higher-precision fp8dist config to compare against")
+    p.add_argument("--model", default="tiny-llama", help="built-in name, local Hugging Face model directory, or "
+                   "package.module:factory (default tiny-llama)")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps of each run (default 20)")
+    p.add_argument("--data", help="local text or JSONL ({\"text\": ...} per line) file; default: synthetic batches")
+    p.add_argument("--plot", help="write both loss curves and the gap to this PNG")
+    p.add_argument("--tolerance", type=float, default=0.05, help="largest relative loss gap that passes (default 0.05)")
+    p.add_argument("--format", choices=["table", "json", "markdown"], default="table")
+    p.add_argument("--nproc", type=int, default=1, help="processes per run (default 1)")
+    p.add_argument("--timeout", type=float, default=AUDIT_TIMEOUT_S, help=f"seconds before the runs are stopped "
+                   f"(default {AUDIT_TIMEOUT_S})")
+    p.set_defaults(func=cmd_compare)
+
     p = sub.add_parser("audit", help="measure the dtypes of a real run and compare with the documented table")
     p.add_argument("model", help="tiny-llama or small-llama (built in), a local Hugging Face model directory, or package.module:factory")
     p.add_argument("--config", help="fp8dist config (default: the schema defaults)")
@@ -171,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     """KEY=VALUE words after the config are overrides, not positionals."""
-    if not argv or argv[0] not in ("validate", "translate"):
+    if not argv or argv[0] not in ("validate", "translate", "estimate"):
         return argv, []
     rest, overrides = [], []
     for word in argv:

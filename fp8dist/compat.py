@@ -137,6 +137,16 @@ def torchao_fp8_states_on_fsdp2(cuda_available: bool) -> tuple[bool, str]:
                    "'OptimStateFp8' object has no attribute 'qmap'; torch 2.13, torchao 0.18)")
 
 
+# Linear sizes below which float8 GEMMs tend to be slower than bf16 on H100: torchao's own heuristics
+# (ao v0.18.0 torchao/float8/float8_linear_utils.py _auto_filter_for_tensorwise / _auto_filter_for_rowwise,
+# from the performance tables in torchao/float8/README.md). N = out_features, K = in_features.
+def torchao_too_small_to_gain(recipe_name: str, out_features: int, in_features: int) -> bool:
+    n, k = out_features, in_features
+    if recipe_name == "tensorwise":
+        return k <= 4096 and n <= 1024
+    return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
+
+
 # --- DeepSpeed -------------------------------------------------------------------------------
 # Newest DeepSpeed whose config rules this module knows (PyPI, research/deepspeed.md).
 NEWEST_KNOWN_DEEPSPEED = (0, 19, 8)

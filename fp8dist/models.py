@@ -3,6 +3,7 @@ directory, or `package.module:factory`. Each comes with a function that makes an
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -96,8 +97,13 @@ def check_model_name(name: str) -> None:
     if name in BUILTIN or ":" in name:
         return
     if Path(name).is_dir():
-        if not (Path(name) / "config.json").exists():
+        config = Path(name) / "config.json"
+        if not config.exists():
             raise Fp8distError(f"{name} has no config.json: not a Hugging Face model directory")
+        try:
+            json.loads(config.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise Fp8distError(f"{config}: not JSON ({exc})") from None
         return
     raise Fp8distError(f"unknown MODEL {name!r}: use a built-in name ({', '.join(BUILTIN)}), a local Hugging Face "
                        "model directory, or package.module:factory")
@@ -159,6 +165,8 @@ def forward_loss(model, batch: dict):
     out = model(**batch)
     loss = getattr(out, "loss", None)
     if loss is None:
+        if hasattr(out, "to_tuple"):  # a Hugging Face ModelOutput without a loss (a base model): its first output
+            out = out.to_tuple()
         loss = out if not isinstance(out, (tuple, list)) else out[0]
         loss = loss.float().mean() if loss.dim() else loss
     return loss

@@ -15,6 +15,7 @@ import os
 import sys
 
 import fp8dist
+from fp8dist.data import batches_for
 from fp8dist.errors import Fp8distError
 
 
@@ -26,17 +27,6 @@ def parse_args(argv=None):
                         help="FSDP2: save a distributed checkpoint here at the end (torch.distributed.checkpoint)")
     fp8dist.add_config_arguments(parser)
     return parser.parse_args(argv)
-
-
-SYNTHETIC_BATCHES = 4  # a fixed pool of batches per rank, cycled, so that the loss visibly goes down
-
-
-def batches_for(loaded, spec, step: int, rank: int):
-    t = spec.train
-    first = (step * t.gradient_accumulation_steps) % SYNTHETIC_BATCHES
-    return [loaded.make_batch(t.micro_batch_size, t.seq_len,
-                              seed=t.seed * 100_003 + rank * 1009 + (first + i) % SYNTHETIC_BATCHES)
-            for i in range(t.gradient_accumulation_steps)]
 
 
 def init_distributed(engine: str) -> None:
@@ -63,7 +53,7 @@ def run_deepspeed(spec, loaded, steps, on_step, checkpoint_dir):
     engine, _, _, _ = initialize(loaded.model, spec)
     for step in range(steps):
         skipped_before = engine.skipped_steps
-        loss = train_step(engine, batches_for(loaded, spec, step, engine.global_rank))
+        loss = train_step(engine, batches_for(loaded.make_batch, spec, step, engine.global_rank))
         note = "skipped by DeepSpeed (overflow)" if engine.skipped_steps > skipped_before else None
         on_step(step, loss, note)
 
@@ -79,7 +69,7 @@ def run_fsdp2(spec, loaded, steps, on_step, checkpoint_dir):
         loaded.model.to("cuda")
     run = prepare(loaded.model, spec)
     for step in range(steps):
-        batches = batches_for(loaded, spec, step, dist.get_rank())
+        batches = batches_for(loaded.make_batch, spec, step, dist.get_rank())
         if cuda:
             batches = [{k: v.cuda() for k, v in b.items()} for b in batches]
         loss = train_step(run, batches, spec.train.gradient_clipping)

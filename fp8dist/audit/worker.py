@@ -148,32 +148,37 @@ def run_deepspeed(spec, loaded, steps, nproc, out):
     return recorder, getattr(inner, "optimizer", inner), engine.fp8dist_decisions, covered
 
 
+def observe(spec, loaded, steps: int, nproc: int) -> dict[str, Any]:
+    """Every phase of `steps` real steps of `loaded` under `spec` (the process group is initialised)."""
+    out: dict[str, Any] = {}
+    value, counts = probes.summarize(probes.trainable(loaded.model))
+    out["loading"] = _obs(value, f"parameters after loading: {counts}")
+    runner = run_deepspeed if spec.engine == "deepspeed" else run_fsdp2
+    recorder, optimizer, decisions, covered = runner(spec, loaded, steps, nproc, out)
+    fp8, other = recorder.split()
+    compute, detail = probes.compute_dtype(other)
+    out["training"] = _obs(compute, f"non-FP8 matmul operands: {detail}")
+    notes = "".join(f"; {note}" for note in recorder.notes)
+    out["gemm"] = (_obs(probes.low_precision_format(fp8), probes.describe_fp8(fp8) + notes) if fp8
+                   else _obs(compute, "no FP8/FP4 operands seen" + notes))
+    state, per_key = probes.optimizer_states(optimizer)
+    out["optimizer"] = _obs(state, f"state storage: {per_key}")
+    out["_bytes"]["optimizer"] = probes.nbytes(probes.state_tensors(optimizer)) / covered
+    out["_decisions"] = [d.__dict__ for d in decisions]
+    return out
+
+
 def main(model_name: str, config: str, steps: int, out_path: str) -> int:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
-    nproc = dist.get_world_size()
-    out: dict[str, Any] = {}
     try:
         spec = load_config(config or None)
         loaded = load_model(model_name, spec.precision.load_dtype, seed=spec.train.seed)
         if cuda:
             loaded.model.to("cuda")
-        value, counts = probes.summarize(probes.trainable(loaded.model))
-        out["loading"] = _obs(value, f"parameters after loading: {counts}")
-        runner = run_deepspeed if spec.engine == "deepspeed" else run_fsdp2
-        recorder, optimizer, decisions, covered = runner(spec, loaded, steps, nproc, out)
-        fp8, other = recorder.split()
-        compute, detail = probes.compute_dtype(other)
-        out["training"] = _obs(compute, f"non-FP8 matmul operands: {detail}")
-        notes = "".join(f"; {note}" for note in recorder.notes)
-        out["gemm"] = (_obs(probes.low_precision_format(fp8), probes.describe_fp8(fp8) + notes) if fp8
-                       else _obs(compute, "no FP8/FP4 operands seen" + notes))
-        state, per_key = probes.optimizer_states(optimizer)
-        out["optimizer"] = _obs(state, f"state storage: {per_key}")
-        out["_bytes"]["optimizer"] = probes.nbytes(probes.state_tensors(optimizer)) / covered
-        out["_decisions"] = [d.__dict__ for d in decisions]
+        out = observe(spec, loaded, steps, dist.get_world_size())
     except Fp8distError as exc:
         out = {"_error": str(exc)}
     if dist.get_rank() == 0:
@@ -182,7 +187,6 @@ def main(model_name: str, config: str, steps: int, out_path: str) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]))

@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from fp8dist.audit import probes
 from fp8dist.config.load import load_config
+from fp8dist.data import batches_for
 from fp8dist.engines.preflight import preflight
 from fp8dist.models import load_model
-from launch.train import batches_for
 from tests.option_matrix import RUN_BASE, RUNS, merge
 
 CASE_TIMEOUT = timedelta(seconds=180)  # a rank stuck in a collective fails the job instead of hanging
@@ -44,7 +44,7 @@ def run_fsdp2(case, spec, loaded) -> dict:
     run = prepare(loaded.model, spec, record_comm=True)
     losses, skipped, scales = [], [], []
     for step in range(spec.train.steps):
-        loss = accumulate_gradients(run, batches_for(loaded, spec, step, dist.get_rank()))
+        loss = accumulate_gradients(run, batches_for(loaded.make_batch, spec, step, dist.get_rank()))
         inject = case.inject_inf
         if inject and inject["step"] == step + 1 and inject["rank"] == dist.get_rank():
             grad = next(p.grad for p in run.model.parameters() if p.grad is not None)
@@ -58,7 +58,7 @@ def run_fsdp2(case, spec, loaded) -> dict:
             scales.append(run.scaler.scale)
     local, _ = probes.summarize(p.to_local() for p in probes.trainable(run.model))
     with torch.no_grad():
-        logits = run.model(**batches_for(loaded, spec, 0, dist.get_rank())[0]).logits
+        logits = run.model(**batches_for(loaded.make_batch, spec, 0, dist.get_rank())[0]).logits
     run.model.reshard()  # FSDP2 keeps the root unsharded after a forward that no backward follows
     state = [v for s in run.optimizer.state.values() for k, v in s.items() if k == "exp_avg"]
     record = run.comm.as_dict()
@@ -82,7 +82,7 @@ def run_deepspeed(case, spec, loaded) -> dict:
     from fp8dist.engines.deepspeed import initialize, train_step
 
     engine, _, _, _ = initialize(loaded.model, spec)
-    losses = [train_step(engine, batches_for(loaded, spec, step, dist.get_rank())) for step in range(spec.train.steps)]
+    losses = [train_step(engine, batches_for(loaded.make_batch, spec, step, dist.get_rank())) for step in range(spec.train.steps)]
     _, master = _first_attr(engine.optimizer, DS_MASTER)
     facts = {"losses": losses, "zero_stage": engine.zero_optimization_stage(),
              "optimizer": type(engine.basic_optimizer).__name__, "compiled": engine.is_compiled,

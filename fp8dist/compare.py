@@ -1,0 +1,242 @@
+"""`fp8dist compare --config X --baseline Y --model M --steps N`: the loss curves of two configs from the same
+initial weights on the same batches, the largest relative gap, a verdict against a tolerance, and a plot.
+
+The parent checks both configs, the model and the data before launching; the worker (one torchrun job,
+`python -m fp8dist.compare`) trains the baseline and then the config in the same processes, printing
+progress lines the parent shows as they come.
+
+Exit codes: 0 within tolerance, 1 beyond it, 2 a usage, config, data or environment error.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from fp8dist.errors import Fp8distError
+
+EXIT_OK, EXIT_BEYOND = 0, 1
+PROGRESS = "fp8dist-progress "
+
+
+# --- the parent ---------------------------------------------------------------------------------
+
+def run_compare(args) -> int:
+    from fp8dist.config.load import load_config
+    from fp8dist.engines.preflight import preflight
+    from fp8dist.models import check_model_name
+
+    if args.steps < 1 or args.nproc < 1:
+        raise Fp8distError("--steps and --nproc must be at least 1")
+    if not args.tolerance > 0:
+        raise Fp8distError(f"--tolerance must be a positive relative gap, got {args.tolerance:g}")
+    specs = {"baseline": load_config(args.baseline), "config": load_config(args.config)}
+    check_model_name(args.model)
+    for spec in specs.values():
+        preflight(spec)
+    if args.data:
+        from pathlib import Path
+
+        from fp8dist.data import read_texts
+
+        read_texts(Path(args.data))  # binary, empty or unreadable: exit 2 here, not in the ranks
+    if args.plot:
+        _check_writable(args.plot)
+    losses = _launch(args)
+    result = verdict(losses, args.tolerance, args)
+    if args.plot:
+        plot(result, args.plot)
+        result["plot"] = args.plot
+    render = {"json": lambda r: json.dumps(r, indent=2) + "\n", "markdown": markdown, "table": table}[args.format]
+    sys.stdout.write(render(result))
+    return EXIT_OK if result["passed"] else EXIT_BEYOND
+
+
+def _check_writable(path: str) -> None:
+    from pathlib import Path
+
+    target = Path(path)
+    if target.is_dir() or not target.parent.exists():
+        raise Fp8distError(f"--plot {path}: name a .png file in an existing directory")
+
+
+def _launch(args) -> dict[str, list[float]]:
+    with tempfile.TemporaryDirectory(prefix="fp8dist-compare-") as tmp:
+        out = os.path.join(tmp, "losses.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
+               "-m", "fp8dist.compare", args.model, args.baseline, args.config, str(args.steps), args.data or "", out]
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+               "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+        try:
+            for line in proc.stdout:  # progress as it comes
+                if line.startswith(PROGRESS):
+                    print(line[len(PROGRESS):].rstrip(), file=sys.stderr, flush=True)
+            stderr = proc.stderr.read()
+            proc.wait(timeout=args.timeout)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        if not os.path.exists(out):
+            from fp8dist.audit.run import _failure_tail
+
+            raise Fp8distError(f"the comparison run failed (exit {proc.returncode}):\n{_failure_tail(stderr)}")
+        with open(out, encoding="utf-8") as handle:
+            result = json.load(handle)
+    if "_error" in result:
+        raise Fp8distError(result["_error"])
+    return result
+
+
+def verdict(losses: dict[str, list[float]], tolerance: float, args=None) -> dict[str, Any]:
+    """Per-step relative gaps |config - baseline| / |baseline|; a non-finite loss is an infinite gap."""
+    gaps = []
+    for got, base in zip(losses["config"], losses["baseline"]):
+        finite = math.isfinite(got) and math.isfinite(base) and base != 0
+        gaps.append(abs(got - base) / abs(base) if finite else math.inf)
+    worst = max(gaps) if gaps else math.inf
+    out = {"passed": worst <= tolerance, "max_relative_gap": worst if math.isfinite(worst) else None,
+           "tolerance": tolerance, "losses": losses, "relative_gaps": [g if math.isfinite(g) else None for g in gaps]}
+    if args is not None:
+        out.update(model=args.model, config=args.config, baseline=args.baseline, steps=args.steps,
+                   data=args.data or "synthetic batches")
+    return out
+
+
+def _gap_text(value) -> str:
+    return "inf" if value is None else f"{value:.4%}"
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"fp8dist compare: {result['config']} vs baseline {result['baseline']} on {result['model']}, "
+             f"{result['steps']} steps, data: {result['data']}", "",
+             f"{'step':>4}  {'baseline':>10}  {'config':>10}  {'gap':>9}"]
+    for i, (base, got, gap) in enumerate(zip(result["losses"]["baseline"], result["losses"]["config"],
+                                             result["relative_gaps"]), 1):
+        lines.append(f"{i:>4}  {base:>10.4f}  {got:>10.4f}  {_gap_text(gap):>9}")
+    lines += ["", f"largest relative gap {_gap_text(result['max_relative_gap'])}, tolerance {result['tolerance']:.2%}: "
+              + ("PASS" if result["passed"] else "FAIL")]
+    if result.get("plot"):
+        lines.append(f"plot: {result['plot']}")
+    return "\n".join(lines) + "\n"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"**fp8dist compare** `{result['config']}` vs baseline `{result['baseline']}` on `{result['model']}`: "
+             f"**{'PASS' if result['passed'] else 'FAIL'}** (largest relative gap {_gap_text(result['max_relative_gap'])}, "
+             f"tolerance {result['tolerance']:.2%})", "", "| step | baseline | config | gap |", "|---|---|---|---|"]
+    for i, (base, got, gap) in enumerate(zip(result["losses"]["baseline"], result["losses"]["config"],
+                                             result["relative_gaps"]), 1):
+        lines.append(f"| {i} | {base:.4f} | {got:.4f} | {_gap_text(gap)} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Both loss curves and the relative gap, written atomically as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = list(range(1, len(result["losses"]["baseline"]) + 1))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    top.plot(steps, result["losses"]["baseline"], label=f"baseline: {result.get('baseline', '')}")
+    top.plot(steps, result["losses"]["config"], label=f"config: {result.get('config', '')}", linestyle="--")
+    top.set_ylabel("loss")
+    top.legend(fontsize=8)
+    gaps = [g if g is not None else float("nan") for g in result["relative_gaps"]]
+    bottom.plot(steps, gaps, color="tab:red")
+    bottom.axhline(result["tolerance"], color="gray", linestyle=":", label="tolerance")
+    bottom.set_ylabel("relative gap")
+    bottom.set_xlabel("step")
+    bottom.legend(fontsize=8)
+    fig.tight_layout()
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".plot.", suffix=".png", dir=directory)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+# --- the worker (one torchrun job) ----------------------------------------------------------------
+
+def _train(name: str, spec, loaded, steps: int, make_batch, rank: int) -> list[float]:
+    from fp8dist.data import batches_for
+
+    if spec.engine == "deepspeed":
+        from fp8dist.engines.deepspeed import initialize, train_step as ds_step
+
+        engine, _, _, _ = initialize(loaded.model, spec)
+        step_fn = lambda batches: ds_step(engine, batches)  # noqa: E731
+    else:
+        from fp8dist.engines.fsdp2 import prepare, train_step as fsdp2_step
+
+        run = prepare(loaded.model, spec)
+        step_fn = lambda batches: fsdp2_step(run, batches, spec.train.gradient_clipping)  # noqa: E731
+    losses = []
+    for step in range(steps):
+        losses.append(step_fn(batches_for(make_batch, spec, step, rank)))
+        if rank == 0:
+            print(f"{PROGRESS}{name} step {step + 1}/{steps} loss {losses[-1]:.4f}", flush=True)
+    return losses
+
+
+def worker(model_name: str, baseline: str, config: str, steps: int, data: str, out_path: str) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from fp8dist.config.load import load_config
+    from fp8dist.models import load_model, torch_dtype
+
+    specs = {"baseline": load_config(baseline), "config": load_config(config)}
+    if any(spec.engine == "deepspeed" for spec in specs.values()):
+        import deepspeed
+
+        deepspeed.init_distributed()  # gloo on the CPU accelerator; serves an FSDP2 config too
+    else:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank()
+    result: dict[str, Any] = {}
+    try:
+        make_batch = None
+        for name, spec in specs.items():
+            # The same initial weights for both: built in fp32 from the same seed, then cast to the load dtype.
+            loaded = load_model(model_name, "fp32", seed=specs["baseline"].train.seed)
+            loaded.model.to(torch_dtype(spec.precision.load_dtype))
+            if make_batch is None:
+                make_batch = loaded.make_batch
+                if data:
+                    from fp8dist.data import file_batches, token_stream
+
+                    vocab = loaded.model.config.vocab_size
+                    ids, how = token_stream(data, model_name, vocab)
+                    make_batch = file_batches(ids, vocab)
+                    if rank == 0:
+                        print(f"{PROGRESS}data: {len(ids)} tokens, {how}", flush=True)
+            result[name] = _train(name, spec, loaded, steps, make_batch, rank)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which exits 2 with it
+        from fp8dist.errors import Fp8distError as Known
+
+        result = {"_error": str(exc) if isinstance(exc, Known) else f"{type(exc).__name__}: {exc}"}
+    if rank == 0:
+        with open(out_path, "w", encoding="utf-8") as handle:
+            json.dump(result, handle)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(worker(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6]))

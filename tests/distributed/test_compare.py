@@ -1,0 +1,62 @@
+"""`fp8dist compare` for real (torchrun, gloo): float8 and fp32 track bf16 within tolerance, a run built to
+diverge fails with exit 1, the PNG and the JSON carry both curves, a user's text file feeds the batches."""
+import json
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+pytestmark = pytest.mark.distributed
+CONFIGS = ROOT / "configs"
+
+
+def compare(*args, timeout=600):
+    return run_cli("compare", *args, timeout=timeout)
+
+
+def test_float8_tracks_bf16_on_a_users_text_file_with_a_plot(tmp_path):
+    data = tmp_path / "sample.txt"
+    data.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    plot = tmp_path / "curves.png"
+    result = compare("--config", CONFIGS / "fsdp2-torchao-float8.yaml", "--baseline", CONFIGS / "fsdp2-bf16.yaml",
+                     "--steps", "8", "--data", data, "--plot", plot, "--format", "json", "--tolerance", "0.02")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["passed"] is True and report["max_relative_gap"] < 0.02
+    assert len(report["losses"]["config"]) == len(report["losses"]["baseline"]) == 8
+    assert report["losses"]["config"] != report["losses"]["baseline"]  # two real runs, not one
+    assert "bytes" in result.stderr and "baseline step 8/8" in result.stderr  # data source and progress shown
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+
+
+def test_fp32_and_bf16_agree_within_tolerance():
+    result = compare("--config", CONFIGS / "fsdp2-bf16.yaml", "--baseline", CONFIGS / "fp32.yaml", "--steps", "6")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "PASS" in result.stdout and "largest relative gap" in result.stdout
+
+
+def test_a_diverging_run_fails_with_exit_1(tmp_path):
+    unstable = tmp_path / "unstable.yaml"
+    unstable.write_text("precision: {preset: bf16}\noptimizer: {lr: 1.0}\ntrain: {gradient_clipping: 0}\n")
+    result = compare("--config", unstable, "--baseline", CONFIGS / "fsdp2-bf16.yaml", "--steps", "6",
+                     "--format", "markdown")
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    assert "**FAIL**" in result.stdout
+
+
+@pytest.mark.parametrize("content,says", [(b"\x00\x01binary", "binary file"), (b"  \n", "empty file")])
+def test_bad_data_exits_2_before_launching(tmp_path, content, says):
+    data = tmp_path / "data.txt"
+    data.write_bytes(content)
+    result = compare("--config", CONFIGS / "fsdp2-bf16.yaml", "--baseline", CONFIGS / "fp32.yaml", "--data", data)
+    assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr
+
+
+def test_missing_model_and_bad_config_exit_2(tmp_path):
+    result = compare("--config", CONFIGS / "fsdp2-bf16.yaml", "--baseline", CONFIGS / "fp32.yaml", "--model", "nope")
+    assert result.returncode == 2 and "unknown MODEL" in result.stderr
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{broken")
+    result = compare("--config", CONFIGS / "fsdp2-bf16.yaml", "--baseline", CONFIGS / "fp32.yaml", "--model", model)
+    assert result.returncode == 2 and "config.json" in result.stderr and "Traceback" not in result.stderr
