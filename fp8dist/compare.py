@@ -58,11 +58,15 @@ def run_compare(args) -> int:
 
 
 def _check_writable(path: str) -> None:
+    import importlib.util
     from pathlib import Path
 
     target = Path(path)
     if target.is_dir() or not target.parent.exists():
         raise Fp8distError(f"--plot {path}: name a .png file in an existing directory")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise Fp8distError("--plot needs matplotlib, which is not installed\n  fix: pip install matplotlib "
+                           "(part of fp8dist[train])")
 
 
 def _launch(args) -> dict[str, list[float]]:
@@ -147,8 +151,9 @@ def plot(result: dict[str, Any], path: str) -> None:
 
     steps = list(range(1, len(result["losses"]["baseline"]) + 1))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    top.plot(steps, result["losses"]["baseline"], label=f"baseline: {result.get('baseline', '')}")
-    top.plot(steps, result["losses"]["config"], label=f"config: {result.get('config', '')}", linestyle="--")
+    top.plot(steps, result["losses"]["baseline"], label=f"baseline: {os.path.basename(result.get('baseline', ''))}")
+    top.plot(steps, result["losses"]["config"], label=f"config: {os.path.basename(result.get('config', ''))}",
+             linestyle="--")
     top.set_ylabel("loss")
     top.legend(fontsize=8)
     gaps = [g if g is not None else float("nan") for g in result["relative_gaps"]]

@@ -14,18 +14,36 @@ def compare(*args, timeout=600):
     return run_cli("compare", *args, timeout=timeout)
 
 
+def _model_dir_with_tokenizer(path, text):
+    """tiny-llama saved as a Hugging Face directory with a word-level tokenizer trained on `text` (offline)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from fp8dist.models import tiny_llama_config
+
+    AutoModelForCausalLM.from_config(tiny_llama_config()).save_pretrained(path)
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator([text], trainers.WordLevelTrainer(vocab_size=200, special_tokens=["[UNK]"]))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(path)
+    return path
+
+
 def test_float8_tracks_bf16_on_a_users_text_file_with_a_plot(tmp_path):
-    data = tmp_path / "sample.txt"
-    data.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    text = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 150
+    data = tmp_path / "sample.jsonl"
+    data.write_text("\n".join(json.dumps({"text": text[i:i + 500]}) for i in range(0, len(text), 500)))
+    model = _model_dir_with_tokenizer(tmp_path / "model", text)
     plot = tmp_path / "curves.png"
     result = compare("--config", CONFIGS / "fsdp2-torchao-float8.yaml", "--baseline", CONFIGS / "fsdp2-bf16.yaml",
-                     "--steps", "8", "--data", data, "--plot", plot, "--format", "json", "--tolerance", "0.02")
+                     "--model", model, "--steps", "8", "--data", data, "--plot", plot, "--format", "json",
+                     "--tolerance", "0.02")
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["passed"] is True and report["max_relative_gap"] < 0.02
     assert len(report["losses"]["config"]) == len(report["losses"]["baseline"]) == 8
     assert report["losses"]["config"] != report["losses"]["baseline"]  # two real runs, not one
-    assert "bytes" in result.stderr and "baseline step 8/8" in result.stderr  # data source and progress shown
+    assert "tokenised by" in result.stderr and "baseline step 8/8" in result.stderr  # data source, progress
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
 
 
