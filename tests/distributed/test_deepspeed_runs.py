@@ -9,8 +9,9 @@ from tests.distributed.launch import TRAIN, deepspeed, describe, losses
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("config", ["deepspeed-bf16-zero1", "deepspeed-bf16-zero2", "deepspeed-bf16-zero3",
-                                    "deepspeed-torchao-float8"])
+# ZeRO-0/1 and torchao float8 on DeepSpeed also run in the option matrix (tests/distributed/test_option_runs.py);
+# these go through the deepspeed launcher for 12 steps and check that the loss goes down.
+@pytest.mark.parametrize("config", ["deepspeed-bf16-zero2", "deepspeed-bf16-zero3"])
 def test_deepspeed_trains(config):
     result = deepspeed(TRAIN, "--fp8dist-config", ROOT / "configs" / f"{config}.yaml", "--fp8dist-set", "train.steps=12")
     assert result.returncode == 0, describe(result)

@@ -84,7 +84,7 @@ def test_json_contract_and_formats():
     assert set(data["per_rank_bytes"]) >= {"weights", "master_weights", "gradients", "optimizer", "fp8_extras",
                                             "activations", "total"}
     assert data["per_rank_bytes"]["fp8_extras"] > 0
-    table = run_cli("estimate", "llama-3-70b", "--world-size", "64")
+    table = run_cli("estimate", "llama-3-8b", "--world-size", "64")
     assert table.returncode == 0 and "shape only" in table.stdout and "Optimizer step" in table.stdout
     md = run_cli("estimate", "bert-base-cased", "--config", "configs/fp32.yaml", "--format", "markdown")
     assert md.returncode == 0 and "| Model | Gradients | Backward pass | Optimizer step | Highest |" in md.stdout
