@@ -35,7 +35,10 @@ def run_compare(args) -> int:
         raise Fp8distError("--steps and --nproc must be at least 1")
     if not args.tolerance > 0:
         raise Fp8distError(f"--tolerance must be a positive relative gap, got {args.tolerance:g}")
+    if not args.timeout > 0:
+        raise Fp8distError(f"--timeout must be positive seconds, got {args.timeout:g}")
     specs = {"baseline": load_config(args.baseline), "config": load_config(args.config)}
+    check_same_batches(specs["baseline"], specs["config"])
     check_model_name(args.model)
     for spec in specs.values():
         preflight(spec)
@@ -52,9 +55,21 @@ def run_compare(args) -> int:
     if args.plot:
         plot(result, args.plot)
         result["plot"] = args.plot
-    render = {"json": lambda r: json.dumps(r, indent=2) + "\n", "markdown": markdown, "table": table}[args.format]
+    render = {"json": as_json, "markdown": markdown, "table": table}[args.format]
     sys.stdout.write(render(result))
     return EXIT_OK if result["passed"] else EXIT_BEYOND
+
+
+# The batches (and the initial weights' seed) come from these keys; both configs must agree on them.
+BATCH_KEYS = ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "seed")
+
+
+def check_same_batches(baseline, config) -> None:
+    differ = [f"train.{key} ({getattr(config.train, key)} vs baseline {getattr(baseline.train, key)})"
+              for key in BATCH_KEYS if getattr(config.train, key) != getattr(baseline.train, key)]
+    if differ:
+        raise Fp8distError("compare runs both configs on the same batches from the same weights, but they differ in "
+                           + ", ".join(differ) + "\n  fix: give both configs the same train section values")
 
 
 def _check_writable(path: str) -> None:
@@ -62,36 +77,52 @@ def _check_writable(path: str) -> None:
     from pathlib import Path
 
     target = Path(path)
-    if target.is_dir() or not target.parent.exists():
-        raise Fp8distError(f"--plot {path}: name a .png file in an existing directory")
+    if target.is_dir() or not target.parent.is_dir() or not os.access(target.parent, os.W_OK):
+        raise Fp8distError(f"--plot {path}: name a .png file in an existing, writable directory")
     if importlib.util.find_spec("matplotlib") is None:
         raise Fp8distError("--plot needs matplotlib, which is not installed\n  fix: pip install matplotlib "
                            "(part of fp8dist[train])")
 
 
 def _launch(args) -> dict[str, list[float]]:
+    import collections
+    import threading
+
+    from fp8dist.audit.run import _failure_tail, _has_cuda
+
     with tempfile.TemporaryDirectory(prefix="fp8dist-compare-") as tmp:
         out = os.path.join(tmp, "losses.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
                "-m", "fp8dist.compare", args.model, args.baseline, args.config, str(args.steps), args.data or "", out]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+               "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cuda" if _has_cuda() else "cpu")}
+        # One pipe for both streams, drained by a thread: progress shown as it comes, the tail kept for errors,
+        # and no rank ever blocks on a full pipe.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True)
-        try:
-            for line in proc.stdout:  # progress as it comes
+        tail: collections.deque[str] = collections.deque(maxlen=200)
+
+        def drain():
+            for line in proc.stdout:
                 if line.startswith(PROGRESS):
                     print(line[len(PROGRESS):].rstrip(), file=sys.stderr, flush=True)
-            stderr = proc.stderr.read()
+                else:
+                    tail.append(line)
+
+        reader = threading.Thread(target=drain, daemon=True)
+        reader.start()
+        try:
             proc.wait(timeout=args.timeout)
-        except BaseException:
+        except BaseException as exc:  # a timeout, or Ctrl-C that reached only this process: end every rank
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            raise
+            if not isinstance(exc, subprocess.TimeoutExpired):
+                raise
+            raise Fp8distError(f"the comparison did not finish within {args.timeout:g} s and was stopped; raise "
+                               "--timeout or lower --steps") from None
+        reader.join(timeout=10)
         if not os.path.exists(out):
-            from fp8dist.audit.run import _failure_tail
-
-            raise Fp8distError(f"the comparison run failed (exit {proc.returncode}):\n{_failure_tail(stderr)}")
+            raise Fp8distError(f"the comparison run failed (exit {proc.returncode}):\n{_failure_tail(''.join(tail))}")
         with open(out, encoding="utf-8") as handle:
             result = json.load(handle)
     if "_error" in result:
@@ -112,6 +143,15 @@ def verdict(losses: dict[str, list[float]], tolerance: float, args=None) -> dict
         out.update(model=args.model, config=args.config, baseline=args.baseline, steps=args.steps,
                    data=args.data or "synthetic batches")
     return out
+
+
+def as_json(result: dict[str, Any]) -> str:
+    """Strict JSON: a non-finite loss is written as null (as an unbounded gap is)."""
+    def finite(values):
+        return [v if isinstance(v, (int, float)) and math.isfinite(v) else None for v in values]
+
+    clean = {**result, "losses": {name: finite(values) for name, values in result["losses"].items()}}
+    return json.dumps(clean, indent=2, allow_nan=False) + "\n"
 
 
 def _gap_text(value) -> str:
@@ -177,7 +217,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 # --- the worker (one torchrun job) ----------------------------------------------------------------
 
-def _train(name: str, spec, loaded, steps: int, make_batch, rank: int) -> list[float]:
+def _train(name: str, spec, batch_spec, loaded, steps: int, make_batch, pool, rank: int) -> list[float]:
     from fp8dist.data import batches_for
 
     if spec.engine == "deepspeed":
@@ -190,9 +230,12 @@ def _train(name: str, spec, loaded, steps: int, make_batch, rank: int) -> list[f
 
         run = prepare(loaded.model, spec)
         step_fn = lambda batches: fsdp2_step(run, batches, spec.train.gradient_clipping)  # noqa: E731
+    device = next(loaded.model.parameters()).device
     losses = []
     for step in range(steps):
-        losses.append(step_fn(batches_for(make_batch, spec, step, rank)))
+        batches = [{k: v.to(device) for k, v in b.items()}
+                   for b in batches_for(make_batch, batch_spec, step, rank, pool=pool)]
+        losses.append(step_fn(batches))
         if rank == 0:
             print(f"{PROGRESS}{name} step {step + 1}/{steps} loss {losses[-1]:.4f}", flush=True)
     return losses
@@ -203,39 +246,51 @@ def worker(model_name: str, baseline: str, config: str, steps: int, data: str, o
     import torch.distributed as dist
 
     from fp8dist.config.load import load_config
+    from fp8dist.data import SYNTHETIC_BATCHES
     from fp8dist.models import load_model, torch_dtype
 
-    specs = {"baseline": load_config(baseline), "config": load_config(config)}
-    if any(spec.engine == "deepspeed" for spec in specs.values()):
-        import deepspeed
-
-        deepspeed.init_distributed()  # gloo on the CPU accelerator; serves an FSDP2 config too
-    else:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank = dist.get_rank()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     result: dict[str, Any] = {}
     try:
-        make_batch = None
+        specs = {"baseline": load_config(baseline), "config": load_config(config)}
+        if any(spec.engine == "deepspeed" for spec in specs.values()):
+            import deepspeed
+
+            deepspeed.init_distributed()  # one group for both runs, an FSDP2 config included
+        else:
+            dist.init_process_group("nccl" if cuda else "gloo")
+        rank, batch_spec = dist.get_rank(), specs["baseline"]  # the parent checked both train sections agree
+        make_batch, pool = None, SYNTHETIC_BATCHES
         for name, spec in specs.items():
-            # The same initial weights for both: built in fp32 from the same seed, then cast to the load dtype.
-            loaded = load_model(model_name, "fp32", seed=specs["baseline"].train.seed)
+            # The same initial weights for both: built in fp32 from the same seed, then cast to the load dtype;
+            # the same random stream for whatever the run draws (dropout).
+            loaded = load_model(model_name, "fp32", seed=batch_spec.train.seed)
             loaded.model.to(torch_dtype(spec.precision.load_dtype))
+            if cuda:
+                loaded.model.to("cuda")
             if make_batch is None:
                 make_batch = loaded.make_batch
                 if data:
                     from fp8dist.data import file_batches, token_stream
 
-                    vocab = loaded.model.config.vocab_size
+                    vocab = getattr(getattr(loaded.model, "config", None), "vocab_size", None)
+                    if vocab is None:
+                        raise Fp8distError(f"--data needs a model with `config.vocab_size`; {model_name} has none")
                     ids, how = token_stream(data, model_name, vocab)
-                    make_batch = file_batches(ids, vocab)
+                    make_batch, pool = file_batches(ids), None  # fresh windows every step
                     if rank == 0:
                         print(f"{PROGRESS}data: {len(ids)} tokens, {how}", flush=True)
-            result[name] = _train(name, spec, loaded, steps, make_batch, rank)
+            torch.manual_seed(batch_spec.train.seed)
+            result[name] = _train(name, spec, batch_spec, loaded, steps, make_batch, pool, rank)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which exits 2 with it
-        from fp8dist.errors import Fp8distError as Known
-
-        result = {"_error": str(exc) if isinstance(exc, Known) else f"{type(exc).__name__}: {exc}"}
-    if rank == 0:
+        result = {"_error": str(exc) if isinstance(exc, Fp8distError) else f"{type(exc).__name__}: {exc}"}
+    if not dist.is_initialized():
+        with open(out_path, "w", encoding="utf-8") as handle:
+            json.dump(result, handle)
+        return 0
+    if dist.get_rank() == 0:
         with open(out_path, "w", encoding="utf-8") as handle:
             json.dump(result, handle)
     dist.barrier()

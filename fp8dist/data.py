@@ -12,19 +12,23 @@ SYNTHETIC_BATCHES = 4  # a fixed pool of batches per rank, cycled, so that the l
 MAX_DATA_BYTES = 256 << 20
 
 
-def batches_for(make_batch: Callable[[int, int, int], dict], spec, step: int, rank: int) -> list[dict]:
-    """The micro-batches of optimizer step `step` on `rank`: the same on every run of the same config."""
+def batches_for(make_batch: Callable[[int, int, int], dict], spec, step: int, rank: int,
+                pool: int | None = SYNTHETIC_BATCHES) -> list[dict]:
+    """The micro-batches of optimizer step `step` on `rank`: the same on every run of the same config.
+    `pool`: cycle that many batches per rank (synthetic data), or None for a new batch every micro-step."""
     t = spec.train
-    first = (step * t.gradient_accumulation_steps) % SYNTHETIC_BATCHES
-    return [make_batch(t.micro_batch_size, t.seq_len,
-                       seed=t.seed * 100_003 + rank * 1009 + (first + i) % SYNTHETIC_BATCHES)
-            for i in range(t.gradient_accumulation_steps)]
+    first = step * t.gradient_accumulation_steps
+    index = [(first + i) % pool if pool else first + i for i in range(t.gradient_accumulation_steps)]
+    return [make_batch(t.micro_batch_size, t.seq_len, seed=t.seed * 100_003 + rank * 1009 + i) for i in index]
 
 
 def read_texts(path: Path) -> list[str]:
     if not path.is_file():
         raise Fp8distError(f"--data {path}: no such file")
-    raw = path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise Fp8distError(f"--data {path}: cannot read it ({exc.strerror})") from None
     if len(raw) > MAX_DATA_BYTES:
         raise Fp8distError(f"--data {path}: {len(raw)} bytes, more than the {MAX_DATA_BYTES}-byte limit of a "
                            "comparison sample; cut a sample of it")
@@ -66,6 +70,9 @@ def token_stream(path: str, model_dir: str | None, vocab_size: int) -> tuple[lis
             raise Fp8distError(f"cannot load the tokenizer in {model_dir}: {str(exc).splitlines()[0]}") from None
     if tokenizer is not None:
         ids = [i for text in texts for i in tokenizer(text)["input_ids"]]
+        if ids and max(ids) >= vocab_size:
+            raise Fp8distError(f"the tokenizer in {model_dir} gives token ids up to {max(ids)}, beyond the model's "
+                               f"vocab_size {vocab_size}; the tokenizer does not belong to this model")
         how = f"tokenised by {type(tokenizer).__name__} from {model_dir}"
     else:
         ids = [b % vocab_size for text in texts for b in text.encode("utf-8")]
@@ -73,7 +80,7 @@ def token_stream(path: str, model_dir: str | None, vocab_size: int) -> tuple[lis
     return ids, how
 
 
-def file_batches(ids: list[int], vocab_size: int) -> Callable[[int, int, int], dict[str, Any]]:
+def file_batches(ids: list[int]) -> Callable[[int, int, int], dict[str, Any]]:
     """make_batch(batch, seq_len, seed) over a token stream: deterministic windows chosen by `seed`."""
     def make(batch: int, seq_len: int, seed: int) -> dict:
         import torch
@@ -83,7 +90,7 @@ def file_batches(ids: list[int], vocab_size: int) -> Callable[[int, int, int], d
                                "give more text or lower train.seq_len")
         gen = torch.Generator().manual_seed(seed)
         starts = torch.randint(0, len(ids) - seq_len, (batch,), generator=gen).tolist()
-        tokens = torch.tensor([[min(t, vocab_size - 1) for t in ids[s:s + seq_len]] for s in starts])
+        tokens = torch.tensor([ids[s:s + seq_len] for s in starts])
         return {"input_ids": tokens, "labels": tokens.clone()}
 
     return make

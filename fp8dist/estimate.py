@@ -39,13 +39,11 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2"}
 STORES = ("weights", "master_weights", "gradients", "optimizer", "buffers", "fp8_extras", "activations")
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass
 class MetaModel:
     model: Any
-    name: str
     shape_only: bool  # a built-in shape: parameter count and sizes are real, no weights exist
     causal_lm: bool
 
@@ -70,6 +68,8 @@ def _hf_config(name: str):
         document = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise Fp8distError(f"{path}: not a JSON config ({exc})") from None
+    except OSError as exc:
+        raise Fp8distError(f"{path}: cannot read it ({exc.strerror})") from None
     if not isinstance(document, dict) or "model_type" not in document:
         raise Fp8distError(f"{path}: a Hugging Face config.json needs a `model_type` key")
     model_type = document.pop("model_type")
@@ -98,14 +98,27 @@ def build_meta_model(name: str, dtype: str) -> MetaModel:
         try:
             auto = AutoModelForCausalLM if causal else AutoModel
             model = auto.from_config(config, dtype=torch_dtype(dtype))
-        except ValueError as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever transformers raises for a config it cannot build
             raise Fp8distError(f"transformers cannot build {name!r} ({config.model_type}): "
                                f"{str(exc).splitlines()[0]}") from None
-    return MetaModel(model, name, name in SHAPES, causal)
+    return MetaModel(model, name in SHAPES, causal)
+
+
+def offloaded(spec: Spec) -> set[str]:
+    """The stores that live in host memory instead of the accelerator's."""
+    if spec.engine == "fsdp2":
+        return {"weights", "gradients", "optimizer"} if spec.fsdp2.offload != "none" else set()
+    ds, out = spec.deepspeed, set()
+    if ds.offload_optimizer != "none":  # ZeRO-Offload: fp32 masters, their gradients and the states on the host
+        out |= {"master_weights", "optimizer"}
+    if ds.offload_param != "none":
+        out.add("weights")
+    return out
 
 
 def shard_counts(spec: Spec, world: int) -> dict[str, int]:
-    """Over how many ranks each store is divided (1: every rank holds all of it)."""
+    """Over how many ranks each store is divided (1: every rank holds all of it). DeepSpeed ZeRO-0 keeps
+    everything whole (bf16 runs at stage 0 use the unpartitioned DDP bf16 optimizer, engine.py 0.19.8)."""
     if spec.engine == "fsdp2":
         return {"weights": world, "master_weights": world, "gradients": world, "optimizer": world}
     stage = spec.deepspeed.zero_stage
@@ -121,34 +134,36 @@ def bytes_per_param(spec: Spec) -> dict[str, float]:
             "optimizer": implied["optimizer"]}
 
 
-def _blocks(model) -> list:
-    import torch
+def _blocks(model, spec: Spec) -> list:
+    """The transformer blocks, found as FSDP2 finds its wrap units (HF `_no_split_modules`, else the first
+    ModuleList)."""
+    from fp8dist.engines.fsdp2 import wrap_units
 
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) > 0:
-            return list(module)
-    return []
+    return [module for _, module in wrap_units(model, spec)]
 
 
 def activation_bytes(meta: MetaModel, spec: Spec) -> dict[str, int]:
     """Bytes autograd saves for backward in one micro-batch forward, without and with full activation
-    checkpointing, measured on the meta device in the compute dtype."""
+    checkpointing, measured on the meta device in the compute dtype. A tensor saved by several ops (the
+    input of q/k/v_proj) or through several views counts once, at the size of its base."""
     import torch
 
     from fp8dist.models import forward_loss
 
     model, t = meta.model, spec.train
     params = {id(p) for p in model.parameters()}
-    blocks = _blocks(model)
+    blocks = _blocks(model, spec)
     current: list[int | None] = [None]
     per_block = [0] * len(blocks)
     block_inputs = [0] * len(blocks)
     outside = [0]
+    seen: dict[int, torch.Tensor] = {}  # keeps every counted base alive, so that ids are not reused
 
     def pack(tensor):
         base = tensor._base if tensor._base is not None else tensor
-        if id(tensor) not in params and id(base) not in params:
-            size = tensor.numel() * tensor.element_size()
+        if id(base) not in params and id(base) not in seen:
+            seen[id(base)] = base
+            size = base.numel() * base.element_size()
             if current[0] is None:
                 outside[0] += size
             else:
@@ -158,8 +173,9 @@ def activation_bytes(meta: MetaModel, spec: Spec) -> dict[str, int]:
     def enter(index):
         def hook(_module, args, kwargs):
             current[0] = index
-            hidden = args[0] if args else next(iter(kwargs.values()))
-            block_inputs[index] = hidden.numel() * hidden.element_size()
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            if isinstance(hidden, torch.Tensor):
+                block_inputs[index] = hidden.numel() * hidden.element_size()
         return hook
 
     handles = [block.register_forward_pre_hook(enter(i), with_kwargs=True) for i, block in enumerate(blocks)]
@@ -169,6 +185,9 @@ def activation_bytes(meta: MetaModel, spec: Spec) -> dict[str, int]:
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             forward_loss(model, batch)
+    except Exception as exc:  # noqa: BLE001 - an op without a meta kernel, a model that needs other inputs
+        raise Fp8distError(f"cannot run {type(model).__name__} on the meta device to measure activations: "
+                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
     finally:
         for handle in handles:
             handle.remove()
@@ -183,32 +202,37 @@ def _decisions(meta: MetaModel, spec: Spec):
 
     fp8 = spec.fp8
     infos = linear_infos(meta.model)
-    multiple = (compat.TE_RECIPE_DIM_MULTIPLE[fp8.te.recipe] if fp8.backend == "te"
-                else None if fp8.torchao.pad_inner_dim else 16)
+    multiple = {"te": compat.TE_RECIPE_DIM_MULTIPLE[fp8.te.recipe], "msamp": None,  # backends/msamp.py: no dims rule
+                "torchao": None if fp8.torchao.pad_inner_dim else 16}.get(fp8.backend)
     return infos, decide(infos, fp8.modules.exclude, fp8.modules.skip_first_last, multiple)
 
 
 def fp8_coverage(meta: MetaModel, spec: Spec) -> dict[str, Any]:
-    """Share of the GEMM FLOPs of one token that run in FP8 under the config's module filter; the Linears
-    left out and why. Attention's own matmuls (QK^T, AV) stay in the compute dtype with every backend here."""
+    """Share of the GEMM FLOPs of one token that run in FP8 under the config's module filter, the Linears left
+    out and why, and the converted ones below torchao's size heuristics. Attention's own matmuls (QK^T, AV)
+    count as FP8 only with Transformer Engine's fp8_dpa."""
     fp8 = spec.fp8
     infos, decisions = _decisions(meta, spec)
     if not fp8.enabled:
-        return {"backend": "none", "fp8_share": 0.0, "linears": len(infos), "converted": 0, "left_out": []}
+        return {"backend": "none", "fp8_share": 0.0, "linears": len(infos), "converted": 0, "left_out": [],
+                "too_small_to_gain": []}
     by_fqn = {i.fqn: i for i in infos}
     flops = {i.fqn: 2 * i.in_features * i.out_features for i in infos}
-    hidden = getattr(meta.model.config, "hidden_size", 0)
-    attention = 2 * 2 * spec.train.seq_len * hidden * len(_blocks(meta.model))  # QK^T and AV, per token
+    config = meta.model.config
+    heads = getattr(config, "num_attention_heads", 0)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
+    attention = 2 * 2 * spec.train.seq_len * heads * head_dim * len(_blocks(meta.model, spec))  # per token
     converted = [d.fqn for d in decisions if d.convert]
-    left_out = [{"fqn": d.fqn, "reason": d.reason} for d in decisions if not d.convert]
+    small = []
     if fp8.backend == "torchao":
-        left_out += [{"fqn": fqn, "reason": f"converted, but {by_fqn[fqn].out_features}x{by_fqn[fqn].in_features} "
-                      "is too small to gain (torchao's size heuristics for H100)"}
-                     for fqn in converted if compat.torchao_too_small_to_gain(
-                         fp8.torchao.recipe_name, by_fqn[fqn].out_features, by_fqn[fqn].in_features)]
+        small = [fqn for fqn in converted if compat.torchao_too_small_to_gain(
+            fp8.torchao.recipe_name, by_fqn[fqn].out_features, by_fqn[fqn].in_features)]
+    in_fp8 = sum(flops[f] for f in converted) + (attention if fp8.backend == "te" and fp8.te.fp8_dpa else 0)
     total = sum(flops.values()) + attention
-    return {"backend": fp8.backend, "fp8_share": sum(flops[f] for f in converted) / total if total else 0.0,
-            "linears": len(infos), "converted": len(converted), "left_out": left_out}
+    return {"backend": fp8.backend, "fp8_share": in_fp8 / total if total else 0.0, "linears": len(infos),
+            "converted": len(converted),
+            "left_out": [{"fqn": d.fqn, "reason": d.reason} for d in decisions if not d.convert],
+            "too_small_to_gain": small}
 
 
 def fp8_extra_bytes(meta: MetaModel, spec: Spec) -> tuple[int, str]:
@@ -228,7 +252,8 @@ def fp8_extra_bytes(meta: MetaModel, spec: Spec) -> tuple[int, str]:
     if spec.fp8.backend == "te":
         history = spec.fp8.te.amax_history_len or 1024  # TE's DelayedScaling default
         per_linear = 3 * 4 * (history + 1) if spec.fp8.te.recipe == "delayed" else 3 * 4
-        return per_linear * len(sizes), "Transformer Engine amax history and scales per te.Linear (fp32)"
+        return sum(sizes) + per_linear * len(sizes), ("the FP8 weight copy each te.Linear caches (1 byte/param), "
+                                                      "plus amax history and scales (fp32)")
     return 0, "MS-AMP keeps its FP8 weights and scales inside the stores above (table A)"
 
 
@@ -248,17 +273,20 @@ def estimate(name: str, spec: Spec, world: int) -> dict[str, Any]:
     per_rank["buffers"] = sum(b.numel() * b.element_size() for b in meta.model.buffers())
     per_rank["fp8_extras"] = extras
     per_rank["activations"] = activations["none"]
-    per_rank["total"] = sum(per_rank[store] for store in STORES)
-    model = per_rank["weights"] + per_rank["master_weights"] + per_rank["buffers"]
-    phases = {"model": model, "gradients": model + per_rank["gradients"],
-              "backward_pass": model + per_rank["gradients"] + per_rank["activations"] + extras,
-              "optimizer_step": model + per_rank["gradients"] + per_rank["optimizer"]}
+    host = offloaded(spec)
+    per_rank["total"] = sum(per_rank[store] for store in STORES if store not in host)
+    device = {store: 0 if store in host else per_rank[store] for store in STORES}
+    model = device["weights"] + device["master_weights"] + device["buffers"]
+    phases = {"model": model, "gradients": model + device["gradients"],
+              "backward_pass": model + device["gradients"] + device["activations"] + extras,
+              "optimizer_step": model + device["gradients"] + device["optimizer"]}
     highest = max(phases, key=phases.get)
     return {
         "model": name, "shape_only": meta.shape_only, "parameters": params, "world_size": world,
         "engine": spec.engine, "config": spec.source, "preset": spec.precision.preset,
         "micro_batch_size": spec.train.micro_batch_size, "seq_len": spec.train.seq_len,
         "bytes_per_param": per_param, "shards": shards, "per_rank_bytes": per_rank,
+        "offloaded_to_host": sorted(host),
         "activations_bytes": {"none": activations["none"], "full_checkpointing": activations["full"]},
         "phases_bytes": phases, "highest_phase": highest, "fp8_extras_counted": extras_how,
         "fp8_coverage": coverage,
@@ -266,11 +294,12 @@ def estimate(name: str, spec: Spec, world: int) -> dict[str, Any]:
 
 
 def human(n: float) -> str:
+    unit = "B"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+            break
         n /= 1024
-    return f"{n:.2f} TiB"
+    return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
 
 
 def render_table(result: dict[str, Any], markdown: bool = False) -> str:
@@ -279,7 +308,9 @@ def render_table(result: dict[str, Any], markdown: bool = False) -> str:
             f"{r['parameters'] / 1e6:,.2f}M parameters, {r['engine']} on {r['world_size']} rank(s), "
             f"micro batch {r['micro_batch_size']} x {r['seq_len']} tokens, config {r['config']}")
     pr, ph = r["per_rank_bytes"], r["phases_bytes"]
-    store_rows = [(store.replace("_", " "), human(pr[store])) for store in (*STORES, "total")]
+    host = set(r["offloaded_to_host"])
+    store_rows = [(store.replace("_", " ") + (" (host)" if store in host else ""), human(pr[store]))
+                  for store in STORES] + [("total on the device", human(pr["total"]))]
     phase_names = {"model": "Model", "gradients": "Gradients", "backward_pass": "Backward pass",
                    "optimizer_step": "Optimizer step"}
     cells = [human(ph[k]) for k in phase_names] + [human(ph[r["highest_phase"]])]
@@ -288,8 +319,11 @@ def render_table(result: dict[str, Any], markdown: bool = False) -> str:
                 f"converted)" if cov["backend"] != "none" else "FP8 coverage: none (no FP8 backend)")
     left = "; ".join(f"{item['fqn']} ({item['reason']})" for item in cov["left_out"][:8])
     more = f" and {len(cov['left_out']) - 8} more" if len(cov["left_out"]) > 8 else ""
+    if cov["too_small_to_gain"]:
+        more += (f"; {len(cov['too_small_to_gain'])} converted Linears are below torchao's size heuristics "
+                 "(too small to gain on H100)")
     act = r["activations_bytes"]
-    notes = [coverage + (f"; left out: {left}{more}" if left else ""),
+    notes = [coverage + (f"; left out: {left}" if left else "") + more,
              f"activations per micro batch: {human(act['none'])} without checkpointing, "
              f"{human(act['full_checkpointing'])} with full activation checkpointing",
              f"fp8 extras: {r['fp8_extras_counted']}"]

@@ -78,3 +78,22 @@ def test_missing_model_and_bad_config_exit_2(tmp_path):
     (model / "config.json").write_text("{broken")
     result = compare("--config", CONFIGS / "fsdp2-bf16.yaml", "--baseline", CONFIGS / "fp32.yaml", "--model", model)
     assert result.returncode == 2 and "config.json" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_configs_with_other_batches_are_refused(tmp_path):
+    other = tmp_path / "other.yaml"
+    other.write_text("precision: {preset: bf16}\ntrain: {seq_len: 32}\n")
+    result = compare("--config", other, "--baseline", CONFIGS / "fsdp2-bf16.yaml")
+    assert result.returncode == 2 and "train.seq_len (32 vs baseline 64)" in result.stderr
+
+
+def test_compare_is_bounded_in_time():
+    result = compare("--config", CONFIGS / "fsdp2-bf16.yaml", "--baseline", CONFIGS / "fp32.yaml", "--timeout", "1")
+    assert result.returncode == 2 and "did not finish within 1 s" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_json_stays_strict_when_a_loss_is_not_finite():
+    from fp8dist.compare import as_json, verdict
+
+    report = json.loads(as_json(verdict({"config": [1.0, float("nan")], "baseline": [1.0, 1.1]}, 0.05)))
+    assert report["passed"] is False and report["max_relative_gap"] is None and report["losses"]["config"][1] is None

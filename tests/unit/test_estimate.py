@@ -58,6 +58,14 @@ def test_stores_follow_the_engine_sharding():
     assert zero1["optimizer"] == pytest.approx(n * 8 / 4, abs=1)
 
 
+def test_offloaded_stores_leave_the_device_total():
+    spec = load_config({"engine": "deepspeed", "deepspeed": {"offload_optimizer": "cpu"}})
+    result = estimate("tiny-llama", spec, 2)
+    pr = result["per_rank_bytes"]
+    assert result["offloaded_to_host"] == ["master_weights", "optimizer"]
+    assert pr["total"] == sum(pr[k] for k in ("weights", "gradients", "buffers", "fp8_extras", "activations"))
+
+
 def test_activation_checkpointing_saves_activations():
     result = estimate("llama-3-8b", load_config(ROOT / "configs" / "fsdp2-bf16.yaml"), 8)
     act = result["activations_bytes"]
@@ -71,7 +79,7 @@ def test_fp8_coverage_follows_the_module_filter():
     assert any(item["fqn"] == "lm_head" and "excluded" in item["reason"] for item in coverage["left_out"])
     assert 0.7 < coverage["fp8_share"] < 1.0  # lm_head and attention's own matmuls stay in bf16
     small = estimate("tiny-llama", spec, 2)["fp8_coverage"]
-    assert any("too small to gain" in item["reason"] for item in small["left_out"])
+    assert small["too_small_to_gain"] and small["converted"] + len(small["left_out"]) == small["linears"]
     assert estimate("tiny-llama", load_config(ROOT / "configs" / "fsdp2-bf16.yaml"), 2)["fp8_coverage"]["fp8_share"] == 0
 
 
