@@ -145,7 +145,8 @@ def _blocks(model, spec: Spec) -> list:
 def activation_bytes(meta: MetaModel, spec: Spec) -> dict[str, int]:
     """Bytes autograd saves for backward in one micro-batch forward, without and with full activation
     checkpointing, measured on the meta device in the compute dtype. A tensor saved by several ops (the
-    input of q/k/v_proj) or through several views counts once, at the size of its base."""
+    input of q/k/v_proj) or through several views counts once, at the size of its base; attention is counted
+    as flash / memory-efficient SDPA keeps it (no S x S tensors)."""
     import torch
 
     from fp8dist.models import forward_loss
@@ -161,6 +162,9 @@ def activation_bytes(meta: MetaModel, spec: Spec) -> dict[str, int]:
 
     def pack(tensor):
         base = tensor._base if tensor._base is not None else tensor
+        if tuple(base.shape[-2:]) == (t.seq_len, t.seq_len):
+            return tensor  # S x S attention probabilities / masks: saved by the meta device's math SDPA only;
+            # flash and memory-efficient attention (what a GPU run uses) keep none
         if id(base) not in params and id(base) not in seen:
             seen[id(base)] = base
             size = base.numel() * base.element_size()
