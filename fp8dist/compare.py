@@ -12,16 +12,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 from typing import Any
 
 from fp8dist.errors import Fp8distError
+from fp8dist.ranks import PROGRESS
 
 EXIT_OK, EXIT_BEYOND = 0, 1
-PROGRESS = "fp8dist-progress "
 
 
 # --- the parent ---------------------------------------------------------------------------------
@@ -85,49 +83,11 @@ def _check_writable(path: str) -> None:
 
 
 def _launch(args) -> dict[str, list[float]]:
-    import collections
-    import threading
+    from fp8dist.ranks import launch
 
-    from fp8dist.audit.run import _failure_tail, _has_cuda
-
-    with tempfile.TemporaryDirectory(prefix="fp8dist-compare-") as tmp:
-        out = os.path.join(tmp, "losses.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-               "-m", "fp8dist.compare", args.model, args.baseline, args.config, str(args.steps), args.data or "", out]
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cuda" if _has_cuda() else "cpu")}
-        # One pipe for both streams, drained by a thread: progress shown as it comes, the tail kept for errors,
-        # and no rank ever blocks on a full pipe.
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True)
-        tail: collections.deque[str] = collections.deque(maxlen=200)
-
-        def drain():
-            for line in proc.stdout:
-                if line.startswith(PROGRESS):
-                    print(line[len(PROGRESS):].rstrip(), file=sys.stderr, flush=True)
-                else:
-                    tail.append(line)
-
-        reader = threading.Thread(target=drain, daemon=True)
-        reader.start()
-        try:
-            proc.wait(timeout=args.timeout)
-        except BaseException as exc:  # a timeout, or Ctrl-C that reached only this process: end every rank
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            if not isinstance(exc, subprocess.TimeoutExpired):
-                raise
-            raise Fp8distError(f"the comparison did not finish within {args.timeout:g} s and was stopped; raise "
-                               "--timeout or lower --steps") from None
-        reader.join(timeout=10)
-        if not os.path.exists(out):
-            raise Fp8distError(f"the comparison run failed (exit {proc.returncode}):\n{_failure_tail(''.join(tail))}")
-        with open(out, encoding="utf-8") as handle:
-            result = json.load(handle)
-    if "_error" in result:
-        raise Fp8distError(result["_error"])
-    return result
+    return launch("fp8dist.compare", [args.model, args.baseline, args.config, str(args.steps), args.data or ""],
+                  args.nproc, args.timeout, "comparison", on_progress=lambda line: print(line, file=sys.stderr,
+                                                                                             flush=True))
 
 
 def verdict(losses: dict[str, list[float]], tolerance: float, args=None) -> dict[str, Any]:
@@ -248,6 +208,7 @@ def worker(model_name: str, baseline: str, config: str, steps: int, data: str, o
     from fp8dist.config.load import load_config
     from fp8dist.data import SYNTHETIC_BATCHES
     from fp8dist.models import load_model, torch_dtype
+    from fp8dist.ranks import finish
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -286,16 +247,7 @@ def worker(model_name: str, baseline: str, config: str, steps: int, data: str, o
             result[name] = _train(name, spec, batch_spec, loaded, steps, make_batch, pool, rank)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which exits 2 with it
         result = {"_error": str(exc) if isinstance(exc, Fp8distError) else f"{type(exc).__name__}: {exc}"}
-    if not dist.is_initialized():
-        with open(out_path, "w", encoding="utf-8") as handle:
-            json.dump(result, handle)
-        return 0
-    if dist.get_rank() == 0:
-        with open(out_path, "w", encoding="utf-8") as handle:
-            json.dump(result, handle)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return finish(result, out_path)
 
 
 if __name__ == "__main__":

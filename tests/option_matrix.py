@@ -7,11 +7,12 @@ the table with `python -m tests.option_matrix > docs/options.md` (a test keeps i
 """
 from __future__ import annotations
 
-import copy
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from fp8dist.config.load import deep_merge
 from fp8dist.config.schema import defaults, schema
 
 # Every run is short: 2 optimizer steps of tiny-llama unless the case says otherwise.
@@ -40,14 +41,7 @@ EMULATE = {"emulate": True}
 
 
 def merge(*docs: dict) -> dict:
-    out: dict = {}
-    for doc in docs:
-        for key, value in doc.items():
-            if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "extra":
-                out[key] = merge(out[key], value)
-            else:
-                out[key] = copy.deepcopy(value)
-    return out
+    return functools.reduce(deep_merge, docs, {})
 
 
 RUNS = [

@@ -4,7 +4,6 @@
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
@@ -18,6 +17,7 @@ from fp8dist.audit.wire import REDUCTIONS, WireRecorder
 from fp8dist.config.load import load_config
 from fp8dist.errors import Fp8distError
 from fp8dist.models import forward_loss, load_model
+from fp8dist.ranks import finish
 
 DS_MASTER = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition",
              "fp32_groups_flat", "fp32_groups")
@@ -181,12 +181,7 @@ def main(model_name: str, config: str, steps: int, out_path: str) -> int:
         out = observe(spec, loaded, steps, dist.get_world_size())
     except Fp8distError as exc:
         out = {"_error": str(exc)}
-    if dist.get_rank() == 0:
-        with open(out_path, "w", encoding="utf-8") as handle:
-            json.dump(out, handle)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return finish(out, out_path)
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]))

@@ -151,11 +151,12 @@ def apply_overrides(document: dict[str, Any], overrides: Sequence[str], source: 
     return resolved
 
 
-def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """`top` over `base`, nested dicts merged key by key; `deepspeed.extra` is replaced whole."""
     out = copy.deepcopy(base)
     for key, value in top.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), dict) and key != "extra":
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)
     return out
@@ -173,8 +174,8 @@ def resolve(document: Any, source: str = "<config>") -> dict[str, Any]:
     layered = schema.defaults()
     preset = (document.get("precision") or {}).get("preset")
     if preset:
-        layered = _deep_merge(layered, schema.presets()[preset]["values"])
-    layered = _deep_merge(layered, document)
+        layered = deep_merge(layered, schema.presets()[preset]["values"])
+    layered = deep_merge(layered, document)
     layered["precision"]["preset"] = preset
     issues = schema.validate(layered) or rules.check(layered, explicit=document)
     if issues:
