@@ -104,9 +104,24 @@ def check_model_name(name: str) -> None:
             json.loads(config.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise Fp8distError(f"{config}: not JSON ({exc})") from None
+        _check_safetensors(Path(name))
         return
     raise Fp8distError(f"unknown MODEL {name!r}: use a built-in name ({', '.join(BUILTIN)}), a local Hugging Face "
                        "model directory, or package.module:factory")
+
+
+def _check_safetensors(directory: Path) -> None:
+    """Open every safetensors file's header, as loading will (no tensor is read): a truncated or garbage file
+    is said here, with safetensors' own error line, before any rank starts."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="numpy"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise Fp8distError(f"{path}: cannot be loaded: {str(exc).splitlines()[0]} (a truncated or corrupt "
+                               "safetensors file; save the model again or copy it completely)") from None
 
 
 def load_model(name: str, dtype: str, seed: int = 0) -> LoadedModel:
@@ -127,37 +142,71 @@ def _load_local_hf(path: Path, dtype: str) -> LoadedModel:
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch_dtype(dtype))
-    except (OSError, ValueError) as exc:
-        raise Fp8distError(f"cannot load the Hugging Face model in {path}: {str(exc).splitlines()[0]}") from None
+    except Exception as exc:  # transformers and safetensors raise many kinds; each says its cause in one line
+        raise Fp8distError(f"cannot load the Hugging Face model in {path}: {type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
     del torch
     return LoadedModel(model, causal_lm_batch(config.vocab_size), str(path))
 
 
 def _load_factory(target: str, dtype: str, seed: int) -> LoadedModel:
     """`package.module:factory`. The factory returns an nn.Module (cast to the load dtype), or a dict with
-    `model` and optionally `make_batch(batch, seq_len, seed)` and `make_optimizer(params)`; a module with
-    `config.vocab_size` gets token-id batches by default."""
+    `model` and optionally `make_batch(batch, seq_len, seed)` and `make_optimizer(params)`. Without
+    `make_batch`, the input is inferred (`infer_batch`)."""
     import torch
 
     module_name, _, attr = target.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise Fp8distError(f"cannot import MODEL factory {target!r}: {exc}") from None
+    except Exception as exc:  # ImportError, AttributeError, or whatever the module raises on import
+        raise Fp8distError(f"cannot import MODEL factory {target!r}: {type(exc).__name__}: {exc}") from None
     torch.manual_seed(seed)
-    made = factory()
+    try:
+        made = factory()
+    except Exception as exc:
+        raise Fp8distError(f"MODEL factory {target!r} raised {type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
     made = made if isinstance(made, dict) else {"model": made}
     model, make_batch = made.get("model"), made.get("make_batch")
     if not isinstance(model, torch.nn.Module):
         raise Fp8distError(f"MODEL factory {target!r} returned {type(model).__name__}, not an nn.Module")
     model = model.to(torch_dtype(dtype))
     if make_batch is None:
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        if vocab is None:
-            raise Fp8distError(f"MODEL factory {target!r}: return {{'model': ..., 'make_batch': ...}} so the audit "
-                               "knows its input")
-        make_batch = causal_lm_batch(vocab)
+        make_batch = infer_batch(model)
+        if make_batch is None:
+            raise Fp8distError(f"MODEL factory {target!r}: cannot tell the input of {type(model).__name__} (its "
+                               "first module is neither an nn.Embedding nor an nn.Linear); return "
+                               "{'model': ..., 'make_batch': (batch, seq_len, seed) -> forward kwargs}")
     return LoadedModel(model, make_batch, target, made.get("make_optimizer"))
+
+
+def infer_batch(model) -> Callable[[int, int, int], dict] | None:
+    """An input for a model that came without one: token-id batches for a Hugging Face model
+    (`config.vocab_size`) or a model whose first module is an nn.Embedding; a float tensor
+    (batch, seq_len, in_features) in the weights' dtype when it is an nn.Linear; else None.
+    The tensor goes to the forward's first parameter, and `labels` too when the forward takes them."""
+    import inspect
+
+    import torch
+
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None:
+        return causal_lm_batch(vocab)
+    first = next((m for m in model.modules() if m is not model and not list(m.children())), None)
+    params = list(inspect.signature(model.forward).parameters)
+    if first is None or not params:
+        return None
+    name, takes_labels = params[0], "labels" in params
+
+    def make(batch: int, seq_len: int, seed: int) -> dict:
+        gen = torch.Generator().manual_seed(seed)
+        if isinstance(first, torch.nn.Embedding):
+            x = torch.randint(0, first.num_embeddings, (batch, seq_len), generator=gen)
+            return {name: x, **({"labels": x.clone()} if takes_labels else {})}
+        x = torch.randn(batch, seq_len, first.in_features, generator=gen).to(first.weight.dtype)
+        return {name: x}
+
+    return make if isinstance(first, (torch.nn.Embedding, torch.nn.Linear)) else None
 
 
 def forward_loss(model, batch: dict):

@@ -6,7 +6,8 @@
 The engine comes from the config (`engine: deepspeed | fsdp2`). Data is synthetic token batches; the
 model is the built-in tiny-llama unless --model names another (see fp8dist.models). On a machine
 without CUDA the ranks run on CPU with gloo. Prints the loss of every step on rank 0 and, last,
-`final_loss=<x> first_loss=<y>`.
+`final_loss=<x> first_loss=<y>`. Step 1 runs under the dtype audit (fp8dist.audit.watch): its table is
+printed once on rank 0; `audit.first_step` in the config says what a mismatch does (warn | raise | off).
 """
 from __future__ import annotations
 
@@ -122,9 +123,9 @@ def main(argv=None) -> int:
         init_distributed(spec.engine)
         train(spec, loaded, args.steps or spec.train.steps, on_step, args.checkpoint_dir)
         shutdown()
-    except Fp8distError as exc:
+    except Fp8distError as exc:  # bad input or environment: 2; the first-step audit with audit.first_step=raise: 1
         print(f"train.py: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     if rank == 0:
         print(f"final_loss={losses[-1]:.6f} first_loss={losses[0]:.6f}", flush=True)
     return 0

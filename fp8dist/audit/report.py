@@ -10,11 +10,18 @@ from fp8dist.config.spec import Spec
 OK, MISMATCH, NOT_MEASURED = "ok", "MISMATCH", "NOT MEASURED"
 
 
-def build(spec: Spec, model: str, observed: dict[str, Any], nproc: int) -> dict[str, Any]:
-    """One check per phase. A row is `ok` only when it was measured and matches: a value read from a
-    setting, or no probe result at all, is NOT MEASURED and keeps the verdict from PASS."""
+def build(spec: Spec, model: str, observed: dict[str, Any], nproc: int,
+          outside: dict[str, str] | None = None) -> dict[str, Any]:
+    """One check per phase, the engine that ran first. A row is `ok` only when it was measured and matches:
+    a value read from a setting, or no probe result at all, is NOT MEASURED and keeps the verdict from PASS.
+    `outside`: phases that happen before the observed block (phase -> why), left out of the checks and said."""
+    outside = outside or {}
     checks = []
-    for phase, (want, why) in expected(spec, nproc).items():
+    rows = {"engine": (spec.engine, "engine (recognised from the prepared model and optimizer)"),
+            **expected(spec, nproc)}
+    for phase, (want, why) in rows.items():
+        if phase in outside:
+            continue
         got = observed.get(phase) or {"observed": "not observed", "detail": "no probe result for this phase",
                                       "measured": False}
         matches = normalize(got["observed"]) == normalize(want)
@@ -25,7 +32,7 @@ def build(spec: Spec, model: str, observed: dict[str, Any], nproc: int) -> dict[
     return {"passed": all(c["ok"] for c in checks), "model": model, "engine": spec.engine,
             "config": spec.source, "preset": spec.precision.preset, "nproc": nproc, "checks": checks,
             "bytes_per_param": per_param, "fp8_modules": observed.get("_decisions", []),
-            "communication_bytes": observed.get("_comm")}
+            "communication_bytes": observed.get("_comm"), "outside_scope": outside}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -50,6 +57,8 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"FP8 modules: {len(converted)} of {len(result['fp8_modules'])} converted; kept: " +
                      ("; ".join(f"{m['fqn']} ({m['reason']})" for m in result["fp8_modules"] if not m["convert"])
                       or "none"))
+    for phase, why in result.get("outside_scope", {}).items():
+        lines.append(f"  - {phase}: not part of this audit ({why})")
     lines.append("")
     lines.append(verdict(result))
     return "\n".join(lines) + "\n"

@@ -112,6 +112,11 @@ class TrainSpec:
 
 
 @dataclass(frozen=True)
+class AuditSpec:
+    first_step: str  # warn | raise | off
+
+
+@dataclass(frozen=True)
 class FSDP2Spec:
     wrap: Any  # "auto" | tuple[str, ...]
     reshard_after_forward: bool
@@ -138,6 +143,7 @@ class Spec:
     precision: PrecisionSpec
     optimizer: OptimizerSpec
     train: TrainSpec
+    audit: AuditSpec
     fsdp2: FSDP2Spec
     deepspeed: DeepSpeedSpec
     source: str = field(default="<config>", compare=False)

@@ -11,8 +11,10 @@ import contextlib
 import sys
 from typing import Any
 
+from fp8dist.audit.formats import is_scaling_tensor, is_tensor_like
 from fp8dist.backends.base import get_backend
 from fp8dist.config.spec import Spec
+from fp8dist.engines.inspect import Inspector, first_step_audit
 from fp8dist.engines.optim import build_optimizer, offloads_optimizer, rebind_optimizer, rebind_parameters
 from fp8dist.environment import device_info
 from fp8dist.errors import Fp8distError, UnsupportedEnvironment
@@ -20,11 +22,12 @@ from fp8dist.translate.deepspeed import to_deepspeed
 
 
 def initialize(model, spec: Spec, optimizer=None, model_parameters=None, training_data=None,
-               lr_scheduler=None, **kwargs: Any):
+               lr_scheduler=None, audit: str | None = None, **kwargs: Any):
     """Same return tuple as deepspeed.initialize: (engine, optimizer, training_dataloader, lr_scheduler).
 
     The backend used is available as `engine.fp8dist_backend`, the DeepSpeed config as
-    `engine.fp8dist_config`.
+    `engine.fp8dist_config`. `audit`: what the audit of the first `train_step` does (warn | raise | off);
+    default: audit.first_step. Its report is kept in `engine.fp8dist_audit_report`.
     """
     if spec.engine != "deepspeed":
         raise Fp8distError(f"config engine is {spec.engine!r}; fp8dist.engines.deepspeed needs engine=deepspeed")
@@ -50,6 +53,10 @@ def initialize(model, spec: Spec, optimizer=None, model_parameters=None, trainin
     engine.fp8dist_backend = backend
     engine.fp8dist_config = config
     engine.fp8dist_decisions = decisions
+    engine.fp8dist_spec = spec
+    engine.fp8dist_first_step_audit = audit or spec.audit.first_step
+    engine.fp8dist_steps_done = 0
+    engine.fp8dist_audit_report = None
     if spec.compile:
         engine.compile()  # DeepSpeedEngine.compile (0.19.8): torch.compile of the module, hooks kept
     return engine, optimizer, dataloader, scheduler
@@ -111,15 +118,96 @@ def _deepspeed_initialize():
 
 
 def train_step(engine, batches: list[dict]) -> float:
-    """One optimizer step over `batches` (DeepSpeed counts the micro-steps); returns the mean loss."""
+    """One optimizer step over `batches` (DeepSpeed counts the micro-steps); returns the mean loss. The first
+    step of an engine from `initialize` runs under the dtype audit unless its audit is off."""
     from fp8dist.models import forward_loss
 
     total = 0.0
-    for batch in batches:
-        batch = {k: v.to(engine.device) for k, v in batch.items()}
-        with engine.fp8dist_backend.forward_context():
-            loss = forward_loss(engine, batch)
-        engine.backward(loss)
-        engine.step()
-        total += loss.detach().float().item() / len(batches)
+    with first_step_audit(engine, engine.optimizer, engine.fp8dist_spec, engine.fp8dist_first_step_audit,
+                          engine.fp8dist_steps_done) as audit:
+        for batch in batches:
+            batch = {k: v.to(engine.device) for k, v in batch.items()}
+            with engine.fp8dist_backend.forward_context():
+                loss = forward_loss(engine, batch)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float().item() / len(batches)
+    engine.fp8dist_steps_done += 1
+    if audit is not None:
+        engine.fp8dist_audit_report = audit.report
     return total
+
+
+# Where DeepSpeed's optimizers keep the master partitions and the reduced gradients, first match wins
+# (deepspeed 0.19 runtime/zero/stage_1_and_2.py, stage3.py, runtime/bf16_optimizer.py).
+MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition",
+                "fp32_groups_flat", "fp32_groups")
+GRADIENT_ATTRS = ("averaged_gradients", "fp32_groups_gradients_flat", "grad_partitions_flat_buffer")
+
+
+class DeepSpeedInspector(Inspector):
+    """DeepSpeed's answers: ZeRO-3 weights are `ds_tensor` partitions; the optimizer DeepSpeed wraps keeps its
+    own master partitions; the reduced gradients sit in its buffers until its `step()`, which is when they
+    are read (the step of the optimizer object, so a loop that calls `engine.step()` and Accelerate's
+    DeepSpeed wrapper, which calls it for you, are seen alike). MS-AMP's FP8 ZeRO optimizer links a 16-bit
+    master to each FP8 weight (`_link_hp_param`, MS-AMP v0.4.0 msamp/deepspeed/runtime/zero/fp8_stage_1_and_2.py)."""
+
+    def __init__(self, module, optimizer, engine=None):
+        super().__init__("deepspeed", module, optimizer)
+        self.decisions = list(getattr(engine, "fp8dist_decisions", None) or self.decisions)
+
+    def weights(self) -> tuple[list, str]:
+        return [getattr(p, "ds_tensor", p) for p in self.parameters()], "module parameters (ZeRO-3: partitions)"
+
+    def masters(self) -> tuple[list, str, bool]:
+        linked = [m for m in (getattr(p, "_link_hp_param", None) for p in self.parameters()) if m is not None]
+        if linked:
+            return linked, "MS-AMP's 16-bit master of each FP8 weight (_link_hp_param)", True
+        attr, found = _first_attr(self.optimizer, MASTER_ATTRS)
+        if found:
+            return found, f"the optimizer's {attr}", True
+        stepped = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return stepped, "no separate master copy: the optimizer steps the module parameters", False
+
+    def state_optimizer(self):
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    @contextlib.contextmanager
+    def capture_gradients(self, record):
+        optimizer, step = self.optimizer, self.optimizer.step
+
+        def step_and_record(*args, **kwargs):
+            scaling = [p for p in self.parameters() if is_scaling_tensor(p)]
+            if scaling:  # MS-AMP keeps the FP8 weights' gradients on the weights
+                record([p.grad for p in scaling if p.grad is not None], "FP8 weights' .grad")
+            else:
+                attr, grads = _first_attr(optimizer, GRADIENT_ATTRS)
+                if grads:
+                    record(grads, f"the optimizer's {attr}")
+                else:
+                    record([p.grad for p in self.parameters() if p.grad is not None], "param.grad")
+            return step(*args, **kwargs)
+
+        optimizer.step = step_and_record  # on the instance, for the watched block only
+        try:
+            yield
+        finally:
+            del optimizer.step
+
+
+def _tensors(obj) -> list:
+    if is_tensor_like(obj):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item)]
+    return []
+
+
+def _first_attr(obj, names) -> tuple[str | None, list]:
+    for name in names:
+        found = [t for t in _tensors(getattr(obj, name, None)) if t.numel() > 0]
+        if found:
+            return name, found
+    return None, []

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from fp8dist.backends.base import PrecisionBackend, get_backend
 from fp8dist.backends.module_filter import Decision
 from fp8dist.config.spec import Spec
+from fp8dist.engines.inspect import first_step_audit
 from fp8dist.engines.loss_scaling import DynamicLossScaler, StepOutcome
 from fp8dist.engines.optim import build_optimizer
 from fp8dist.environment import device_info
@@ -35,11 +36,14 @@ class FSDP2Run:
     optimizer: Any
     backend: PrecisionBackend
     plan: dict
+    spec: Spec
     decisions: list[Decision] = field(default_factory=list)
     wrapped: list[str] = field(default_factory=list)
-    comm: Any = None  # engines.collectives.CommRecord when prepare(record_comm=True)
     scaler: DynamicLossScaler | None = None  # fp16 compute only
     last_step: StepOutcome | None = None
+    first_step_audit: str = "warn"  # audit.first_step: warn | raise | off
+    steps_done: int = 0
+    audit_report: dict | None = None  # the report of the audited first step
 
 
 def _dtype(name):
@@ -69,12 +73,12 @@ def _float8_all_gather(plan: dict) -> bool:
     return bool(float8.get("float8_linear_config", {}).get("enable_fsdp_float8_all_gather"))
 
 
-def prepare(model, spec: Spec, mesh=None, *, record_comm: bool = False, optimizer=None) -> FSDP2Run:
+def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None = None) -> FSDP2Run:
     """Make `model` an FSDP2 model with the precision of `spec`, and build its optimizer.
 
     `mesh`: a 1-D DeviceMesh (default: all ranks of the default process group).
-    `record_comm`: record the dtype and bytes of every all-gather and reduce-scatter (audit, benchmarks).
     `optimizer`: a callable params -> optimizer (called on the sharded parameters); default: the config's.
+    `audit`: what the audit of the first `train_step` does (warn | raise | off); default: audit.first_step.
     """
     if not dist.is_initialized():
         raise Fp8distError("fp8dist.engines.fsdp2.prepare needs torch.distributed initialised "
@@ -113,24 +117,21 @@ def prepare(model, spec: Spec, mesh=None, *, record_comm: bool = False, optimize
     fully_shard(model, mesh=mesh, mp_policy=root_policy, reshard_after_forward=plan["reshard_after_forward"],
                 offload_policy=offload)
 
-    record = None
-    float8_on_gloo = dist.get_backend() == "gloo" and _float8_all_gather(plan)
-    if record_comm or float8_on_gloo:  # the default collective is kept wherever it can carry the bytes
-        from fp8dist.engines.collectives import ByteViewAllGather, CommRecord, RecordingReduceScatter
+    if dist.get_backend() == "gloo" and _float8_all_gather(plan):  # elsewhere the default collective carries them
+        from fp8dist.engines.collectives import ByteViewAllGather
 
-        record = CommRecord() if record_comm else None
         for module in model.modules():
             if isinstance(module, FSDPModule):
-                module.set_custom_all_gather(ByteViewAllGather(record))
-                if record is not None:
-                    module.set_custom_reduce_scatter(RecordingReduceScatter(record))
+                module.set_custom_all_gather(ByteViewAllGather())
 
     optimizer = (optimizer or (lambda params: build_optimizer(params, spec)))(model.parameters())
     optimizer.register_step_post_hook(lambda *_: backend.after_optimizer_step(model))
     scaler = None
     if plan["loss_scaling"]:
         scaler = DynamicLossScaler(spec.precision.loss_scaling)  # all ranks of the job agree on a skip
-    return FSDP2Run(model, optimizer, backend, plan, decisions, [name for name, _ in units], record, scaler)
+    model.fp8dist_decisions = decisions  # for the audit's engine inspector
+    return FSDP2Run(model, optimizer, backend, plan, spec, decisions, [name for name, _ in units], scaler,
+                    first_step_audit=audit or spec.audit.first_step)
 
 
 def accumulate_gradients(run: FSDP2Run, batches: list[dict]) -> float:
@@ -167,7 +168,12 @@ def apply_gradients(run: FSDP2Run, clip: float) -> bool:
 
 
 def train_step(run: FSDP2Run, batches: list[dict], clip: float) -> float:
-    """One optimizer step over `batches` (gradient accumulation); returns the mean loss."""
-    loss = accumulate_gradients(run, batches)
-    apply_gradients(run, clip)
+    """One optimizer step over `batches` (gradient accumulation); returns the mean loss. The first step runs
+    under the dtype audit (fp8dist.audit.watch) unless `run.first_step_audit` is off; its report is kept in
+    `run.audit_report`."""
+    with first_step_audit(run.model, run.optimizer, run.spec, run.first_step_audit, run.steps_done) as audit:
+        loss = accumulate_gradients(run, batches)
+        apply_gradients(run, clip)
+    run.steps_done += 1
+    run.audit_report = audit.report if audit is not None else run.audit_report
     return loss

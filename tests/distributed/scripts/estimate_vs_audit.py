@@ -22,9 +22,9 @@ def main(configs: list[str], models: list[str]) -> int:
         spec = load_config(ROOT / "configs" / f"{config}.yaml")
         for model in models:
             loaded = load_model(model, spec.precision.load_dtype, seed=spec.train.seed)
-            observed = observe(spec, loaded, 1, dist.get_world_size())
+            report = observe(spec, loaded, 1)
             if dist.get_rank() == 0:
-                print(f"CASE {config} {model} {json.dumps(observed['_bytes'])}", flush=True)
+                print(f"CASE {config} {model} {json.dumps(report['bytes_per_param'])}", flush=True)
             dist.barrier()
     dist.destroy_process_group()
     return 0

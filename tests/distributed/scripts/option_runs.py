@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from fp8dist.audit import probes
+from fp8dist.audit.watching import watch
+from fp8dist.audit.wire import WireRecorder
 from fp8dist.config.load import load_config
 from fp8dist.data import batches_for
 from fp8dist.engines.preflight import preflight
@@ -41,18 +43,23 @@ def run_fsdp2(case, spec, loaded) -> dict:
 
     from fp8dist.engines.fsdp2 import accumulate_gradients, apply_gradients, prepare
 
-    run = prepare(loaded.model, spec, record_comm=True)
-    losses, skipped, scales = [], [], []
+    run = prepare(loaded.model, spec)
+    losses, skipped, scales, audit = [], [], [], None
+    wire = WireRecorder()
     for step in range(spec.train.steps):
-        loss = accumulate_gradients(run, batches_for(loaded.make_batch, spec, step, dist.get_rank()))
-        inject = case.inject_inf
-        if inject and inject["step"] == step + 1 and inject["rank"] == dist.get_rank():
-            grad = next(p.grad for p in run.model.parameters() if p.grad is not None)
-            (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
-        before = _checksum(run.model)
-        if not apply_gradients(run, spec.train.gradient_clipping):
-            skipped.append(step + 1)
-            assert _checksum(run.model) == before, "a skipped step changed the weights"
+        # Step 1 under the audit, as the engine's own train_step does it (this loop injects faults between
+        # the halves of a step, so it calls them itself).
+        with (watch(run.model, run.optimizer, spec, on_mismatch="ignore") if step == 0 else wire) as observing:
+            loss = accumulate_gradients(run, batches_for(loaded.make_batch, spec, step, dist.get_rank()))
+            inject = case.inject_inf
+            if inject and inject["step"] == step + 1 and inject["rank"] == dist.get_rank():
+                grad = next(p.grad for p in run.model.parameters() if p.grad is not None)
+                (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
+            before = _checksum(run.model)
+            if not apply_gradients(run, spec.train.gradient_clipping):
+                skipped.append(step + 1)
+                assert _checksum(run.model) == before, "a skipped step changed the weights"
+        audit = observing.report if step == 0 else audit
         losses.append(loss)
         if run.scaler is not None:
             scales.append(run.scaler.scale)
@@ -61,7 +68,7 @@ def run_fsdp2(case, spec, loaded) -> dict:
         logits = run.model(**batches_for(loaded.make_batch, spec, 0, dist.get_rank())[0]).logits
     run.model.reshard()  # FSDP2 keeps the root unsharded after a forward that no backward follows
     state = [v for s in run.optimizer.state.values() for k, v in s.items() if k == "exp_avg"]
-    record = run.comm.as_dict()
+    record = wire.as_dict()  # steps 2..N
     units = [m for m in run.model.modules() if isinstance(m, FSDPModule)]
     all_skipped = [None] * dist.get_world_size()
     dist.all_gather_object(all_skipped, skipped)
@@ -71,20 +78,26 @@ def run_fsdp2(case, spec, loaded) -> dict:
         "compiled": all(getattr(m, "_compiled_call_impl", None) is not None
                         for name, m in run.model.named_modules() if name in run.wrapped) and bool(run.wrapped),
         "root_is_fsdp": isinstance(run.model, FSDPModule),
-        "reduce_scatters_per_step": sum(v["calls"] for v in record["reduce_scatter"].values()) // spec.train.steps,
+        "reduce_scatters_per_step": sum(v["calls"] for v in record["reduce_scatter"].values())
+        // (spec.train.steps - 1),
         "fsdp_units": len(units), "float8_linears": float8_linears(run.model),
-        "skipped_steps": skipped, "skipped_by_rank": all_skipped, "loss_scales": scales,
+        "skipped_steps": skipped, "skipped_by_rank": all_skipped, "loss_scales": scales, **audit_facts(audit),
     }
 
 
-def run_deepspeed(case, spec, loaded) -> dict:
-    from fp8dist.audit.worker import DS_MASTER, _first_attr
-    from fp8dist.engines.deepspeed import initialize, train_step
+def audit_facts(report) -> dict:
+    return {"audit_passed": report["passed"],
+            "audit_failing": sorted({p for phases in report.get("failing_by_rank", {}).values() for p in phases})}
 
-    engine, _, _, _ = initialize(loaded.model, spec)
+
+def run_deepspeed(case, spec, loaded) -> dict:
+    from fp8dist.engines.deepspeed import DeepSpeedInspector, initialize, train_step
+
+    engine, _, _, _ = initialize(loaded.model, spec, audit="ignore")
     losses = [train_step(engine, batches_for(loaded.make_batch, spec, step, dist.get_rank())) for step in range(spec.train.steps)]
-    _, master = _first_attr(engine.optimizer, DS_MASTER)
-    facts = {"losses": losses, "zero_stage": engine.zero_optimization_stage(),
+    master, _, separate = DeepSpeedInspector(engine.module, engine.optimizer).masters()
+    master = master if separate else None
+    facts = {**audit_facts(engine.fp8dist_audit_report), "losses": losses, "zero_stage": engine.zero_optimization_stage(),
              "optimizer": type(engine.basic_optimizer).__name__, "compiled": engine.is_compiled,
              "master_dtype": probes.summarize(master)[0] if master else None,
              "float8_linears": float8_linears(engine.module), "skipped_steps": engine.skipped_steps}

@@ -1,0 +1,233 @@
+"""`fp8dist.audit.watch`: the dtype audit inside any training loop.
+
+    with fp8dist.audit.watch(model, optimizer, "fp8dist.yaml") as w:
+        loss = model(**batch).loss
+        loss.backward()            # or engine.backward(loss) / accelerator.backward(loss)
+        optimizer.step()           # or engine.step()
+        optimizer.zero_grad()
+    w.passed, w.report             # the report is the JSON document of `fp8dist audit --format json`
+
+Everything inside the block is observed, nothing is read from settings: the storage of the weights and of
+what the optimizer steps (asked of the engine that prepared the model, fp8dist.engines.inspect), the
+operand formats of every matmul (fp8dist.audit.probes), the gradients as the optimizer is about to step,
+the collectives on the wire (fp8dist.audit.wire) and the optimizer states after the step. The engine is
+recognised from the objects; one that differs from the config's is reported as a mismatch of its own.
+Ranks agree on one verdict, so `on_mismatch="raise"` raises on every rank alike.
+
+Outside the block nothing is installed: the observing dispatch modes and hooks exist only inside it.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any
+
+from fp8dist.audit import probes
+from fp8dist.audit.formats import is_scaling_tensor
+from fp8dist.audit.report import build, table, verdict
+from fp8dist.audit.wire import REDUCTIONS, WireRecorder
+from fp8dist.config.load import load_config
+from fp8dist.config.spec import Spec
+from fp8dist.errors import Fp8distError
+
+ON_MISMATCH = ("warn", "raise", "ignore")
+FLOAT8_WIRE = {"uint8", "fp8_e4m3", "fp8_e5m2"}  # gloo carries float8 as uint8 (engines/collectives.py)
+
+
+class AuditMismatch(Fp8distError):
+    """The watched block ran in another precision regime than its config says (exit code 1, like the CLI)."""
+
+    exit_code = 1
+
+
+def _obs(value: str, detail: str = "", measured: bool = True) -> dict[str, Any]:
+    return {"observed": value, "detail": detail, "measured": measured}
+
+
+def model_name(module) -> str:
+    """The Hugging Face name or path of the model, else its class (FSDP2's FSDP<Class> wrapper class left out)."""
+    path = getattr(getattr(module, "config", None), "name_or_path", "")
+    return path or next(c.__name__ for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
+
+
+def _spec(config) -> Spec:
+    return config if isinstance(config, Spec) else load_config(config)
+
+
+class Watch:
+    """Context manager behind `watch`. After the block: `report`, `passed`, and `observed` (the raw cells)."""
+
+    def __init__(self, model, optimizer, config, *, on_mismatch: str = "warn", name: str | None = None,
+                 verbose: bool = False, loading: dict | None = None):
+        if on_mismatch not in ON_MISMATCH:
+            raise Fp8distError(f"on_mismatch={on_mismatch!r}: use one of {', '.join(ON_MISMATCH)}")
+        self.spec = _spec(config)
+        self.model, self.optimizer = model, optimizer
+        self.on_mismatch, self.verbose, self.name = on_mismatch, verbose, name
+        self.observed: dict[str, Any] = {} if loading is None else {"loading": loading}
+        self.report: dict[str, Any] | None = None
+        self.passed: bool | None = None
+        self._gradients: dict[str, Any] | None = None
+        self._stack: contextlib.ExitStack | None = None
+
+    # -- entering: what the prepared run stores before the step -------------------------------------------
+    def __enter__(self) -> "Watch":
+        import torch.distributed as dist
+
+        from fp8dist.engines.inspect import inspector_for
+
+        self.inspector = inspector_for(self.model, self.optimizer)
+        self.nproc = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rank = dist.get_rank() if self.nproc > 1 else 0
+        self._observe_stores()
+        self.matmuls, self.wire = probes.MatmulRecorder(), WireRecorder()
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(self.inspector.capture_gradients(self._record_gradients))
+        self._stack.enter_context(self.wire)
+        self._stack.enter_context(self.matmuls)
+        return self
+
+    def _scope(self, tensors: list) -> tuple[list, str]:
+        """Table A's MS-AMP cells describe the Linear weights MS-AMP converted (ScalingParameters); embeddings,
+        norms and biases follow the engine's own precision and are named in the detail only."""
+        if self.spec.fp8.backend != "msamp":
+            return tensors, ""
+        scope = [t for t in tensors if is_scaling_tensor(t)]
+        rest, counts = probes.summarize(t for t in tensors if not is_scaling_tensor(t))
+        return scope, f" converted by MS-AMP ({len(scope)}; the other parameters: {rest} {counts})"
+
+    def _observe_stores(self) -> None:
+        out, inspector = self.observed, self.inspector
+        out["engine"] = _obs(inspector.engine, f"recognised from {type(self.model).__name__} and "
+                                               f"{type(self.optimizer).__name__}")
+        weights, where = inspector.weights()
+        scope, note = self._scope(weights)
+        value, counts = probes.summarize(scope)
+        out["weights"] = _obs(value, f"{where}{note}: {counts}")
+        masters, where, separate = inspector.masters()
+        master_value, counts = probes.summarize(masters)
+        self._masters = (master_value, f"{where}: {counts}", separate)
+        out["preparation"] = (_obs(master_value, f"{where}: {counts}") if separate
+                              else _obs(value, "what the engine prepared is what the optimizer steps"))
+        covered = sum(t.numel() for t in (masters or weights))
+        self._bytes = {"weights": probes.nbytes(weights) / max(sum(t.numel() for t in weights), 1)}
+        if separate and masters:
+            self._bytes["master"] = probes.nbytes(masters) / covered
+        self._covered = max(covered, 1)
+
+    def _record_gradients(self, grads: list, where: str) -> None:
+        if self._gradients is None or (not self._gradients["numel"] and grads):  # the first step that has them
+            value, counts = probes.summarize(grads)
+            self._gradients = {"value": value, "where": where, "counts": counts, "nbytes": probes.nbytes(grads),
+                               "numel": sum(t.numel() for t in grads)}
+
+    # -- leaving: what the step did ------------------------------------------------------------------------
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._stack.close()
+        if exc_type is not None:
+            return False  # the block's own error goes on; nothing is reported for a step that did not finish
+        self._observe_step()
+        self.report = build(self.spec, self.name or model_name(self.inspector.module), self.observed,
+                            self.nproc, outside={} if "loading" in self.observed else {
+                                "loading": "the watch starts with the model already loaded"})
+        self._agree()
+        self._act()
+        return False
+
+    def _observe_step(self) -> None:
+        out = self.observed
+        fp8, other = self.matmuls.split()
+        compute, detail = probes.compute_dtype(other)
+        out["training"] = _obs(compute, f"non-FP8 matmul operands: {detail}", measured=bool(other or fp8))
+        notes = "".join(f"; {note}" for note in self.matmuls.notes)
+        out["gemm"] = (_obs(probes.low_precision_format(fp8), probes.describe_fp8(fp8) + notes) if fp8
+                       else _obs(compute, "no FP8/FP4 operands seen" + notes, measured=bool(other)))
+        master_value, where, separate = self._masters
+        if not separate and master_value == compute:
+            out["master_weights"] = _obs("n/a", f"no copy in another precision than the compute dtype ({where})")
+        else:
+            out["master_weights"] = _obs(master_value, where)
+        grads = self._gradients
+        if grads is None:
+            out["weight_gradients"] = _obs("not observed", "the optimizer did not step inside the watched block", False)
+            out["optimizer"] = _obs("not observed", "the optimizer did not step inside the watched block", False)
+        else:
+            out["weight_gradients"] = _obs(grads["value"], f"{grads['where']}: {grads['counts']}")
+            if grads["numel"]:
+                self._bytes["gradients"] = grads["nbytes"] / grads["numel"]
+            holder = self.inspector.state_optimizer()
+            state, per_key = probes.optimizer_states(holder)
+            out["optimizer"] = _obs(state, f"state storage: {per_key}")
+            self._bytes["optimizer"] = probes.nbytes(probes.state_tensors(holder)) / self._covered
+        if self.nproc > 1:
+            self._observe_wire()
+        out["_bytes"] = self._bytes
+        out["_decisions"] = [d.__dict__ for d in self.inspector.decisions]
+
+    def _observe_wire(self) -> None:
+        out, wire = self.observed, self.wire
+        record = wire.as_dict()
+        # MS-AMP sends its FP8 gradients as uint8 (ScalingTensor bytes): name them by what they carry.
+        msamp = self.spec.fp8.backend == "msamp"
+        reduced = sorted({"fp8" if d == "uint8" and msamp else d for d in wire.dtypes(REDUCTIONS)})
+        out["communication"] = _obs("+".join(reduced) or "none",
+                                    f"gradient reductions on the wire (scalars left out): "
+                                    f"{ {k: v for k, v in record.items() if k in REDUCTIONS} }")
+        gathered = set(wire.dtypes({"all_gather"}))
+        float8_weights = sum(1 for p in self.inspector.parameters()
+                             if "Float8" in type(getattr(p, "_local_tensor", p)).__name__)
+        if float8_weights and gathered & FLOAT8_WIRE:
+            gather = "fp8"
+        else:
+            gather = "+".join(sorted(gathered - {"uint8"} or gathered)) or "none"
+        out["weight_all_gather"] = _obs(gather, f"all-gathers {record.get('all_gather', {})}; "
+                                                f"{float8_weights} float8 weights")
+        out["_comm"] = record
+        if self.inspector.engine == "none":
+            if wire.dtypes({"all_reduce"}):
+                # The loop handed over the bare module (HF Trainer does so under DDP): replicated training is
+                # seen from its gradient all-reduces.
+                out["engine"] = _obs("ddp", "a module with no sharding wrapper whose gradients were all-reduced "
+                                            "on the wire (replicated data parallel)")
+            elif not reduced:
+                out["engine"]["detail"] += (f"; {self.nproc} ranks and no gradient reduction on the wire: "
+                                            "each rank trains alone")
+
+    def _agree(self) -> None:
+        """One verdict for the job: a rank that saw a mismatch fails every rank."""
+        self.passed = self.report["passed"]
+        if self.nproc > 1:
+            import torch.distributed as dist
+
+            verdicts: list = [None] * self.nproc
+            failing = [c["phase"] for c in self.report["checks"] if not c["ok"]]
+            dist.all_gather_object(verdicts, (self.passed, failing))
+            self.passed = all(passed for passed, _ in verdicts)
+            self.report["passed"] = self.passed
+            self.report["failing_by_rank"] = {rank: phases for rank, (_, phases) in enumerate(verdicts) if phases}
+
+    def _act(self) -> None:
+        text = table(self.report)
+        if self.verbose and self.rank == 0:
+            print(text, end="", flush=True)
+        if self.passed or self.on_mismatch == "ignore":
+            return
+        if self.on_mismatch == "raise":
+            raise AuditMismatch(f"fp8dist audit of the watched step: {verdict(self.report)}\n{text}")
+        if self.rank == 0:
+            print(("" if self.verbose else text) + "fp8dist audit: the watched step did not run in the precision "
+                  "its config says (see above)", file=sys.stderr, flush=True)
+
+
+def watch(model, optimizer, config, *, on_mismatch: str = "warn", name: str | None = None,
+          verbose: bool = False, loading: dict | None = None) -> Watch:
+    """Audit everything run inside the `with` block against `config` (a path, a dict or a Spec).
+
+    model: what the loop calls (fp8dist-prepared, `fully_shard`ed, a DeepSpeedEngine, DDP, a plain module,
+        Accelerate's prepared model); optimizer: what the loop steps (Accelerate's wrapper is fine).
+    on_mismatch: `warn` (default: one table on rank 0, to stderr), `raise` (AuditMismatch on every rank),
+        `ignore` (only `w.report` / `w.passed`).
+    name: the model name in the report (default: its class). verbose: print the table on rank 0 whatever the
+        verdict. loading: the `loading` cell when the caller observed the model as loaded (the CLI audit).
+    """
+    return Watch(model, optimizer, config, on_mismatch=on_mismatch, name=name, verbose=verbose, loading=loading)
