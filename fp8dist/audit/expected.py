@@ -10,7 +10,7 @@ from fp8dist.config.rules import effective_state_dtype, weight_dtype
 from fp8dist.config.schema import read_schema_file
 from fp8dist.config.spec import Spec
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "fp4": 0.5, "n/a": 0}
+DTYPE_BYTES = {"none": 0, "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "fp4": 0.5, "n/a": 0}
 # Optimizer states per parameter when a cell names one dtype for all of them (torch Adam/AdamW: exp_avg,
 # exp_avg_sq; fp8dist's SGD has no momentum).
 STATES_PER_PARAM = {"adam": 2, "adamw": 2, "sgd": 0}
@@ -45,7 +45,10 @@ def expected(spec: Spec, nproc: int = 1) -> dict[str, tuple[str, str]]:
     if engine == "fsdp2":
         row["preparation"] = (master, "local shards are upcast to the master dtype before fully_shard")
         row["weights"] = (master, "FSDP2 stores the sharded weights in the master dtype")
-        row["master_weights"] = ("n/a" if p.master_weights == "none" else p.master_weights, "precision.master_weights")
+        separate = p.master_weights not in ("none", compute)
+        row["master_weights"] = (p.master_weights if separate else "n/a",
+                                 "precision.master_weights" if separate else
+                                 "no copy in a dtype other than the compute dtype (precision.master_weights)")
         row["weight_gradients"] = (master, "sharded gradients take the dtype of the sharded weights")
         ao = spec.fp8.torchao
         float8_gather = spec.fp8.backend == "torchao" and (
@@ -64,6 +67,9 @@ def expected(spec: Spec, nproc: int = 1) -> dict[str, tuple[str, str]]:
         row["master_weights"] = (prep if (section or stage >= 1) else "n/a", "DeepSpeed optimizer partitions")
         row["weight_gradients"] = (spec.deepspeed.grad_accum_dtype or (p.mixed_precision if section else "fp32"),
                                    "data_types.grad_accum_dtype, else the model dtype from the precision flags")
+        if stage in (1, 2) and spec.deepspeed.offload_optimizer != "none":
+            row["weight_gradients"] = ("fp32", "ZeRO-Offload accumulates the reduced gradients in fp32 CPU "
+                                       "partitions (stage_1_and_2.py async_inplace_copy_grad_to_fp32_buffer_from_gpu)")
     row["training"] = (compute, "precision.mixed_precision (or the weight dtype without it)")
     if not spec.fp8.enabled:
         row["gemm"] = (compute, "no FP8 backend: GEMMs run in the compute dtype")
@@ -75,6 +81,8 @@ def expected(spec: Spec, nproc: int = 1) -> dict[str, tuple[str, str]]:
     if engine == "deepspeed" and state in ("fp32", "bf16", "fp16") and p.master_weights == "none":
         state = row["preparation"][0]
     row["optimizer"] = (state, "optimizer.state_dtype (auto: the dtype of the weights it steps)")
+    if spec.optimizer.name == "sgd":
+        row["optimizer"] = ("none", "fp8dist's SGD has no momentum: no optimizer state")
     row["communication"] = (p.reduce_dtype, "precision.reduce_dtype (gradient reduction)")
     if spec.fp8.backend == "msamp":
         cells = _msamp_row(spec)

@@ -31,6 +31,9 @@ ENUM_NAMES = {"kFloat8E4M3": "fp8_e4m3", "kFloat8E5M2": "fp8_e5m2", "kFloat4E2M1
 TE_FORMAT_ATTRS = ("_fp8_dtype", "_fp4_dtype")
 TE_BUFFER_ATTRS = ("_data", "_rowwise_data", "_columnwise_data", "_transpose")
 WRAPPER_ATTRS = ("_data", "codes", "_tensor")  # torchao: the inner tensor that holds the bytes
+# torchao's low-bit optimizer states keep their codes in uint8; what they hold is named by the class
+# (torchao 0.18 torchao/optim/subclass_8bit.py, subclass_4bit.py; subclass_fp8.py's codes are float8 already).
+CODE_FORMATS = {"OptimState8bit": "int8", "OptimState4bit": "int4"}
 
 
 def short(dtype) -> str:
@@ -81,6 +84,10 @@ def storage(obj) -> Storage:
         return Storage(te_format, numel, held)
     if hasattr(obj, "to_local"):
         return storage(obj.to_local())
+    if type(obj).__name__ in CODE_FORMATS:
+        codes = obj.codes
+        return Storage(CODE_FORMATS[type(obj).__name__], obj.numel(),
+                       codes.numel() * codes.element_size() + obj.scale.numel() * obj.scale.element_size())
     for attr in WRAPPER_ATTRS:
         inner = getattr(obj, attr, None)
         if isinstance(inner, torch.Tensor):

@@ -105,12 +105,13 @@ def compute_dtype(other: Counter) -> tuple[str, str]:
     return top[0][0] if len(top) == 1 else "+".join(sorted(dtypes)), ", ".join(f"{k}: {v}" for k, v in top)
 
 
-def optimizer_states(optimizer) -> tuple[str, dict[str, Any]]:
-    """Adam-like states as 'exp_avg+exp_avg_sq' storage formats; other optimizers: all tensor states."""
+def optimizer_states(optimizer, skip: set[int] = frozenset()) -> tuple[str, dict[str, Any]]:
+    """Adam-like states as 'exp_avg+exp_avg_sq' storage formats; other optimizers: all tensor states.
+    `skip`: ids of state tensors left out (those a low-bit optimizer keeps in full precision by design)."""
     per_key: dict[str, Counter] = {}
     for state in optimizer.state.values():
         for key, value in state.items():
-            if is_tensor_like(value) and value.numel() > 1:
+            if is_tensor_like(value) and value.numel() > 1 and id(value) not in skip:
                 s = storage(value)
                 per_key.setdefault(key, Counter())[s.format] += s.numel
     if not per_key:

@@ -14,7 +14,9 @@ the collectives on the wire (fp8dist.audit.wire) and the optimizer states after 
 recognised from the objects; one that differs from the config's is reported as a mismatch of its own.
 Ranks agree on one verdict, so `on_mismatch="raise"` raises on every rank alike.
 
-Outside the block nothing is installed: the observing dispatch modes and hooks exist only inside it.
+Outside the block nothing is installed: the observing dispatch modes and hooks exist only inside it. Inside
+it, torch.compile'd code runs eagerly (`torch.compiler.set_stance("force_eager")`), as dispatch modes
+cannot observe compiled graphs; the dtypes are those of the compiled run.
 """
 from __future__ import annotations
 
@@ -23,10 +25,12 @@ import sys
 from typing import Any
 
 from fp8dist.audit import probes
+from fp8dist.audit.expected import expected, normalize
 from fp8dist.audit.formats import is_scaling_tensor
 from fp8dist.audit.report import build, table, verdict
 from fp8dist.audit.wire import REDUCTIONS, WireRecorder
 from fp8dist.config.load import load_config
+from fp8dist.config.rules import weight_dtype
 from fp8dist.config.spec import Spec
 from fp8dist.errors import Fp8distError
 
@@ -82,6 +86,12 @@ class Watch:
         self._observe_stores()
         self.matmuls, self.wire = probes.MatmulRecorder(), WireRecorder()
         self._stack = contextlib.ExitStack()
+        # Compiled code runs eagerly in the watched block: a dispatch mode cannot see inside a compiled graph,
+        # and Dynamo refuses to compile while a non-infra dispatch mode is active (fullgraph=True raises,
+        # torchao's low-bit AdamW is one) (torch 2.13 torch/_dynamo/eval_frame.py). Dtypes are the same.
+        import torch
+
+        self._stack.enter_context(torch.compiler.set_stance("force_eager"))
         self._stack.enter_context(self.inspector.capture_gradients(self._record_gradients))
         self._stack.enter_context(self.wire)
         self._stack.enter_context(self.matmuls)
@@ -143,8 +153,9 @@ class Watch:
         out["gemm"] = (_obs(probes.low_precision_format(fp8), probes.describe_fp8(fp8) + notes) if fp8
                        else _obs(compute, "no FP8/FP4 operands seen" + notes, measured=bool(other)))
         master_value, where, separate = self._masters
-        if not separate and master_value == compute:
-            out["master_weights"] = _obs("n/a", f"no copy in another precision than the compute dtype ({where})")
+        if not separate and self._no_master_expected() and normalize(master_value) == weight_dtype(self.spec.to_dict()):
+            out["master_weights"] = _obs("n/a", f"no separate master copy: the optimizer steps the weights themselves, "
+                                                f"in the config's weight dtype ({where})")
         else:
             out["master_weights"] = _obs(master_value, where)
         grads = self._gradients
@@ -155,14 +166,21 @@ class Watch:
             out["weight_gradients"] = _obs(grads["value"], f"{grads['where']}: {grads['counts']}")
             if grads["numel"]:
                 self._bytes["gradients"] = grads["nbytes"] / grads["numel"]
+            from fp8dist.engines.optim import full_precision_by_design
+
             holder = self.inspector.state_optimizer()
-            state, per_key = probes.optimizer_states(holder)
-            out["optimizer"] = _obs(state, f"state storage: {per_key}")
+            kept = full_precision_by_design(holder)
+            state, per_key = probes.optimizer_states(holder, skip=kept)
+            note = f"; {len(kept)} states of small tensors left out, kept in full precision by design" if kept else ""
+            out["optimizer"] = _obs(state, f"state storage: {per_key}{note}")
             self._bytes["optimizer"] = probes.nbytes(probes.state_tensors(holder)) / self._covered
         if self.nproc > 1:
             self._observe_wire()
         out["_bytes"] = self._bytes
         out["_decisions"] = [d.__dict__ for d in self.inspector.decisions]
+
+    def _no_master_expected(self) -> bool:
+        return expected(self.spec, self.nproc)["master_weights"][0] == "n/a"
 
     def _observe_wire(self) -> None:
         out, wire = self.observed, self.wire

@@ -200,6 +200,27 @@ def _deepspeed(doc, _):
         issues.append(Issue("deepspeed.grad_accum_dtype", "DeepSpeed refuses a separate accumulation dtype at ZeRO "
                             "stage 0 (NotImplementedError at initialize)", ds["grad_accum_dtype"],
                             "use zero_stage>=1 or leave grad_accum_dtype null"))
+    section = p["mixed_precision"] != "none" and p["master_weights"] != "none"
+    module = p["mixed_precision"] if section else p["load_dtype"]
+    accum = ds["grad_accum_dtype"]
+    offloaded = ds["offload_optimizer"] != "none" and stage in (1, 2)
+    # What DeepSpeed 0.19.8 does with data_types.grad_accum_dtype, as the audit observed it: honoured with a
+    # bf16/fp16 section (ZeRO-1 fp32: BF16_Optimizer; ZeRO-2/3: fp32 averaged_gradients); with ZeRO-1/2
+    # optimizer offload every gradient lands in the fp32 CPU partition (stage_1_and_2.py
+    # async_inplace_copy_grad_to_fp32_buffer_from_gpu); without a section the module's dtype wins.
+    ignored_by = ("ZeRO-Offload, which accumulates every gradient in its fp32 CPU partition" if offloaded and
+                  accum != "fp32" else None if section else
+                  f"DeepSpeed without a bf16/fp16 section, whose ZeRO optimizer accumulates in the module dtype "
+                  f"({module})" if accum != module else None)
+    if accum is not None and stage >= 1 and ignored_by:
+        want = "fp32" if offloaded else module
+        issues.append(Issue("deepspeed.grad_accum_dtype", f"ignored by {ignored_by}", accum,
+                            f"leave deepspeed.grad_accum_dtype null (or {want})"))
+    if p["mixed_precision"] != "none" and p["master_weights"] == "none" and p["reduce_dtype"] != p["load_dtype"]:
+        issues.append(Issue("precision.reduce_dtype", f"{p['load_dtype']} weights with {p['mixed_precision']} compute "
+                            "run on DeepSpeed's torch_autocast, which reduces each gradient in its parameter's dtype "
+                            f"({p['load_dtype']}) and ignores communication_data_type", p["reduce_dtype"],
+                            f"set precision.reduce_dtype={p['load_dtype']}"))
     if ds["offload_param"] != "none" and stage != 3:
         issues.append(Issue("deepspeed.offload_param", "parameter offload needs ZeRO stage 3", ds["offload_param"],
                             "set deepspeed.zero_stage=3 or offload_param=none"))

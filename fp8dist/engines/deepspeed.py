@@ -46,6 +46,7 @@ def initialize(model, spec: Spec, optimizer=None, model_parameters=None, trainin
     else:
         _check_client_optimizer(optimizer, spec, config)
         rebind_optimizer(optimizer, before, model)
+    _forget_earlier_torch_autocast(config)
     initialize_fn = backend.deepspeed_initialize if spec.fp8.backend == "msamp" else _deepspeed_initialize()
     engine, optimizer, dataloader, scheduler = initialize_fn(
         model=model, optimizer=optimizer, training_data=training_data, lr_scheduler=lr_scheduler,
@@ -109,6 +110,20 @@ def _check_client_optimizer(optimizer, spec: Spec, config: dict) -> None:
                            "\n  fix: pass no optimizer (fp8dist builds DeepSpeedCPUAdam from `optimizer`), pass a "
                            "deepspeed.ops.adam.DeepSpeedCPUAdam, or set "
                            "deepspeed.extra.zero_force_ds_cpu_optimizer=false to step yours on the CPU (slow)")
+
+
+def _forget_earlier_torch_autocast(config: dict) -> None:
+    """DeepSpeed 0.19.8 records torch_autocast in module globals that no engine resets
+    (runtime/torch_autocast.py TORCH_AUTOCAST_INITIALIZED, "TODO: Avoid using global variables"): an engine
+    without torch_autocast, built in a process where an earlier engine had it, reduces every gradient in its
+    parameter's dtype and ignores communication_data_type (stage_1_and_2.py ipg_buckets). The audit saw bf16
+    gradient all-reduces where fp32 was configured. Reset them when this engine does not use torch_autocast."""
+    if config.get("torch_autocast", {}).get("enabled"):
+        return
+    autocast = sys.modules.get("deepspeed.runtime.torch_autocast")
+    if autocast is not None and getattr(autocast, "TORCH_AUTOCAST_INITIALIZED", False):
+        autocast.TORCH_AUTOCAST_INITIALIZED = False
+        autocast.TORCH_AUTOCAST_DTYPE = None
 
 
 def _deepspeed_initialize():
@@ -182,8 +197,13 @@ class DeepSpeedInspector(Inspector):
                 record([p.grad for p in scaling if p.grad is not None], "FP8 weights' .grad")
             else:
                 attr, grads = _first_attr(optimizer, GRADIENT_ATTRS)
+                masters, where, separate = self.masters()
+                offloaded = [m.grad for m in masters if separate and m.grad is not None]
                 if grads:
                     record(grads, f"the optimizer's {attr}")
+                elif offloaded:  # ZeRO-Offload copies each reduced gradient into the fp32 partition's .grad on the
+                    # CPU (stage_1_and_2.py async_inplace_copy_grad_to_fp32_buffer_from_gpu)
+                    record(offloaded, f"{where}'s .grad (optimizer offload)")
                 else:
                     record([p.grad for p in self.parameters() if p.grad is not None], "param.grad")
             return step(*args, **kwargs)

@@ -46,6 +46,27 @@ def build_optimizer(params, spec: Spec):
     return (torch.optim.Adam if opt.name == "adam" else torch.optim.AdamW)(params, **kwargs)
 
 
+# torchao's low-bit optimizers quantize the states of a tensor only when its local shard has at least this many
+# elements and a multiple of the block size; the others keep full-precision states, by design (follows
+# bitsandbytes; torchao 0.18 torchao/optim/adam.py _AdamBase._new_buffer).
+TORCHAO_MIN_QUANTIZED_NUMEL = 4096
+
+
+def full_precision_by_design(optimizer) -> set[int]:
+    """ids of the optimizer's state tensors that its low-bit design keeps in full precision (empty for others)."""
+    if not type(optimizer).__module__.startswith("torchao.optim"):
+        return set()
+    import torch
+
+    block = getattr(optimizer, "block_size", None) or 1
+    kept = set()
+    for param, state in optimizer.state.items():
+        numel = (param.to_local() if hasattr(param, "to_local") else param).numel()
+        if numel < TORCHAO_MIN_QUANTIZED_NUMEL or numel % block:
+            kept.update(id(t) for t in state.values() if isinstance(t, torch.Tensor))
+    return kept
+
+
 def _moved(before: dict, model) -> dict[int, Any]:
     """id(parameter before the backend's module swap) -> the parameter of the same name now in `model`."""
     after = dict(model.named_parameters())

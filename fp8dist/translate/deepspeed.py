@@ -71,7 +71,12 @@ def _precision_sections(spec: Spec, version, origin, issues) -> dict[str, Any]:
             issues.append(Issue("precision.master_weights", f"fp32 weights with {p.mixed_precision} compute map to "
                                 f"DeepSpeed's torch_autocast; {reason} ({origin})", "none",
                                 "upgrade DeepSpeed, or set precision.master_weights=fp32 (bf16/fp16 section)"))
-        return {"torch_autocast": {"enabled": True, "dtype": _TORCH_DTYPE_NAME[p.mixed_precision]}}
+        # No lower-precision-safe modules: every gradient is reduced in its parameter's dtype (the load dtype,
+        # which rules._deepspeed requires reduce_dtype to be). DeepSpeed's default list would reduce nn.Linear
+        # gradients in the autocast dtype and ignore communication_data_type (deepspeed 0.19
+        # runtime/torch_autocast.py init_autocast_params, zero/stage_1_and_2.py ipg_buckets).
+        return {"torch_autocast": {"enabled": True, "dtype": _TORCH_DTYPE_NAME[p.mixed_precision],
+                                   "lower_precision_safe_modules": []}}
     if p.mixed_precision == "fp16":
         fp16 = p.loss_scaling
         section = {"enabled": True, "loss_scale": fp16.loss_scale, "initial_scale_power": fp16.initial_scale_power,

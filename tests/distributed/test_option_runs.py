@@ -19,7 +19,7 @@ def reports():
     for line in result.stdout.splitlines():
         if line.startswith("CASE "):
             _, case_id, rank, payload = line.split(" ", 3)
-            facts = json.loads(payload)
+            facts, _ = json.JSONDecoder().raw_decode(payload)  # a peer's log line may follow on the same line
             if rank == "0" or "error" in facts:
                 found.setdefault(case_id, {}).update(facts)
     return found, result
@@ -50,3 +50,24 @@ def test_compile_keeps_the_root_sharded_and_accumulation_without_sync(reports):
     facts = reports[0]["fsdp2-compile-accumulate"]
     assert facts["compiled"] and facts["root_is_fsdp"]
     assert facts["reduce_scatters_per_step"] == facts["fsdp_units"]
+
+
+@pytest.mark.parametrize("case", RUNS, ids=[c.id for c in RUNS])
+def test_every_run_passes_its_first_step_audit(case, reports):
+    """Each option's real run is audited on step 1 by its engine's train step (audit.first_step, default warn):
+    what the config says is what the run did, phase by phase, on every rank."""
+    facts = reports[0][case.id]
+    if case.config.get("audit", {}).get("first_step") == "off":
+        assert facts["audit_passed"] is None, facts
+        return
+    assert facts["audit_passed"] is True, f"phases that differ: {facts['audit_failing']}: {facts['audit_mismatches']}"
+
+
+def test_an_earlier_torch_autocast_engine_does_not_change_the_next_engines_reduce_dtype(reports):
+    """DeepSpeed keeps torch_autocast in module globals that no engine resets; the next engine in the process
+    then reduced its gradients in bf16 although communication_data_type said fp32 (the first-step audit saw
+    it). fp8dist's initialize resets them: ds-torchao-float8 runs after ds-fp16-amp-autocast in this job."""
+    order = [c.id for c in RUNS]
+    assert order.index("ds-fp16-amp-autocast") < order.index("ds-torchao-float8")
+    facts = reports[0]["ds-torchao-float8"]
+    assert facts["audit_passed"] is True and "communication" not in facts["audit_failing"], facts

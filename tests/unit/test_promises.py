@@ -21,7 +21,7 @@ def _observed_everything(spec, **override):
     from fp8dist.audit.expected import expected
 
     observed = {phase: {"observed": value, "detail": "", "measured": True}
-                for phase, (value, _) in expected(spec, nproc=2).items()}
+                for phase, (value, _) in {**expected(spec, nproc=2), "engine": (spec.engine, "")}.items()}
     observed.update(override)
     return observed
 

@@ -45,7 +45,8 @@ def test_no_auto_anywhere_and_no_amp():
 def test_torch_autocast_always_names_its_dtype():
     spec = load_config({"engine": "deepspeed", "precision": {"preset": "fp16-amp"}})
     ds = to_deepspeed(spec, "0.19.8")
-    assert ds["torch_autocast"] == {"enabled": True, "dtype": "float16"}
+    # No lower-precision-safe modules: gradients are reduced in fp32, the reduce_dtype (the audit sees it on the wire)
+    assert ds["torch_autocast"] == {"enabled": True, "dtype": "float16", "lower_precision_safe_modules": []}
     assert "fp16" not in ds and "bf16" not in ds
     from deepspeed.runtime.config import DeepSpeedConfig
 

@@ -18,10 +18,9 @@ import torch
 import torch.distributed as dist
 
 from fp8dist.audit import probes
-from fp8dist.audit.watching import watch
-from fp8dist.audit.wire import WireRecorder
 from fp8dist.config.load import load_config
 from fp8dist.data import batches_for
+from fp8dist.engines.inspect import first_step_audit
 from fp8dist.engines.preflight import preflight
 from fp8dist.models import load_model
 from tests.option_matrix import RUN_BASE, RUNS, merge
@@ -38,18 +37,36 @@ def _checksum(model) -> float:
                      for p in [p.to_local() if hasattr(p, "to_local") else p]))
 
 
+def count_reduce_scatters(model) -> list[int]:
+    """FSDP2's reduce-scatters, counted in its collective hook (a dispatch mode would stop torch.compile)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    count = [0]
+
+    class Counting(DefaultReduceScatter):
+        def __call__(self, *args, **kwargs):
+            count[0] += 1
+            return super().__call__(*args, **kwargs)
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(Counting())
+    return count
+
+
 def run_fsdp2(case, spec, loaded) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     from fp8dist.engines.fsdp2 import accumulate_gradients, apply_gradients, prepare
 
     run = prepare(loaded.model, spec)
-    losses, skipped, scales, audit = [], [], [], None
-    wire = WireRecorder()
+    reduce_scatters = count_reduce_scatters(run.model)
+    losses, skipped, scales = [], [], []
     for step in range(spec.train.steps):
-        # Step 1 under the audit, as the engine's own train_step does it (this loop injects faults between
-        # the halves of a step, so it calls them itself).
-        with (watch(run.model, run.optimizer, spec, on_mismatch="ignore") if step == 0 else wire) as observing:
+        # Step 1 under the config's first-step audit, as the engine's train_step runs it (this loop injects
+        # faults between the halves of a step, so it calls them itself).
+        with first_step_audit(run.model, run.optimizer, spec, spec.audit.first_step, step) as audit:
             loss = accumulate_gradients(run, batches_for(loaded.make_batch, spec, step, dist.get_rank()))
             inject = case.inject_inf
             if inject and inject["step"] == step + 1 and inject["rank"] == dist.get_rank():
@@ -59,7 +76,7 @@ def run_fsdp2(case, spec, loaded) -> dict:
             if not apply_gradients(run, spec.train.gradient_clipping):
                 skipped.append(step + 1)
                 assert _checksum(run.model) == before, "a skipped step changed the weights"
-        audit = observing.report if step == 0 else audit
+        run.audit_report = audit.report if audit is not None else run.audit_report
         losses.append(loss)
         if run.scaler is not None:
             scales.append(run.scaler.scale)
@@ -68,7 +85,6 @@ def run_fsdp2(case, spec, loaded) -> dict:
         logits = run.model(**batches_for(loaded.make_batch, spec, 0, dist.get_rank())[0]).logits
     run.model.reshard()  # FSDP2 keeps the root unsharded after a forward that no backward follows
     state = [v for s in run.optimizer.state.values() for k, v in s.items() if k == "exp_avg"]
-    record = wire.as_dict()  # steps 2..N
     units = [m for m in run.model.modules() if isinstance(m, FSDPModule)]
     all_skipped = [None] * dist.get_world_size()
     dist.all_gather_object(all_skipped, skipped)
@@ -78,22 +94,26 @@ def run_fsdp2(case, spec, loaded) -> dict:
         "compiled": all(getattr(m, "_compiled_call_impl", None) is not None
                         for name, m in run.model.named_modules() if name in run.wrapped) and bool(run.wrapped),
         "root_is_fsdp": isinstance(run.model, FSDPModule),
-        "reduce_scatters_per_step": sum(v["calls"] for v in record["reduce_scatter"].values())
-        // (spec.train.steps - 1),
+        "reduce_scatters_per_step": reduce_scatters[0] // spec.train.steps,
         "fsdp_units": len(units), "float8_linears": float8_linears(run.model),
-        "skipped_steps": skipped, "skipped_by_rank": all_skipped, "loss_scales": scales, **audit_facts(audit),
+        "skipped_steps": skipped, "skipped_by_rank": all_skipped, "loss_scales": scales, **audit_facts(run.audit_report),
     }
 
 
 def audit_facts(report) -> dict:
+    """The verdict of the first-step audit (None: audit.first_step=off), and the phases any rank failed."""
+    if report is None:
+        return {"audit_passed": None, "audit_failing": []}
     return {"audit_passed": report["passed"],
-            "audit_failing": sorted({p for phases in report.get("failing_by_rank", {}).values() for p in phases})}
+            "audit_failing": sorted({p for phases in report.get("failing_by_rank", {}).values() for p in phases}),
+            "audit_mismatches": {c["phase"]: f"expected {c['expected']}, observed {c['observed']}: {c['detail']}"
+                                 for c in report["checks"] if not c["ok"]}}
 
 
 def run_deepspeed(case, spec, loaded) -> dict:
     from fp8dist.engines.deepspeed import DeepSpeedInspector, initialize, train_step
 
-    engine, _, _, _ = initialize(loaded.model, spec, audit="ignore")
+    engine, _, _, _ = initialize(loaded.model, spec)
     losses = [train_step(engine, batches_for(loaded.make_batch, spec, step, dist.get_rank())) for step in range(spec.train.steps)]
     master, _, separate = DeepSpeedInspector(engine.module, engine.optimizer).masters()
     master = master if separate else None
