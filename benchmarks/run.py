@@ -22,6 +22,7 @@ from _common import ROOT, cpu_env, parse_results  # noqa: E402
 # name -> (script, extra args for --quick)
 BENCHMARKS = {
     "overhead": ("overhead.py", ["--pairs", "6", "--rounds", "2"]),
+    "watch_overhead": ("watch_overhead.py", ["--pairs", "4", "--rounds", "2"]),
     "comm_bytes": ("comm_bytes.py", []),
     "memory": ("memory.py", ["--only", "fsdp2-bf16", "deepspeed-bf16-zero2"]),
     "cli_latency": ("cli_latency.py", ["--runs", "3"]),

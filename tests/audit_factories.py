@@ -52,3 +52,52 @@ class AdamWithBf16States(torch.optim.Optimizer):
 def tiny_llama_bf16_states():
     loaded = load_model("tiny-llama", "fp32")
     return {"model": loaded.model, "make_batch": loaded.make_batch, "make_optimizer": AdamWithBf16States}
+
+
+class TokenMLP(torch.nn.Module):
+    """A bare module (no config, no make_batch) whose first module is an nn.Embedding: token-id input."""
+
+    def __init__(self, vocab=128, hidden=32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.up = torch.nn.Linear(hidden, 64)
+        self.down = torch.nn.Linear(64, vocab)
+
+    def forward(self, tokens):
+        return self.down(self.up(self.embed(tokens)).relu())
+
+
+class FeatureMLP(torch.nn.Module):
+    """A bare module whose first module is an nn.Linear: a float input of its in_features."""
+
+    def __init__(self, features=48):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(features, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class ConvFirst(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(4, 8, 3)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def token_mlp():
+    return TokenMLP()
+
+
+def feature_mlp():
+    return FeatureMLP()
+
+
+def conv_first():
+    return ConvFirst()
+
+
+def raises():
+    raise RuntimeError("weights file /data/ckpt.pt is missing")

@@ -162,12 +162,26 @@ def deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Enum keys with an `off` value: YAML 1.1 (PyYAML, omegaconf) reads a bare `off` as false.
+OFF_KEYS = (("audit", "first_step"),)
+
+
+def _unbool_off(document: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`first_step: off` as the user wrote it, not the false YAML made of it."""
+    for section, key in OFF_KEYS:
+        block = document.get(section)
+        if isinstance(block, Mapping) and block.get(key) is False:
+            document = {**document, section: {**block, key: "off"}}
+    return document
+
+
 def resolve(document: Any, source: str = "<config>") -> dict[str, Any]:
     """Validate the user's document, then layer defaults < preset < document and check the rules."""
     if not isinstance(document, Mapping):
         kind = "a list" if isinstance(document, list) else f"a {type(document).__name__}"
         raise ConfigError([Issue("", f"the top level must be a mapping, not {kind}",
                                  fix="write keys at the top level, e.g. `engine: fsdp2`")], source)
+    document = _unbool_off(document)
     issues = schema.validate(dict(document))
     if issues:
         raise ConfigError(issues, source)

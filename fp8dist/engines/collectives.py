@@ -1,9 +1,9 @@
-"""FSDP2 custom all-gather / reduce-scatter that (1) let gloo move float8 bytes and (2) record what
-crosses the wire for the audit and the benchmarks.
+"""FSDP2 custom all-gather that (1) lets gloo move float8 bytes and (2) can record, per FSDP unit, what it
+sends (benchmarks/comm_bytes.py; the audit reads every collective on the wire instead: fp8dist.audit.wire).
 
 gloo has no float8 dtypes ("Invalid scalar type"), so 1-byte floats are viewed as uint8 for the
 transfer (research/torchao_fsdp2.md 1.5); the bytes sent are unchanged. Interface:
-torch.distributed.fsdp._fully_shard._fsdp_collectives.DefaultAllGather / DefaultReduceScatter (torch 2.13).
+torch.distributed.fsdp._fully_shard._fsdp_collectives.DefaultAllGather (torch 2.13).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
 FLOAT8_DTYPES = {d for d in (getattr(torch, n, None) for n in
                              ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")) if d}
@@ -20,19 +20,14 @@ FLOAT8_DTYPES = {d for d in (getattr(torch, n, None) for n in
 
 @dataclass
 class CommRecord:
-    """Per collective: dtype of the flat buffer -> [calls, bytes sent by this rank]."""
+    """All-gathers: dtype of the flat buffer -> [calls, bytes sent by this rank]."""
 
     all_gather: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
-    reduce_scatter: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
 
-    def add(self, table: dict, tensor: torch.Tensor) -> None:
-        entry = table[str(tensor.dtype).replace("torch.", "")]
+    def add(self, tensor: torch.Tensor) -> None:
+        entry = self.all_gather[str(tensor.dtype).replace("torch.", "")]
         entry[0] += 1
         entry[1] += tensor.numel() * tensor.element_size()
-
-    def as_dict(self) -> dict:
-        return {"all_gather": {k: {"calls": v[0], "bytes": v[1]} for k, v in self.all_gather.items()},
-                "reduce_scatter": {k: {"calls": v[0], "bytes": v[1]} for k, v in self.reduce_scatter.items()}}
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
@@ -45,15 +40,5 @@ class ByteViewAllGather(DefaultAllGather):
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         if self.record is not None:
-            self.record.add(self.record.all_gather, input_tensor)
+            self.record.add(input_tensor)
         return dist.all_gather_single(_wire(output_tensor), _wire(input_tensor), group=group, async_op=async_op)
-
-
-class RecordingReduceScatter(DefaultReduceScatter):
-    def __init__(self, record: CommRecord):
-        self.record = record
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        self.record.add(self.record.reduce_scatter, input_tensor)
-        return super().__call__(output_tensor, input_tensor, group, op, async_op)
-
