@@ -42,7 +42,7 @@ def test_a_correct_hand_written_loop_passes(cases, name):
 @pytest.mark.parametrize("name,phases,observed", [
     # (a) accelerate #3979: the upcast never happened; the optimizer steps bf16 shards with bf16 moments
     ("fsdp2-upcast-is-a-no-op", {"weights", "master_weights", "optimizer"},
-     {"weights": "bf16", "master_weights": "n/a", "optimizer": "bf16+bf16"}),
+     {"weights": "bf16", "master_weights": "bf16", "optimizer": "bf16+bf16"}),
     # (a) the optimizer built before an upcast that made new parameters: it steps stale bf16 tensors
     ("fsdp2-optimizer-before-upcast", {"master_weights", "optimizer"}, {"master_weights": "bf16", "optimizer": "none"}),
     # (b) float8 asked for, the model never converted
