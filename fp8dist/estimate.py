@@ -107,7 +107,7 @@ def build_meta_model(name: str, dtype: str) -> MetaModel:
 def offloaded(spec: Spec) -> set[str]:
     """The stores that live in host memory instead of the accelerator's."""
     if spec.engine == "fsdp2":
-        return {"weights", "gradients", "optimizer"} if spec.fsdp2.offload != "none" else set()
+        return {"weights", "gradients", "optimizer"} if spec.parallel.offload == "params" else set()
     ds, out = spec.deepspeed, set()
     if ds.offload_optimizer != "none":  # ZeRO-Offload: fp32 masters, their gradients and the states on the host
         out |= {"master_weights", "optimizer"}
@@ -119,8 +119,12 @@ def offloaded(spec: Spec) -> set[str]:
 def shard_counts(spec: Spec, world: int) -> dict[str, int]:
     """Over how many ranks each store is divided (1: every rank holds all of it). DeepSpeed ZeRO-0 keeps
     everything whole (bf16 runs at stage 0 use the unpartitioned DDP bf16 optimizer, engine.py 0.19.8)."""
-    if spec.engine == "fsdp2":
-        return {"weights": world, "master_weights": world, "gradients": world, "optimizer": world}
+    if spec.engine == "fsdp2":  # sharded within the shard group: all ranks, a hybrid group, or none (replicate)
+        from fp8dist.config.vocabulary import fsdp2_layout
+
+        size = fsdp2_layout(spec.to_dict())["shard_size"]
+        size = world if size == "world" else size
+        return {"weights": size, "master_weights": size, "gradients": size, "optimizer": size}
     stage = spec.deepspeed.zero_stage
     return {"weights": world if stage >= 3 else 1, "master_weights": world if stage >= 1 else 1,
             "gradients": world if stage >= 2 else 1, "optimizer": world if stage >= 1 else 1}
@@ -137,7 +141,7 @@ def bytes_per_param(spec: Spec) -> dict[str, float]:
 def _blocks(model, spec: Spec) -> list:
     """The transformer blocks, found as FSDP2 finds its wrap units (HF `_no_split_modules`, else the first
     ModuleList)."""
-    from fp8dist.engines.fsdp2 import wrap_units
+    from fp8dist.engines.blocks import wrap_units
 
     return [module for _, module in wrap_units(model, spec)]
 

@@ -25,6 +25,8 @@ class LoadedModel:
     make_batch: Callable[[int, int, int], dict]  # (batch, seq_len, seed) -> forward kwargs incl. labels
     name: str
     make_optimizer: Callable | None = None  # params -> optimizer; None: the one the config names
+    materialize: Any = None  # a meta-built model's loader, run after sharding (engines.loading.ShardOnRead)
+    keepalive: Any = None  # what must live as long as the model (DeepSpeed ZeRO-3: the HfDeepSpeedConfig)
 
 
 def _llama_config(**overrides):

@@ -68,7 +68,7 @@ def run_fsdp2(spec, loaded, steps, on_step, checkpoint_dir):
     cuda = torch.cuda.is_available()
     if cuda:
         loaded.model.to("cuda")
-    run = prepare(loaded.model, spec)
+    run = prepare(loaded.model, spec, materialize=loaded.materialize)
     for step in range(steps):
         batches = batches_for(loaded.make_batch, spec, step, dist.get_rank())
         if cuda:
@@ -112,15 +112,22 @@ def main(argv=None) -> int:
 
     try:
         spec = fp8dist.spec_from_args(args)
+        from fp8dist.config.vocabulary import check_world_size
+        from fp8dist.engines.advice import advise
+        from fp8dist.engines.loading import check_efficient_loading, load_for_run
         from fp8dist.engines.preflight import preflight
-        from fp8dist.models import load_model
 
         preflight(spec)
         if args.checkpoint_dir and spec.engine == "deepspeed":
             raise Fp8distError("--checkpoint-dir is for engine=fsdp2; use engine.save_checkpoint with DeepSpeed")
 
-        loaded = load_model(args.model, spec.precision.load_dtype, seed=spec.train.seed)
+        check_efficient_loading(args.model, spec)
         init_distributed(spec.engine)
+        import torch.distributed as dist
+
+        check_world_size(spec, dist.get_world_size())  # before any weight is loaded
+        advise(spec, dist.get_world_size())
+        loaded = load_for_run(args.model, spec)
         train(spec, loaded, args.steps or spec.train.steps, on_step, args.checkpoint_dir)
         shutdown()
     except Fp8distError as exc:  # bad input or environment: 2; the first-step audit with audit.first_step=raise: 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 from fp8dist.config.rules import effective_state_dtype, weight_dtype
 from fp8dist.config.schema import read_schema_file
 from fp8dist.config.spec import Spec
+from fp8dist.config.vocabulary import fsdp2_layout
 
 DTYPE_BYTES = {"none": 0, "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "fp4": 0.5, "n/a": 0}
 # Optimizer states per parameter when a cell names one dtype for all of them (torch Adam/AdamW: exp_avg,
@@ -56,6 +57,8 @@ def expected(spec: Spec, nproc: int = 1) -> dict[str, tuple[str, str]]:
             (ao.enable_fsdp_float8_all_gather == "auto" and ao.recipe_name == "tensorwise"))
         row["weight_all_gather"] = ("fp8" if float8_gather else compute,
                                     "float8 all-gather" if float8_gather else "MixedPrecisionPolicy.param_dtype")
+        if fsdp2_layout(doc)["shard_size"] == 1:
+            row["weight_all_gather"] = ("none", "shard size 1 (parallel.sharding): nothing is sharded, nothing gathered")
     else:
         stage, section = spec.deepspeed.zero_stage, p.master_weights != "none" and p.mixed_precision != "none"
         module = p.mixed_precision if section else p.load_dtype

@@ -16,7 +16,7 @@ from fp8dist.audit.formats import is_tensor_like, short, storage
 from fp8dist.audit.library_gemms import LibraryGemmRecorder
 
 __all__ = ["short", "summarize", "trainable", "MatmulRecorder", "describe_fp8", "low_precision_format",
-           "compute_dtype", "optimizer_states", "state_tensors", "nbytes"]
+           "compute_dtype", "optimizer_states", "state_tensors", "nbytes", "summarize_counts"]
 
 
 def summarize(tensors: Iterable) -> tuple[str, dict[str, int]]:
@@ -25,6 +25,11 @@ def summarize(tensors: Iterable) -> tuple[str, dict[str, int]]:
     for t in tensors:
         s = storage(t)
         counts[s.format] += s.numel
+    return summarize_counts(counts)
+
+
+def summarize_counts(counts: dict[str, int]) -> tuple[str, dict[str, int]]:
+    """The formats of elements counted per format: one name, or `a+b` when mixed."""
     if not counts:
         return "none", {}
     return ("+".join(sorted(counts)) if len(counts) > 1 else next(iter(counts))), dict(counts)

@@ -18,12 +18,15 @@ from fp8dist.errors import Fp8distError
 EXIT_OK, EXIT_MISMATCH = 0, 1
 
 
-def check_before_launch(spec, model: str) -> None:
-    """Everything that can fail without launching: the model name, the backend, the engine's own refusals."""
+def check_before_launch(spec, model: str, nproc: int) -> None:
+    """Everything that can fail without launching: the model name, the backend, the engine's own refusals,
+    the ranks a hybrid shard group needs."""
+    from fp8dist.config.vocabulary import check_world_size
+    from fp8dist.engines.loading import check_efficient_loading
     from fp8dist.engines.preflight import preflight
-    from fp8dist.models import check_model_name
 
-    check_model_name(model)
+    check_efficient_loading(model, spec)
+    check_world_size(spec, nproc)
     preflight(spec)
 
 
@@ -39,7 +42,7 @@ def run_audit(args) -> int:
     if args.timeout <= 0:
         raise Fp8distError(f"--timeout must be positive seconds, got {args.timeout:g}")
     spec = load_config(args.config)  # config errors: exit 2 before anything starts
-    check_before_launch(spec, args.model)
+    check_before_launch(spec, args.model, args.nproc)
     result = measure(args.model, args.config, args.nproc, args.steps, args.timeout)  # the watch's report
     render = {"json": lambda r: json.dumps(r, indent=2) + "\n", "markdown": markdown, "table": table}[args.format]
     sys.stdout.write(render(result))

@@ -17,7 +17,8 @@ from fp8dist.audit import probes
 from fp8dist.audit.watching import watch
 from fp8dist.config.load import load_config
 from fp8dist.errors import Fp8distError
-from fp8dist.models import load_model
+from fp8dist.config.vocabulary import check_world_size
+from fp8dist.engines.loading import load_for_run
 from fp8dist.ranks import finish
 
 
@@ -32,7 +33,8 @@ def prepared(spec, loaded):
         return engine, engine.optimizer, lambda batches: deepspeed.train_step(engine, batches)
     from fp8dist.engines import fsdp2
 
-    run = fsdp2.prepare(loaded.model, spec, optimizer=loaded.make_optimizer, audit="off")
+    run = fsdp2.prepare(loaded.model, spec, optimizer=loaded.make_optimizer, audit="off",
+                        materialize=loaded.materialize)
     return run.model, run.optimizer, lambda batches: fsdp2.train_step(run, batches, spec.train.gradient_clipping)
 
 
@@ -40,6 +42,10 @@ def observe(spec, loaded, steps: int) -> dict[str, Any]:
     """The audit report of step 1 of `loaded` under `spec`, after `steps` real steps (process group up)."""
     value, counts = probes.summarize(probes.trainable(loaded.model))
     loading = {"observed": value, "detail": f"parameters after loading: {counts}", "measured": True}
+    if loaded.materialize is not None:  # built on meta in the master dtype; the files are read after sharding
+        value, counts = probes.summarize_counts(loaded.materialize.file_formats())
+        loading = {"observed": value, "detail": f"RAM-efficient loading: read shard by shard from the safetensors "
+                   f"files, which hold {counts}", "measured": True}
     model, optimizer, step = prepared(spec, loaded)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch = loaded.make_batch(spec.train.micro_batch_size, spec.train.seq_len, seed=dist.get_rank())
@@ -58,7 +64,8 @@ def main(model_name: str, config: str, steps: int, out_path: str) -> int:
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
         spec = load_config(config or None)
-        loaded = load_model(model_name, spec.precision.load_dtype, seed=spec.train.seed)
+        check_world_size(spec, dist.get_world_size())
+        loaded = load_for_run(model_name, spec)
         if cuda:
             loaded.model.to("cuda")
         out = observe(spec, loaded, steps)

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from fp8dist.config import rules, schema
+from fp8dist.config import rules, schema, vocabulary
 from fp8dist.config.spec import Spec
 from fp8dist.errors import ConfigError, Issue
 
@@ -181,7 +181,7 @@ def resolve(document: Any, source: str = "<config>") -> dict[str, Any]:
         kind = "a list" if isinstance(document, list) else f"a {type(document).__name__}"
         raise ConfigError([Issue("", f"the top level must be a mapping, not {kind}",
                                  fix="write keys at the top level, e.g. `engine: fsdp2`")], source)
-    document = _unbool_off(document)
+    document = vocabulary.normalize(_unbool_off(document))
     issues = schema.validate(dict(document))
     if issues:
         raise ConfigError(issues, source)
@@ -191,7 +191,7 @@ def resolve(document: Any, source: str = "<config>") -> dict[str, Any]:
         layered = deep_merge(layered, schema.presets()[preset]["values"])
     layered = deep_merge(layered, document)
     layered["precision"]["preset"] = preset
-    issues = schema.validate(layered) or rules.check(layered, explicit=document)
+    issues = schema.validate(layered) or vocabulary.derive(layered, document) or rules.check(layered, explicit=document)
     if issues:
         raise ConfigError(issues, source)
     return layered

@@ -272,3 +272,25 @@ def _fsdp2_optimizer_states(doc, _):
                       f"({weight_dtype(doc)} here)", state,
                       "leave it auto, or change precision.master_weights")]
     return []
+
+
+@rule
+def _parallel(doc, _):
+    par, engine, issues = doc["parallel"], doc["engine"], []
+    if engine == "fsdp2" and par["offload"] == "optimizer":
+        issues.append(Issue("parallel.offload", "FSDP2 offloads parameters, gradients and the optimizer step together "
+                            "(CPUOffloadPolicy); it cannot offload the optimizer alone", "optimizer",
+                            "set parallel.offload=params, or run engine=deepspeed (ZeRO-Offload)"))
+    if engine == "deepspeed" and par["offload"] == "params" and doc["deepspeed"]["zero_stage"] != 3:
+        issues.append(Issue("parallel.offload", "DeepSpeed offloads parameters only under ZeRO-3 "
+                            f"(deepspeed.zero_stage is {doc['deepspeed']['zero_stage']})", "params",
+                            "set parallel.sharding=full (ZeRO-3), or parallel.offload=optimizer"))
+    if engine == "deepspeed" and par["cpu_ram_efficient_loading"] and doc["deepspeed"]["zero_stage"] != 3:
+        issues.append(Issue("parallel.cpu_ram_efficient_loading", "on DeepSpeed the model is built partitioned inside "
+                            "deepspeed.zero.Init, which is ZeRO-3; at ZeRO-"
+                            f"{doc['deepspeed']['zero_stage']} every rank holds the whole model anyway", True,
+                            "set parallel.sharding=full (ZeRO-3), or parallel.cpu_ram_efficient_loading=false"))
+    if engine == "deepspeed" and par["sharding"] == "hybrid" and doc["precision"]["fp8"]["backend"] == "msamp":
+        issues.append(Issue("parallel.sharding", "hybrid is ZeRO-3 + hpZ on DeepSpeed, and MS-AMP does not run "
+                            "ZeRO-3 (Azure/MS-AMP#182)", "hybrid", "set parallel.sharding=grad_op"))
+    return issues

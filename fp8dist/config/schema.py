@@ -13,7 +13,10 @@ from fp8dist.errors import Issue
 
 SCHEMA_FILE = "fp8dist.schema.json"
 # Keys that moved: old dotted path -> new one. An old key is refused with the new name (no silent alias).
-MOVED_KEYS = {"deepspeed.fp16": "precision.loss_scaling"}
+# old dotted path -> (new path, how the old values read there)
+MOVED_KEYS = {"deepspeed.fp16": ("precision.loss_scaling", "same sub-keys"),
+              "fsdp2.reshard_after_forward": ("parallel.sharding", "true is full, false is grad_op"),
+              "fsdp2.offload": ("parallel.offload", "cpu is params")}
 PRESETS_FILE = "presets.json"
 
 
@@ -96,8 +99,9 @@ def _issues_for(error) -> list[Issue]:
         for key in sorted(set(error.instance) - set(known)):
             moved = MOVED_KEYS.get(_path(path + [key]))
             if moved:
-                out.append(Issue(_path(path + [key]), f"this key moved to `{moved}` (same sub-keys)",
-                                 fix=f"write it as {moved}"))
+                new, how = moved
+                out.append(Issue(_path(path + [key]), f"this key moved to `{new}` ({how})",
+                                 fix=f"write it as {new}"))
                 continue
             close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
             hint = f"did you mean `{close[0]}`?" if close else f"known keys here: {', '.join(known)}"

@@ -117,10 +117,17 @@ class AuditSpec:
 
 
 @dataclass(frozen=True)
+class ParallelSpec:
+    sharding: str  # auto | full | grad_op | hybrid | replicate
+    shard_size: int | None
+    offload: str  # none | optimizer | params
+    activation_checkpointing: str  # none | full | selective
+    cpu_ram_efficient_loading: bool
+
+
+@dataclass(frozen=True)
 class FSDP2Spec:
     wrap: Any  # "auto" | tuple[str, ...]
-    reshard_after_forward: bool
-    offload: str
     output_dtype: Dtype | None
     cast_forward_inputs: bool
 
@@ -144,6 +151,7 @@ class Spec:
     optimizer: OptimizerSpec
     train: TrainSpec
     audit: AuditSpec
+    parallel: ParallelSpec
     fsdp2: FSDP2Spec
     deepspeed: DeepSpeedSpec
     source: str = field(default="<config>", compare=False)

@@ -1,7 +1,9 @@
 """DeepSpeed runtime: `fp8dist.engines.deepspeed.initialize` mirrors `deepspeed.initialize`.
 
 It checks the environment, applies the precision backend to the model (torchao float8 conversion,
-Transformer Engine swap, MS-AMP's module marks), builds the optimizer the config names (or points the
+Transformer Engine swap, MS-AMP's module marks) and then activation checkpointing to its blocks
+(DeepSpeed's own activation_checkpointing section only configures its model-parallel checkpoint function,
+which user code must call: runtime/activation_checkpointing/checkpointing.py), builds the optimizer the config names (or points the
 caller's at the swapped parameters), and calls `deepspeed.initialize` with the translated config -- or,
 for MS-AMP, `msamp.deepspeed.initialize` through the MS-AMP backend.
 """
@@ -14,6 +16,9 @@ from typing import Any
 from fp8dist.audit.formats import is_scaling_tensor, is_tensor_like
 from fp8dist.backends.base import get_backend
 from fp8dist.config.spec import Spec
+from fp8dist.engines import activation_checkpointing
+from fp8dist.engines.advice import advise_small_gemms
+from fp8dist.engines.blocks import wrap_units
 from fp8dist.engines.inspect import Inspector, first_step_audit
 from fp8dist.engines.optim import build_optimizer, offloads_optimizer, rebind_optimizer, rebind_parameters
 from fp8dist.environment import device_info
@@ -40,6 +45,8 @@ def initialize(model, spec: Spec, optimizer=None, model_parameters=None, trainin
     check_environment(spec, config)
     before = dict(model.named_parameters())
     decisions = backend.convert_module(model)
+    advise_small_gemms(spec, model)
+    activation_checkpointing.apply(model, wrap_units(model, spec), spec.parallel.activation_checkpointing)
     if optimizer is None:
         params = model.parameters() if model_parameters is None else rebind_parameters(model_parameters, before, model)
         optimizer = build_optimizer(params, spec)

@@ -1,8 +1,9 @@
 """FSDP2 runtime: execute the plan of fp8dist.translate.fsdp2 on a real model.
 
 Order (torchtitan parallelize_llama, Accelerate fsdp2_prepare_model): upcast to the master dtype (FSDP2
-wants one original dtype per group) -> FP8 conversion -> torch.compile per block, in place -> fully_shard
-each block -> fully_shard the root. Compiling blocks in place before sharding (torchtitan apply_compile:
+wants one original dtype per group) -> FP8 conversion -> activation checkpointing -> torch.compile per
+block, in place -> fully_shard each block, then the root, on the mesh of `parallel.sharding` -> (meta-built
+models) materialise the shards and load the weights -> the optimizer. Compiling blocks in place before sharding (torchtitan apply_compile:
 "per-TransformerBlock compile ... before FSDP") keeps the root an FSDPModule, so gradient accumulation
 still skips the reduce-scatter of all but the last micro-batch. The optimizer gets a step post-hook for the
 backend (torchao float8 scale precompute); fp16 compute gets the loss scaler (engines/loss_scaling.py).
@@ -19,6 +20,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from fp8dist.backends.base import PrecisionBackend, get_backend
 from fp8dist.backends.module_filter import Decision
 from fp8dist.config.spec import Spec
+from fp8dist.config.vocabulary import check_world_size, fsdp2_layout
+from fp8dist.engines import activation_checkpointing
+from fp8dist.engines.advice import advise_small_gemms
+from fp8dist.engines.blocks import wrap_units
 from fp8dist.engines.inspect import first_step_audit
 from fp8dist.engines.loss_scaling import DynamicLossScaler, StepOutcome
 from fp8dist.engines.optim import build_optimizer
@@ -50,35 +55,34 @@ def _dtype(name):
     return None if name is None else torch_dtype(name)
 
 
-def wrap_units(model, spec: Spec) -> list[tuple[str, torch.nn.Module]]:
-    """The modules to shard before the root: configured class names, HF `_no_split_modules`, or the
-    children of the first nn.ModuleList."""
-    names = spec.fsdp2.wrap
-    if names == "auto":
-        names = tuple(getattr(model, "_no_split_modules", None) or ())
-    if names:
-        units = [(n, m) for n, m in model.named_modules() if type(m).__name__ in set(names) and m is not model]
-        if not units:
-            raise Fp8distError(f"fsdp2.wrap: no module of class {', '.join(names)} in {type(model).__name__}; "
-                               "list the transformer block class names")
-        return units
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList):
-            return [(f"{name}.{i}", child) for i, child in enumerate(module)]
-    return []
-
-
 def _float8_all_gather(plan: dict) -> bool:
     float8 = plan.get("float8") or {}
     return bool(float8.get("float8_linear_config", {}).get("enable_fsdp_float8_all_gather"))
 
 
-def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None = None) -> FSDP2Run:
+def device_mesh(spec: Spec, world: int, device_type: str):
+    """The mesh of `parallel.sharding`: 1-D over all ranks (full, grad_op), or a named 2-D mesh
+    (replicate, shard) for hybrid (shard = shard_size) and replicate (shard = 1). FSDP2 wants 2-D meshes
+    named (torch 2.13 _fsdp_init.py _validate_mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    layout = fsdp2_layout(spec.to_dict())
+    shard = world if layout["shard_size"] == "world" else layout["shard_size"]
+    check_world_size(spec, world)
+    if layout["strategy"] in ("full", "grad_op"):
+        return init_device_mesh(device_type, (world,))
+    return init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None = None,
+            materialize=None) -> FSDP2Run:
     """Make `model` an FSDP2 model with the precision of `spec`, and build its optimizer.
 
-    `mesh`: a 1-D DeviceMesh (default: all ranks of the default process group).
+    `mesh`: a DeviceMesh (default: the one `parallel.sharding` describes, over the default process group).
     `optimizer`: a callable params -> optimizer (called on the sharded parameters); default: the config's.
     `audit`: what the audit of the first `train_step` does (warn | raise | off); default: audit.first_step.
+    `materialize`: for a model built on the meta device (fp8dist.engines.loading.ShardOnRead), allocates the
+    local shards and loads the weights once the model is sharded.
     """
     if not dist.is_initialized():
         raise Fp8distError("fp8dist.engines.fsdp2.prepare needs torch.distributed initialised "
@@ -93,16 +97,14 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
             if param.is_floating_point() and param.dtype != master:
                 param.data = param.data.to(master)
     decisions = backend.convert_module(model)
-    units = wrap_units(model, spec)
+    advise_small_gemms(spec, model)
+    units = activation_checkpointing.apply(model, wrap_units(model, spec), plan["activation_checkpointing"])
     if plan["compile"]:
         for unit in [unit for _, unit in units] or [model]:
             unit.compile()  # in place: the module object (and so the FSDP unit) stays the same
 
-    if mesh is None:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    mesh = mesh or device_mesh(spec, dist.get_world_size(), device_type)
     mp = plan["mixed_precision_policy"]
     policy = dict(param_dtype=_dtype(mp["param_dtype"]), reduce_dtype=_dtype(mp["reduce_dtype"]),
                   cast_forward_inputs=mp["cast_forward_inputs"])
@@ -111,11 +113,12 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
     block_policy = MixedPrecisionPolicy(**policy)
     root_policy = MixedPrecisionPolicy(**policy, output_dtype=_dtype(mp["output_dtype"]))
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan["offload_policy"] else OffloadPolicy()
+    reshard = plan["sharding"]["reshard_after_forward"]
     for _, unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=block_policy, reshard_after_forward=plan["reshard_after_forward"],
-                    offload_policy=offload)
-    fully_shard(model, mesh=mesh, mp_policy=root_policy, reshard_after_forward=plan["reshard_after_forward"],
-                offload_policy=offload)
+        fully_shard(unit, mesh=mesh, mp_policy=block_policy, reshard_after_forward=reshard, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=root_policy, reshard_after_forward=reshard, offload_policy=offload)
+    if materialize is not None:  # offloaded shards live on the CPU (torchtitan enable_cpu_offload)
+        materialize.materialize(model, "cpu" if plan["offload_policy"] else device_type)
 
     if dist.get_backend() == "gloo" and _float8_all_gather(plan):  # elsewhere the default collective carries them
         from fp8dist.engines.collectives import ByteViewAllGather

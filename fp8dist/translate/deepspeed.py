@@ -15,6 +15,7 @@ from typing import Any
 from fp8dist import compat
 from fp8dist.config.rules import effective_state_dtype
 from fp8dist.config.spec import Spec
+from fp8dist.config.vocabulary import deepspeed_extras
 from fp8dist.errors import ConfigError, Issue
 
 _TORCH_DTYPE_NAME = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -99,7 +100,7 @@ def _precision_sections(spec: Spec, version, origin, issues) -> dict[str, Any]:
 
 def _zero_section(spec: Spec) -> dict[str, Any]:
     ds = spec.deepspeed
-    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    zero: dict[str, Any] = {"stage": ds.zero_stage, **deepspeed_extras(spec.to_dict())}
     for key in ("offload_optimizer", "offload_param"):
         device = getattr(ds, key)
         if device != "none":

@@ -1,8 +1,9 @@
 """Spec -> FSDP2 plan (plain data). Pure: no torch import.
 
 The plan is what `fp8dist.engines.fsdp2.prepare` executes, in this order (torchtitan, Accelerate):
-upcast to the master dtype -> float8 conversion -> torch.compile per block -> fully_shard each block ->
-fully_shard the root; plus the optimizer step post-hook that precomputes float8 scales and, for fp16
+upcast to the master dtype -> float8 conversion -> activation checkpointing -> torch.compile per block ->
+fully_shard each block, then the root, on the mesh of `parallel.sharding` -> materialise and load (RAM-
+efficient loading) -> the optimizer, with the step post-hook that precomputes float8 scales and, for fp16
 compute, the loss scaler.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 from fp8dist import compat
 from fp8dist.config.rules import effective_state_dtype, weight_dtype
 from fp8dist.config.spec import Spec
+from fp8dist.config.vocabulary import fsdp2_layout
 from fp8dist.errors import ConfigError, Issue
 
 # torchao's _scaled_mm needs both Linear dims divisible by 16 (torchao/float8/config.py, pad_inner_dim).
@@ -55,11 +57,15 @@ def to_fsdp2(spec: Spec, torchao_version: str | None = None) -> dict[str, Any]:
         },
         "wrap": {"units": "auto" if f.wrap == "auto" else list(f.wrap), "root": True,
                  "auto_rule": "Hugging Face _no_split_modules, else the children of the first nn.ModuleList"},
-        "reshard_after_forward": f.reshard_after_forward,
+        "sharding": fsdp2_layout(spec.to_dict()),
         # pin_memory needs CUDA: CPUOffloadPolicy() pins by default and fails on CPU-only torch
         # (torch 2.13 _fsdp_param.py; research/scaling.md section 6). The runtime pins where CUDA exists.
         "offload_policy": {"class": "CPUOffloadPolicy", "pin_memory": "where CUDA is available"}
-        if f.offload == "cpu" else None,
+        if spec.parallel.offload == "params" else None,
+        "activation_checkpointing": spec.parallel.activation_checkpointing,
+        "loading": ({"mode": "meta build in the master dtype, shard, then each rank reads its shards "
+                             "(HuggingFaceStorageReader)", "dtype": master}
+                    if spec.parallel.cpu_ram_efficient_loading else {"mode": "full model on every rank"}),
         "loss_scaling": loss_scaling_plan(spec),
         "float8": float8_plan(spec, torchao_version),
         "optimizer": {

@@ -21,6 +21,7 @@ from fp8dist.audit import probes
 from fp8dist.config.load import load_config
 from fp8dist.data import batches_for
 from fp8dist.engines.inspect import first_step_audit
+from fp8dist.engines.loading import load_for_run
 from fp8dist.engines.preflight import preflight
 from fp8dist.models import load_model
 from tests.option_matrix import RUN_BASE, RUNS, merge
@@ -60,7 +61,8 @@ def run_fsdp2(case, spec, loaded) -> dict:
 
     from fp8dist.engines.fsdp2 import accumulate_gradients, apply_gradients, prepare
 
-    run = prepare(loaded.model, spec)
+    run = prepare(loaded.model, spec, materialize=loaded.materialize)
+    loaded_from_files = matches_saved(loaded, run.model.model.embed_tokens.weight.full_tensor())
     reduce_scatters = count_reduce_scatters(run.model)
     losses, skipped, scales = [], [], []
     for step in range(spec.train.steps):
@@ -96,8 +98,27 @@ def run_fsdp2(case, spec, loaded) -> dict:
         "root_is_fsdp": isinstance(run.model, FSDPModule),
         "reduce_scatters_per_step": reduce_scatters[0] // spec.train.steps,
         "fsdp_units": len(units), "float8_linears": float8_linears(run.model),
+        "mesh": list(next(run.model.parameters()).device_mesh.shape), "checkpointed_blocks": checkpointed(run.model),
+        "float8_all_gather_weights": sum(1 for p in run.model.parameters()
+                                         if type(p.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"),
+        "loaded_from_files": loaded_from_files,
         "skipped_steps": skipped, "skipped_by_rank": all_skipped, "loss_scales": scales, **audit_facts(run.audit_report),
     }
+
+
+def checkpointed(model) -> int:
+    return sum(1 for m in model.modules() if type(m).__name__.endswith("CheckpointWrapper"))  # FSDP2: FSDPCheckpointWrapper
+
+
+def matches_saved(loaded, full_weight) -> bool | None:
+    """RAM-efficient cases: the embedding as the run holds it equals the one in the saved files (None: the
+    model was not loaded from files)."""
+    if loaded.materialize is None and loaded.keepalive is None:
+        return None
+    from safetensors.torch import load_file
+
+    saved = load_file(f"{loaded.name}/model.safetensors")["model.embed_tokens.weight"]
+    return bool(torch.equal(full_weight.detach().float().cpu(), saved.float()))
 
 
 def audit_facts(report) -> dict:
@@ -114,15 +135,37 @@ def run_deepspeed(case, spec, loaded) -> dict:
     from fp8dist.engines.deepspeed import DeepSpeedInspector, initialize, train_step
 
     engine, _, _, _ = initialize(loaded.model, spec)
+    weight = engine.module.model.embed_tokens.weight
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([weight], enabled=hasattr(weight, "ds_id")):
+        loaded_from_files = matches_saved(loaded, weight)
     losses = [train_step(engine, batches_for(loaded.make_batch, spec, step, dist.get_rank())) for step in range(spec.train.steps)]
     master, _, separate = DeepSpeedInspector(engine.module, engine.optimizer).masters()
     master = master if separate else None
     facts = {**audit_facts(engine.fp8dist_audit_report), "losses": losses, "zero_stage": engine.zero_optimization_stage(),
              "optimizer": type(engine.basic_optimizer).__name__, "compiled": engine.is_compiled,
              "master_dtype": probes.summarize(master)[0] if master else None,
-             "float8_linears": float8_linears(engine.module), "skipped_steps": engine.skipped_steps}
+             "float8_linears": float8_linears(engine.module), "skipped_steps": engine.skipped_steps,
+             "checkpointed_blocks": checkpointed(engine.module), "loaded_from_files": loaded_from_files}
     engine.destroy()
     return facts
+
+
+_SAVED: list[str] = []
+
+
+def saved_tiny_llama() -> str:
+    """tiny-llama saved once as a Hugging Face directory (bf16 safetensors), for the RAM-efficient cases."""
+    if not _SAVED:
+        import tempfile
+
+        path = [tempfile.mkdtemp(prefix="fp8dist-option-runs-") if dist.get_rank() == 0 else None]
+        if dist.get_rank() == 0:
+            load_model("tiny-llama", "bf16", seed=0).model.save_pretrained(path[0])
+        dist.broadcast_object_list(path)
+        _SAVED.append(path[0])
+    return _SAVED[0]
 
 
 def main(ids: list[str]) -> int:
@@ -133,7 +176,8 @@ def main(ids: list[str]) -> int:
         try:
             spec = load_config(merge(RUN_BASE, case.config))
             preflight(spec)
-            loaded = load_model("tiny-llama", spec.precision.load_dtype, seed=spec.train.seed)
+            loaded = (load_for_run(saved_tiny_llama(), spec) if spec.parallel.cpu_ram_efficient_loading
+                      else load_model("tiny-llama", spec.precision.load_dtype, seed=spec.train.seed))
             facts = (run_deepspeed if spec.engine == "deepspeed" else run_fsdp2)(case, spec, loaded)
             facts["finite"] = all(math.isfinite(v) for v in facts["losses"])
         except Exception as exc:  # report, then let the next case run (the peers raised the same or time out)

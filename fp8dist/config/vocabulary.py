@@ -1,0 +1,103 @@
+"""The engine-agnostic `parallel` vocabulary and what it means on each engine (pure, no torch).
+
+One config keeps its meaning when `engine` switches: `parallel.sharding` and `parallel.offload` decide the
+DeepSpeed keys `deepspeed.zero_stage`, `offload_optimizer` and `offload_param` unless those are written too,
+in which case they must agree (a conflict names both keys: no silent precedence). FSDP2 reads `parallel`
+only (its old `fsdp2.reshard_after_forward` / `fsdp2.offload` keys moved here).
+
+| sharding  | FSDP2 (fully_shard)                                     | DeepSpeed                               |
+|-----------|---------------------------------------------------------|-----------------------------------------|
+| full      | 1-D mesh, reshard_after_forward=True (FULL_SHARD)       | ZeRO-3                                  |
+| grad_op   | 1-D mesh, reshard_after_forward=False (SHARD_GRAD_OP)   | ZeRO-2                                  |
+| hybrid    | 2-D mesh (replicate, shard=shard_size) (HYBRID_SHARD)   | ZeRO-3 + ZeRO++ hpZ (zero_hpz_partition_size=shard_size) |
+| replicate | 2-D mesh (world, 1): nothing sharded (NO_SHARD)         | ZeRO-0                                  |
+| auto      | full                                                    | deepspeed.zero_stage (default 2)        |
+
+Sources: torchtitan docs/fsdp.md (FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD mapping), torch 2.13
+torch/distributed/fsdp/_fully_shard/_fsdp_init.py (2-D mesh = HSDP), torchtitan PR #2900 (replicate as
+shard size 1), DeepSpeed 0.19 runtime/zero/config.py (zero_hpz_partition_size). DeepSpeed's MiCS would be
+closer to HSDP but does not run on its CPU accelerator (DeepSpeed tests/unit/v1/zero/test_zero.py).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from fp8dist.errors import Fp8distError, Issue
+
+# Names users know from FSDP1 / Accelerate's fsdp_config (seed 004), accepted and rewritten to ours.
+SHARDING_ALIASES = {"FULL_SHARD": "full", "SHARD_GRAD_OP": "grad_op", "HYBRID_SHARD": "hybrid", "NO_SHARD": "replicate"}
+ZERO_STAGE = {"full": 3, "grad_op": 2, "hybrid": 3, "replicate": 0}
+# parallel.offload -> (deepspeed.offload_optimizer, deepspeed.offload_param)
+DEEPSPEED_OFFLOAD = {"none": ("none", "none"), "optimizer": ("cpu", "none"), "params": ("cpu", "cpu")}
+
+
+def normalize(document: Mapping[str, Any]) -> Mapping[str, Any]:
+    """FSDP1 / Accelerate strategy names rewritten to the vocabulary's, before validation."""
+    parallel = document.get("parallel")
+    if isinstance(parallel, Mapping) and parallel.get("sharding") in SHARDING_ALIASES:
+        document = {**document, "parallel": {**parallel, "sharding": SHARDING_ALIASES[parallel["sharding"]]}}
+    return document
+
+
+def _written(explicit: Mapping[str, Any], section: str, key: str) -> bool:
+    block = explicit.get(section)
+    return isinstance(block, Mapping) and key in block
+
+
+def derive(doc: dict[str, Any], explicit: Mapping[str, Any]) -> list[Issue]:
+    """Fill the DeepSpeed keys the user did not write from `parallel`, in place; report conflicts and
+    values that cannot mean anything. `explicit`: the user's own document (before defaults and preset)."""
+    par, ds, issues = doc["parallel"], doc["deepspeed"], []
+    sharding = par["sharding"]
+    if sharding == "hybrid" and par["shard_size"] is None:
+        issues.append(Issue("parallel.shard_size", "hybrid sharding needs the size of a shard group", None,
+                            "set parallel.shard_size to the ranks that shard one copy (e.g. the GPUs of a node)"))
+    if sharding != "hybrid" and par["shard_size"] is not None:
+        issues.append(Issue("parallel.shard_size", f"only hybrid sharding has shard groups; "
+                            f"parallel.sharding is {sharding}", par["shard_size"],
+                            "remove parallel.shard_size, or set parallel.sharding=hybrid"))
+    if sharding != "auto":
+        stage = ZERO_STAGE[sharding]
+        if _written(explicit, "deepspeed", "zero_stage") and ds["zero_stage"] != stage:
+            issues.append(Issue("deepspeed.zero_stage", f"conflicts with parallel.sharding={sharding}, which is "
+                                f"ZeRO-{stage} on DeepSpeed", ds["zero_stage"],
+                                "remove one of the two keys (parallel.sharding keeps its meaning on both engines)"))
+        ds["zero_stage"] = stage
+    if _written(explicit, "parallel", "offload"):
+        optimizer, param = DEEPSPEED_OFFLOAD[par["offload"]]
+        for key, want in (("offload_optimizer", optimizer), ("offload_param", param)):
+            if _written(explicit, "deepspeed", key) and ds[key] != want:
+                issues.append(Issue(f"deepspeed.{key}", f"conflicts with parallel.offload={par['offload']} "
+                                    f"({key}={want} on DeepSpeed)", ds[key],
+                                    "remove one of the two keys (nvme offload: write only the deepspeed keys)"))
+            ds[key] = want
+    return issues
+
+
+def deepspeed_extras(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """zero_optimization keys the vocabulary adds on DeepSpeed beyond the stage (hybrid: ZeRO++ hpZ)."""
+    par = doc["parallel"]
+    return {"zero_hpz_partition_size": par["shard_size"]} if par["sharding"] == "hybrid" else {}
+
+
+def fsdp2_layout(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """The FSDP2 mesh and resharding for `parallel.sharding` (world size known only at run time)."""
+    sharding = doc["parallel"]["sharding"]
+    sharding = "full" if sharding == "auto" else sharding
+    mesh = {"full": "1-D (shard over all ranks)", "grad_op": "1-D (shard over all ranks)",
+            "hybrid": f"2-D (replicate = world / {doc['parallel']['shard_size']}, shard = "
+                      f"{doc['parallel']['shard_size']})",
+            "replicate": "2-D (replicate = world, shard = 1)"}[sharding]
+    return {"strategy": sharding, "mesh": mesh,
+            "shard_size": {"full": "world", "grad_op": "world", "hybrid": doc["parallel"]["shard_size"],
+                           "replicate": 1}[sharding],
+            "reshard_after_forward": sharding != "grad_op"}
+
+
+def check_world_size(spec, world: int) -> None:
+    """A hybrid shard group must divide the ranks: said when the ranks start, before any weight is loaded."""
+    size = spec.parallel.shard_size
+    if spec.parallel.sharding == "hybrid" and world % size:
+        raise Fp8distError(f"parallel.shard_size={size} does not divide the {world} ranks of this job: hybrid "
+                           f"sharding needs whole shard groups\n  fix: set parallel.shard_size to a divisor of {world} "
+                           "(e.g. the GPUs per node), or launch a multiple of it")

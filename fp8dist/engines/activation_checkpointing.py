@@ -1,0 +1,73 @@
+"""Activation checkpointing of the wrap units (transformer blocks), for both engines: `full` recomputes each
+block in backward; `selective` keeps the outputs of the expensive ops and recomputes the rest.
+
+Applied after the float8 conversion and before torch.compile and sharding (torchtitan parallelize_llama:
+float8 -> AC -> per-block compile -> fully_shard; Accelerate _prepare_fsdp2 the same). The wrapper is
+torch's non-reentrant `checkpoint_wrapper` (torch 2.13 torch/distributed/algorithms/_checkpoint/
+checkpoint_wrapper.py); its state-dict hooks strip the wrapper prefix, so checkpoints keep the model's keys.
+
+The selective policy is torchtitan's op-level one (torchtitan/distributed/activation_checkpoint.py,
+`_get_default_save_ops`): save matmul / attention outputs (every second mm recomputed, to halve their
+memory) and `aten.max`, "the absolute maximum used to compute the scaling factor for quantization", so a
+recomputed float8 cast uses the same scale as the forward did.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import partial
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+MODES = ("none", "full", "selective")
+
+
+def _save_ops() -> set:
+    aten = torch.ops.aten
+    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default,
+           aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+           aten._scaled_dot_product_flash_attention_for_cpu.default, aten.max.default}
+    if hasattr(aten, "_scaled_mm"):
+        ops.add(aten._scaled_mm.default)
+    return ops
+
+
+def _selective_context():
+    save, mm_counts = _save_ops(), defaultdict(int)
+    mm = {torch.ops.aten.mm.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in mm:  # count forward and recompute separately, so both pick the same mm to save
+            key = "recompute" if ctx.is_recompute else "forward"
+            mm_counts[key] += 1
+            if mm_counts[key] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]], mode: str) -> list[tuple[str, torch.nn.Module]]:
+    """Wrap each unit (name, module) in place in its parent; returns the units as they now are (the wrappers,
+    which sharding and compile then treat as the blocks). `none`: the units unchanged."""
+    if mode == "none" or not units:
+        return units
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        # A Hugging Face model in training still fills a KV cache when use_cache is on; the recompute would then
+        # attend over the cache the forward already extended (transformers 5 modeling_layers.py: "otherwise the
+        # cache is updated a second time on the backward replay"). Its own gradient_checkpointing_enable turns
+        # the cache off too.
+        config.use_cache = False
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    wrap = (partial(checkpoint_wrapper, context_fn=_selective_context) if mode == "selective"
+            else checkpoint_wrapper)
+    wrapped = []
+    for name, unit in units:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        wrapper = wrap(unit, preserve_rng_state=True)
+        parent.register_module(child, wrapper)
+        wrapped.append((name, wrapper))
+    return wrapped

@@ -1,0 +1,66 @@
+"""Warnings a user of FP8 needs before a long run, said once, on rank 0 (stderr): combinations that run but
+are known to be slower than bf16 or broken elsewhere. Refusals live in fp8dist.config.rules; these are not
+errors because each is right on some machine."""
+from __future__ import annotations
+
+import sys
+
+from fp8dist import compat
+from fp8dist.config.spec import Spec
+
+_SAID: set[str] = set()
+
+
+def _say(key: str, message: str, rank: int) -> None:
+    if key not in _SAID and rank == 0:
+        print(f"fp8dist: note: {message}", file=sys.stderr, flush=True)
+    _SAID.add(key)
+
+
+def advise(spec: Spec, world: int, rank: int | None = None, cuda: bool | None = None) -> list[str]:
+    """The notes for this config on this machine (printed on rank 0 once per process); returns their keys."""
+    import os
+
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    keys = []
+    fp8, par = spec.fp8.enabled, spec.parallel
+    if fp8 and cuda and not spec.compile:
+        keys.append("fp8-without-compile")
+        _say(keys[-1], "FP8 without torch.compile: the casts run as separate kernels and eat the GEMM gain "
+                       "(Axolotl docs/mixed_precision.qmd: compile is 'almost always necessary for FP8 speedups'); "
+                       "set compile: true", rank)
+    if fp8 and spec.engine == "fsdp2" and spec.compile and par.activation_checkpointing != "none":
+        keys.append("fp8-fsdp2-compile-ac")
+        _say(keys[-1], "FP8 + FSDP2 + torch.compile + activation checkpointing tends to be slower than the bf16 "
+                       "equivalent (Axolotl docs/mixed_precision.qmd, known issues); measure both with "
+                       "`fp8dist compare` before a long run", rank)
+    if fp8 and spec.compile and par.sharding == "replicate" and world > 1:
+        keys.append("fp8-replicate-compile")
+        _say(keys[-1], "FP8 + replicated data parallel (DDP-like) + torch.compile is known broken "
+                       "(Axolotl docs/support-matrix.qmd); use parallel.sharding=full or grad_op, or compile: false",
+             rank)
+    return keys
+
+
+def advise_small_gemms(spec: Spec, model, rank: int | None = None) -> bool:
+    """After FP8 conversion: say so when no converted Linear is big enough to gain from torchao's float8
+    (torchao's own size heuristics, compat.torchao_too_small_to_gain)."""
+    import os
+
+    import torch
+
+    if spec.fp8.backend != "torchao":
+        return False
+    recipe = spec.fp8.torchao.recipe_name
+    converted = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and type(m).__name__ == "Float8Linear"]
+    if converted and all(compat.torchao_too_small_to_gain(recipe, m.out_features, m.in_features) for m in converted):
+        rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        _say("fp8-small-gemms", f"all {len(converted)} float8 Linears are below torchao's size heuristics for "
+                                f"{recipe} (torchao/float8/float8_linear_utils.py): on an H100 float8 is expected to "
+                                "be slower than bf16 for this model; it runs, for numerics, not for speed", rank)
+        return True
+    return False
