@@ -63,7 +63,9 @@ class ShardOnRead:
         from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageReader
 
         self.keep_buffers(model)
+        tied = _tie_groups(model)
         model.to_empty(device=device)
+        _retie(model, tied)
         for name, saved in self.buffers.items():
             owner, _, attr = name.rpartition(".")
             module = model.get_submodule(owner) if owner else model
@@ -76,6 +78,25 @@ class ShardOnRead:
             raise Fp8distError(f"cannot read the weights of {self.path} shard by shard: "
                                f"{str(exc).strip().splitlines()[-1]}") from None
         model.load_state_dict(state)
+
+
+def _tie_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Names that share one parameter (tied embeddings), first the one FSDP2 registered it under."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _retie(model: torch.nn.Module, groups: list[list[str]]) -> None:
+    """`to_empty` gives every module its own new parameter, which unties them; point the others back at the
+    first, the one FSDP2's parameter tracks (torch 2.13 _fsdp_param.py reset_sharded_param reads the module
+    it was first found on)."""
+    for first, *others in groups:
+        shared = model.get_parameter(first)
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            (model.get_submodule(owner) if owner else model).register_parameter(attr, shared)
 
 
 def _hf_config(path: Path):
@@ -93,6 +114,9 @@ def load_empty(path: Path, master_dtype: str) -> LoadedModel:
     config = _hf_config(path)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(master_dtype))
+    # init_empty_weights re-creates every parameter it sees registered, which undoes the tie transformers made
+    # while building (accelerate 1.15 big_modeling.py register_empty_parameter): tie again, outside it.
+    model.tie_weights()
     return LoadedModel(model, causal_lm_batch(config.vocab_size), str(path), materialize=ShardOnRead(path))
 
 

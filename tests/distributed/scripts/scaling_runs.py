@@ -1,0 +1,201 @@
+"""Real-size features on 4 gloo ranks, one job (tests/distributed/test_scaling.py reads the CASE lines):
+
+    torchrun --nproc_per_node 4 tests/distributed/scripts/scaling_runs.py SAVED_DIR TIED_DIR [CASE ...]
+
+- strategies: the per-step losses of full, grad_op, hybrid (groups of 2) and replicate, on FSDP2 and DeepSpeed;
+- efficient-loading: RAM-efficient loading against full loading of the same saved model (FSDP2 + float8
+  all-gather, a tied-embedding model, DeepSpeed ZeRO-3 + float8): step-1 loss, weights, buffers, dtypes;
+- activation-checkpointing: gradients and saved-tensor bytes with full / selective / no checkpointing.
+Rank 0 prints `CASE <name> <json>`.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fp8dist.config.load import load_config
+from fp8dist.data import batches_for
+from fp8dist.engines.loading import load_for_run
+from fp8dist.models import forward_loss, load_model
+
+STEPS = 3
+BASE = {"train": {"steps": STEPS, "seq_len": 32, "gradient_clipping": 0}, "audit": {"first_step": "off"}}
+FLOAT8 = {"preset": "torchao-float8", "fp8": {"torchao": {"emulate": True}}}
+
+
+def spec_for(engine: str, precision: dict, parallel: dict):
+    return load_config({**BASE, "engine": engine, "precision": precision, "parallel": parallel})
+
+
+def losses_of(spec, loaded, steps=STEPS) -> list[float]:
+    if spec.engine == "deepspeed":
+        from fp8dist.engines import deepspeed
+
+        engine, *_ = deepspeed.initialize(loaded.model, spec)
+        out = [deepspeed.train_step(engine, batches_for(loaded.make_batch, spec, s, dist.get_rank()))
+               for s in range(steps)]
+        engine.destroy()
+        return out
+    from fp8dist.engines import fsdp2
+
+    run = fsdp2.prepare(loaded.model, spec, materialize=loaded.materialize)
+    return [fsdp2.train_step(run, batches_for(loaded.make_batch, spec, s, dist.get_rank()), 0.0) for s in range(steps)]
+
+
+def strategies() -> dict:
+    out = {}
+    for engine in ("fsdp2", "deepspeed"):
+        for sharding in ("full", "grad_op", "hybrid", "replicate"):
+            parallel = {"sharding": sharding, **({"shard_size": 2} if sharding == "hybrid" else {})}
+            spec = spec_for(engine, {"preset": "fp32"}, parallel)
+            out[f"{engine}/{sharding}"] = losses_of(spec, load_model("tiny-llama", "fp32", seed=0))
+    return out
+
+
+def full_weights(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, param in model.named_parameters():
+        value = param.full_tensor() if hasattr(param, "full_tensor") else param
+        inner = getattr(value, "_tensor", value)  # torchao's float8 all-gather wrapper
+        out[name.replace("_checkpoint_wrapped_module.", "")] = inner.detach().float().clone()
+    return out
+
+
+def efficient_vs_full(saved: str, precision: dict, parallel: dict, engine: str = "fsdp2") -> dict:
+    spec_full = spec_for(engine, precision, parallel)
+    spec_efficient = spec_for(engine, precision, {**parallel, "cpu_ram_efficient_loading": True})
+    facts = {}
+    for label, spec in (("full", spec_full), ("efficient", spec_efficient)):
+        loaded = load_for_run(saved, spec)
+        batch = batches_for(loaded.make_batch, spec, 0, dist.get_rank())
+        if engine == "deepspeed":
+            from fp8dist.engines import deepspeed
+
+            engine_, *_ = deepspeed.initialize(loaded.model, spec, audit="ignore")
+            facts[label] = {"loss": deepspeed.train_step(engine_, batch),
+                            "audit_passed": engine_.fp8dist_audit_report["passed"],
+                            "float8_linears": sum(type(m).__name__ == "Float8Linear" for m in engine_.module.modules())}
+            engine_.destroy()
+            continue
+        from fp8dist.engines import fsdp2
+
+        run = fsdp2.prepare(loaded.model, spec, materialize=loaded.materialize, audit="ignore")
+        weights = full_weights(run.model)
+        buffers = {n: b.detach().clone() for n, b in run.model.named_buffers()}
+        locals_ = [p.to_local() for p in run.model.parameters()]
+        facts[label] = {
+            "weights": weights, "buffers": buffers,
+            "local_dtypes": sorted({str(getattr(t, "_tensor", t).dtype) for t in locals_}),
+            "float8_all_gather_weights": sum(type(t).__name__ == "WeightWithDynamicFloat8CastTensor" for t in locals_),
+            "tied": run.model.get_output_embeddings().weight is run.model.get_input_embeddings().weight,
+            "loss": fsdp2.train_step(run, batch, 0.0), "audit_passed": run.audit_report["passed"],
+        }
+    if engine == "deepspeed":
+        return {"loss": [facts["full"]["loss"], facts["efficient"]["loss"]],
+                "audit_passed": facts["efficient"]["audit_passed"], "float8_linears": facts["efficient"]["float8_linears"]}
+    full, efficient = facts["full"], facts["efficient"]
+    return {
+        "loss": [full["loss"], efficient["loss"]],
+        "weights_equal": all(torch.equal(full["weights"][k], efficient["weights"][k]) for k in full["weights"])
+        and full["weights"].keys() == efficient["weights"].keys(),
+        "buffers_equal": all(torch.equal(full["buffers"][k], efficient["buffers"][k]) for k in full["buffers"]),
+        "local_dtypes": [full["local_dtypes"], efficient["local_dtypes"]],
+        "float8_all_gather_weights": [full["float8_all_gather_weights"], efficient["float8_all_gather_weights"]],
+        "tied": [full["tied"], efficient["tied"]], "audit_passed": efficient["audit_passed"],
+    }
+
+
+def saved_bytes_and_grads(precision: dict, mode: str) -> tuple[int, dict[str, torch.Tensor]]:
+    """Bytes kept for backward after one forward, each storage once: what autograd saves, plus what selective
+    checkpointing caches (its op outputs live in its dispatch mode's storage, torch 2.13
+    torch/utils/checkpoint.py _CachingTorchDispatchMode), and the full gradients."""
+    from torch.utils._pytree import tree_leaves
+
+    from fp8dist.engines import activation_checkpointing as ac
+    from fp8dist.engines import fsdp2
+
+    caches, original = [], ac._selective_context
+
+    def recording():
+        pair = original()
+        caches.append(pair[0])
+        return pair
+
+    ac._selective_context = recording
+    spec = spec_for("fsdp2", precision, {"activation_checkpointing": mode})
+    loaded = load_model("tiny-llama", spec.precision.load_dtype, seed=0)
+    run = fsdp2.prepare(loaded.model, spec)
+    batch = batches_for(loaded.make_batch, spec, 0, dist.get_rank())[0]
+    seen: dict[int, tuple[int, object]] = {}  # data_ptr -> (bytes, the storage, kept so no address is reused)
+
+    def pack(tensor):
+        if isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter):
+            inner = getattr(tensor, "_data", tensor)  # float8 tensors: the bytes they hold
+            try:
+                storage = inner.untyped_storage()
+                seen[storage.data_ptr()] = (storage.nbytes(), storage)
+            except (RuntimeError, NotImplementedError):
+                pass
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = forward_loss(run.model, batch)
+    for cache in caches:
+        for entries in cache.storage.values():
+            for entry in entries.values():
+                for leaf in tree_leaves(entry):
+                    pack(getattr(leaf, "val", None))
+    ac._selective_context = original
+    loss.backward()
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor().detach().clone()
+             for n, p in run.model.named_parameters() if p.grad is not None}
+    return sum(nbytes for nbytes, _ in seen.values()), grads
+
+
+def activation_checkpointing() -> dict:
+    out = {}
+    for label, precision in (("fp32", {"preset": "fp32"}), ("float8", FLOAT8)):
+        base_bytes, base_grads = saved_bytes_and_grads(precision, "none")
+        for mode in ("full", "selective"):
+            nbytes, grads = saved_bytes_and_grads(precision, mode)
+            out[f"{label}/{mode}"] = {
+                "bytes": [base_bytes, nbytes],
+                "max_grad_diff": max(float((grads[k] - base_grads[k]).abs().max()) for k in base_grads),
+                "same_keys": grads.keys() == base_grads.keys()}
+    return out
+
+
+def main(saved: str, tied: str) -> int:
+    import deepspeed
+
+    deepspeed.init_distributed(timeout=timedelta(seconds=300))  # gloo; serves the FSDP2 cases too
+    only = sys.argv[3:]
+    cases = {
+        "strategies": strategies,
+        "efficient-loading-float8": lambda: efficient_vs_full(saved, FLOAT8, {"activation_checkpointing": "full"}),
+        "efficient-loading-tied": lambda: efficient_vs_full(tied, {"preset": "bf16"}, {}),
+        "efficient-loading-deepspeed-zero3-float8": lambda: efficient_vs_full(saved, FLOAT8, {"sharding": "full"},
+                                                                              "deepspeed"),
+        "activation-checkpointing": activation_checkpointing,
+    }
+    for name, case in cases.items():
+        if only and name not in only:
+            continue
+        try:
+            out = case()
+        except Exception as exc:  # report, then go on with the next case
+            out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+        if dist.get_rank() == 0 or "error" in out:
+            print(f"CASE {name} {json.dumps(out)}", flush=True)
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1], sys.argv[2]))
