@@ -25,6 +25,7 @@ BENCHMARKS = {
     "watch_overhead": ("watch_overhead.py", ["--pairs", "4", "--rounds", "2"]),
     "comm_bytes": ("comm_bytes.py", []),
     "memory": ("memory.py", ["--only", "fsdp2-bf16", "deepspeed-bf16-zero2"]),
+    "loading_memory": ("loading_memory.py", ["--sizes", "200M", "--ranks", "2"]),
     "cli_latency": ("cli_latency.py", ["--runs", "3"]),
     "numerics": ("numerics.py", ["--steps", "10"]),
     "gpu_throughput": ("gpu_throughput.py", ["--steps", "5", "--warmup", "2"]),

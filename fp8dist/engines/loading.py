@@ -4,9 +4,11 @@ no rank ever holds the full model.
 FSDP2 (research/scaling.md 1.5, verified on gloo): build on the meta device in the master dtype, with the
 buffers real (accelerate.init_empty_weights(include_buffers=False): RoPE's inv_freq is computed, not
 stored); `fsdp2.prepare` converts, wraps, compiles and shards it; then `ShardOnRead.materialize`
-allocates the local shards (`to_empty`), puts the buffers back and reads each rank's slices straight from
-the safetensors files (torch.distributed.checkpoint's HuggingFaceStorageReader). It copies into the
-sharded parameters: they keep the master dtype and torchao's float8 all-gather wrapper. The other load
+allocates the local shards (`to_empty`), puts the buffers back and reads each rank's rows straight from
+the safetensors files with positional reads (`read_local_shards`). torch.distributed.checkpoint's
+HuggingFaceStorageReader reads the same slices but through safetensors' mmap, and measured here it
+doubled the peak host memory of a rank (benchmarks/loading_memory.py). It copies into the sharded
+parameters: they keep the master dtype and torchao's float8 all-gather wrapper. The other load
 path, `load_state_dict(assign=True)` on meta parameters, silently turns fp32 masters into the file's bf16
 and drops the wrapper (scaling.md 1.5), which is why it is not used.
 
@@ -26,7 +28,8 @@ from fp8dist.errors import Fp8distError
 from fp8dist.models import LoadedModel, causal_lm_batch, check_model_name, torch_dtype
 
 
-_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
+                       "I64": "int64", "I32": "int32", "U8": "uint8", "I8": "int8", "BOOL": "bool"}
 
 
 @dataclass
@@ -59,9 +62,6 @@ class ShardOnRead:
         self.buffers = {name: buf.detach().clone() for name, buf in model.named_buffers() if not buf.is_meta}
 
     def materialize(self, model: torch.nn.Module, device: str) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageReader
-
         self.keep_buffers(model)
         tied = _tie_groups(model)
         model.to_empty(device=device)
@@ -70,14 +70,78 @@ class ShardOnRead:
             owner, _, attr = name.rpartition(".")
             module = model.get_submodule(owner) if owner else model
             module._buffers[attr] = saved.to(device)
-        state = model.state_dict()
-        try:  # tied weights (lm_head = embeddings) are not in the files: a partial load, then the tie holds
-            dcp.load(state, storage_reader=HuggingFaceStorageReader(str(self.path)),
-                     planner=DefaultLoadPlanner(allow_partial_load=True))
-        except Exception as exc:  # dcp raises CheckpointException with every rank's cause
-            raise Fp8distError(f"cannot read the weights of {self.path} shard by shard: "
-                               f"{str(exc).strip().splitlines()[-1]}") from None
-        model.load_state_dict(state)
+        read_local_shards(model, self.path)
+
+
+def _header_index(path: Path) -> dict[str, tuple[Path, int, str, list[int]]]:
+    """tensor name -> (file, absolute byte offset of its data, safetensors dtype, shape), from the headers of
+    every *.safetensors file: 8 bytes little-endian header length, the JSON header, then the data (the
+    safetensors format, huggingface/safetensors README)."""
+    import json
+    import struct
+
+    index = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with open(file, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                index[name] = (file, 8 + length + entry["data_offsets"][0], entry["dtype"], entry["shape"])
+    return index
+
+
+def read_local_shards(model: torch.nn.Module, path: Path) -> None:
+    """Each rank reads, with plain positional reads (no mmap: no page of another rank's rows is touched), only
+    the rows of its own shard of every parameter and persistent buffer, and copies them into the sharded
+    tensors (casting to the master dtype; torchao's float8 wrapper is kept, `copy_` preserves it). FSDP2
+    shards on dim 0 (Shard(0); Replicate on a hybrid mesh's other dim), so a shard is one contiguous byte
+    range. Names missing from the files are tied weights, which share the loaded parameter."""
+    import os
+
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    index = _header_index(path)
+    missing = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name not in index:
+            missing.append(name)
+            continue
+        file, start, dtype_name, shape = index[name]
+        if list(tensor.shape) != shape:
+            raise Fp8distError(f"{file}: {name} has shape {shape} in the file and {list(tensor.shape)} in the model "
+                               "built from config.json; the directory's files do not belong to its config")
+        local, rows, first = tensor, shape[0] if shape else 1, 0
+        if isinstance(tensor, DTensor):
+            local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
+                                                                        tensor.placements)
+            if any(offset[1:]) or list(local_shape[1:]) != shape[1:]:
+                raise Fp8distError(f"{name}: sharded on a dim other than 0 ({tensor.placements}); shard-on-read "
+                                   "reads row blocks only")
+            local, rows, first = tensor.to_local(), local_shape[0], offset[0]
+        dtype = getattr(torch, _SAFETENSORS_DTYPES[dtype_name])
+        row_bytes = dtype.itemsize
+        for dim in shape[1:]:
+            row_bytes *= dim
+        with open(file, "rb") as handle:
+            data = os.pread(handle.fileno(), rows * row_bytes, start + first * row_bytes)
+        if len(data) != rows * row_bytes:
+            raise Fp8distError(f"{file}: {name} ends past the end of the file (truncated?)")
+        values = torch.frombuffer(bytearray(data), dtype=dtype).view(local.shape) if rows else None
+        if values is not None:
+            with torch.no_grad():
+                local.copy_(values)
+    present = {n for n, _ in model.named_parameters()}
+    unloaded = [n for n in missing if n in present and not _shares_a_loaded_parameter(model, n, index)]
+    if unloaded:
+        raise Fp8distError(f"{path}: no weights for {', '.join(unloaded[:5])}"
+                           f"{' ...' if len(unloaded) > 5 else ''}; the files do not belong to this model")
+
+
+def _shares_a_loaded_parameter(model: torch.nn.Module, name: str, index: dict) -> bool:
+    param = model.get_parameter(name)
+    return any(other in index for other, p in model.named_parameters(remove_duplicate=False) if p is param)
 
 
 def _tie_groups(model: torch.nn.Module) -> list[list[str]]:

@@ -8,6 +8,7 @@ Each case builds tiny-llama fresh, prepares it with fp8dist's engine (FSDP2 or D
 """
 from __future__ import annotations
 
+import gc
 import json
 import math
 import sys
@@ -85,7 +86,9 @@ def run_fsdp2(case, spec, loaded) -> dict:
     local, _ = probes.summarize(p.to_local() for p in probes.trainable(run.model))
     with torch.no_grad():
         logits = run.model(**batches_for(loaded.make_batch, spec, 0, dist.get_rank())[0]).logits
-    run.model.reshard()  # FSDP2 keeps the root unsharded after a forward that no backward follows
+    for module in run.model.modules():  # FSDP2 keeps the root (grad_op: every unit) unsharded after a forward
+        if isinstance(module, FSDPModule):  # that no backward follows
+            module.reshard()
     state = [v for s in run.optimizer.state.values() for k, v in s.items() if k == "exp_avg"]
     units = [m for m in run.model.modules() if isinstance(m, FSDPModule)]
     all_skipped = [None] * dist.get_world_size()
@@ -184,6 +187,10 @@ def main(ids: list[str]) -> int:
             facts = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
         if dist.get_rank() == 0 or "error" in facts:
             print(f"CASE {case.id} {dist.get_rank()} {json.dumps(facts)}", flush=True)
+        # A RAM-efficient ZeRO-3 case keeps an HfDeepSpeedConfig alive with its model; while it lives,
+        # transformers builds every model under zero.Init. Let it go before the next case builds one.
+        loaded = None
+        gc.collect()
         dist.barrier()
         torch._dynamo.reset()
     dist.barrier()

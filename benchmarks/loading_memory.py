@@ -1,0 +1,180 @@
+"""Host memory of preparing a model for FSDP2: RAM-efficient loading vs every rank loading the whole model,
+and activation bytes with full / selective / no activation checkpointing.
+
+    python benchmarks/loading_memory.py [--sizes 50M 200M] [--ranks 2 4]
+
+Loading: Llama-shaped models of ~50M and ~200M parameters are saved in bf16 (safetensors), then prepared
+by fp8dist's FSDP2 engine (bf16 preset: fp32 masters) on N gloo ranks, once naively (every rank loads the
+whole model, upcasts, shards) and once with `parallel.cpu_ram_efficient_loading` (meta build, shard, each
+rank reads its shards). Each rank reports its peak resident memory (VmHWM) counted above the same process
+with the libraries imported (transformers' Llama code and accelerate included), the process group up and
+no model (the peak is reset there through /proc/self/clear_refs). Goal: rank 1 (a rank that is not rank 0) <= 0.4 of naive at ~200M on 2 ranks.
+
+Activations: bytes kept for backward after one forward of small-llama (micro-batch 2 x 128), each storage
+once: what autograd saves plus what selective checkpointing caches. Info, ratios to no checkpointing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import ROOT, cpu_env, quiet_libraries, result, under_torchrun  # noqa: E402
+
+SIZES = {  # ~parameters -> Llama config overrides (vocab 32000: the embeddings are a real share, as in Llama)
+    "50M": dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                num_attention_heads=8, num_key_value_heads=8),
+    "200M": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+                 num_attention_heads=16, num_key_value_heads=16),
+}
+
+
+def _kib(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def worker(model_dir: str, mode: str, out: str) -> None:
+    """One rank: baseline (libraries imported, process group up), reset the peak, prepare, report the peak."""
+    quiet_libraries()
+    import torch.distributed as dist
+
+    from fp8dist import load_config
+    from fp8dist.engines import fsdp2
+    from fp8dist.engines.loading import load_for_run
+
+    dist.init_process_group("gloo")
+    # the libraries both paths use, imported before the baseline (transformers loads model code lazily)
+    import accelerate.big_modeling  # noqa: F401
+    import safetensors.torch  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+    from transformers.models.llama import modeling_llama  # noqa: F401
+
+    spec = load_config({"precision": {"preset": "bf16"}, "audit": {"first_step": "off"},
+                        "parallel": {"cpu_ram_efficient_loading": mode == "efficient"}})
+    dist.barrier()
+    baseline = _kib("VmRSS")
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+        handle.write("5")  # reset VmHWM to the current RSS (Linux proc(5))
+    loaded = load_for_run(model_dir, spec)
+    run = fsdp2.prepare(loaded.model, spec, materialize=loaded.materialize)
+    peak = _kib("VmHWM")
+    params = sum(p.numel() for p in run.model.parameters())
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, {"rank": dist.get_rank(), "peak_above_baseline_kib": peak - baseline,
+                                     "params": params})
+    if dist.get_rank() == 0:
+        with open(out, "w", encoding="utf-8") as handle:
+            json.dump(reports, handle)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def save_model(size: str, directory: str) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fp8dist.models import _llama_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_llama_config(**SIZES[size]), dtype=torch.bfloat16)
+    model.save_pretrained(directory)
+    return sum(p.numel() for p in model.parameters())
+
+
+def measure(model_dir: str, mode: str, nproc: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "peaks.json")
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                        os.path.abspath(__file__), "--worker", model_dir, mode, out], env=cpu_env(), check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with open(out, encoding="utf-8") as handle:
+            return json.load(handle)
+
+
+def activation_bytes() -> dict[str, int]:
+    """Bytes kept for backward in one forward of small-llama, per checkpointing mode (one process)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    from fp8dist import load_config
+    from fp8dist.engines import activation_checkpointing as ac
+    from fp8dist.engines.blocks import wrap_units
+    from fp8dist.models import forward_loss, load_model
+
+    out = {}
+    for mode in ("none", "full", "selective"):
+        loaded = load_model("small-llama", "fp32", seed=0)
+        spec = load_config({"parallel": {"activation_checkpointing": mode}})
+        caches, original = [], ac._selective_context
+
+        def recording(original=original, caches=caches):
+            pair = original()
+            caches.append(pair[0])
+            return pair
+
+        ac._selective_context = recording
+        ac.apply(loaded.model, wrap_units(loaded.model, spec), mode)
+        seen: dict[int, tuple[int, object]] = {}
+
+        def pack(tensor, seen=seen):
+            if isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter):
+                storage = tensor.untyped_storage()
+                seen[storage.data_ptr()] = (storage.nbytes(), storage)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = forward_loss(loaded.model, loaded.make_batch(2, 128, 0))
+        for cache in caches:
+            for entries in cache.storage.values():
+                for entry in entries.values():
+                    for leaf in tree_leaves(entry):
+                        pack(getattr(leaf, "val", None))
+        ac._selective_context = original
+        out[mode] = sum(nbytes for nbytes, _ in seen.values())
+        loss.backward()
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--worker", nargs=3, metavar=("DIR", "MODE", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker and under_torchrun():
+        worker(*args.worker)
+        return 0
+    sys.path.insert(0, str(ROOT))
+    print(f"{'model':8s}{'ranks':>6s}{'rank':>6s}{'naive MiB':>12s}{'efficient MiB':>15s}{'ratio':>8s}")
+    for size in args.sizes:
+        with tempfile.TemporaryDirectory(prefix=f"fp8dist-{size}-") as directory:
+            params = save_model(size, directory)
+            for nproc in args.ranks:
+                naive, efficient = measure(directory, "naive", nproc), measure(directory, "efficient", nproc)
+                for a, b in zip(naive, efficient):
+                    ratio = b["peak_above_baseline_kib"] / a["peak_above_baseline_kib"]
+                    print(f"{size:8s}{nproc:6d}{a['rank']:6d}{a['peak_above_baseline_kib'] / 1024:12.1f}"
+                          f"{b['peak_above_baseline_kib'] / 1024:15.1f}{ratio:8.3f}   ({params / 1e6:.0f}M parameters)",
+                          flush=True)
+                    goal = "<=0.4" if (size, nproc) == ("200M", 2) and a["rank"] == 1 else "info"
+                    result(f"loading_peak_efficient_vs_naive_{size}_{nproc}ranks_rank{a['rank']}", ratio, goal,
+                           f"VmHWM above baseline, {params / 1e6:.0f}M params, {nproc} ranks, rank {a['rank']}")
+    acts = activation_bytes()
+    print("activation bytes kept for backward, small-llama, 2 x 128 tokens: " +
+          ", ".join(f"{mode} {value / 2**20:.1f} MiB" for mode, value in acts.items()))
+    for mode in ("full", "selective"):
+        result(f"activation_bytes_{mode}_vs_none", acts[mode] / acts["none"], "info",
+               f"{mode} activation checkpointing / none")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
