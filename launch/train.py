@@ -66,7 +66,7 @@ def run_fsdp2(spec, loaded, steps, on_step, checkpoint_dir):
     from fp8dist.engines.fsdp2 import prepare, train_step
 
     cuda = torch.cuda.is_available()
-    if cuda:
+    if cuda and loaded.materialize is None:  # a meta-built model is allocated on the device by prepare
         loaded.model.to("cuda")
     run = prepare(loaded.model, spec, materialize=loaded.materialize)
     for step in range(steps):

@@ -61,7 +61,11 @@ class MatmulRecorder(TorchDispatchMode):
 
     def __enter__(self):
         self.library.__enter__()
-        return super().__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self.library.__exit__(None, None, None)
+            raise
 
     def __exit__(self, *exc):
         try:

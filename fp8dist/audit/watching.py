@@ -34,7 +34,7 @@ from fp8dist.config.rules import weight_dtype
 from fp8dist.config.spec import Spec
 from fp8dist.errors import Fp8distError
 
-ON_MISMATCH = ("warn", "raise", "ignore")
+ON_MISMATCH = ("warn", "raise", "ignore", "defer")  # defer: decide later with Watch.conclude
 FLOAT8_WIRE = {"uint8", "fp8_e4m3", "fp8_e5m2"}  # gloo carries float8 as uint8 (engines/collectives.py)
 
 
@@ -85,16 +85,17 @@ class Watch:
         self.rank = dist.get_rank() if self.nproc > 1 else 0
         self._observe_stores()
         self.matmuls, self.wire = probes.MatmulRecorder(), WireRecorder()
-        self._stack = contextlib.ExitStack()
-        # Compiled code runs eagerly in the watched block: a dispatch mode cannot see inside a compiled graph,
-        # and Dynamo refuses to compile while a non-infra dispatch mode is active (fullgraph=True raises,
-        # torchao's low-bit AdamW is one) (torch 2.13 torch/_dynamo/eval_frame.py). Dtypes are the same.
         import torch
 
-        self._stack.enter_context(torch.compiler.set_stance("force_eager"))
-        self._stack.enter_context(self.inspector.capture_gradients(self._record_gradients))
-        self._stack.enter_context(self.wire)
-        self._stack.enter_context(self.matmuls)
+        with contextlib.ExitStack() as stack:  # a failure halfway removes what was installed so far
+            # Compiled code runs eagerly in the watched block: a dispatch mode cannot see inside a compiled
+            # graph, and Dynamo refuses to compile while a non-infra dispatch mode is active (fullgraph=True
+            # raises, torchao's low-bit AdamW is one) (torch 2.13 torch/_dynamo/eval_frame.py). Same dtypes.
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
+            stack.enter_context(self.inspector.capture_gradients(self._record_gradients))
+            stack.enter_context(self.wire)
+            stack.enter_context(self.matmuls)
+            self._stack = stack.pop_all()
         return self
 
     def _scope(self, tensors: list) -> tuple[list, str]:
@@ -141,7 +142,8 @@ class Watch:
                             self.nproc, outside={} if "loading" in self.observed else {
                                 "loading": "the watch starts with the model already loaded"})
         self._agree()
-        self._act()
+        if self.on_mismatch != "defer":
+            self.conclude(self.on_mismatch, self.verbose)
         return False
 
     def _observe_step(self) -> None:
@@ -224,16 +226,17 @@ class Watch:
             self.report["passed"] = self.passed
             self.report["failing_by_rank"] = {rank: phases for rank, (_, phases) in enumerate(verdicts) if phases}
 
-    def _act(self) -> None:
+    def conclude(self, on_mismatch: str, verbose: bool) -> None:
+        """Print the table (rank 0, `verbose`) and act on a mismatch: warn, raise on every rank, or ignore."""
         text = table(self.report)
-        if self.verbose and self.rank == 0:
+        if verbose and self.rank == 0:
             print(text, end="", flush=True)
-        if self.passed or self.on_mismatch == "ignore":
+        if self.passed or on_mismatch == "ignore":
             return
-        if self.on_mismatch == "raise":
+        if on_mismatch == "raise":
             raise AuditMismatch(f"fp8dist audit of the watched step: {verdict(self.report)}\n{text}")
         if self.rank == 0:
-            print(("" if self.verbose else text) + "fp8dist audit: the watched step did not run in the precision "
+            print(("" if verbose else text) + "fp8dist audit: the watched step did not run in the precision "
                   "its config says (see above)", file=sys.stderr, flush=True)
 
 
@@ -244,7 +247,7 @@ def watch(model, optimizer, config, *, on_mismatch: str = "warn", name: str | No
     model: what the loop calls (fp8dist-prepared, `fully_shard`ed, a DeepSpeedEngine, DDP, a plain module,
         Accelerate's prepared model); optimizer: what the loop steps (Accelerate's wrapper is fine).
     on_mismatch: `warn` (default: one table on rank 0, to stderr), `raise` (AuditMismatch on every rank),
-        `ignore` (only `w.report` / `w.passed`).
+        `ignore` (only `w.report` / `w.passed`), `defer` (decide later with `w.conclude(...)`).
     name: the model name in the report (default: its class). verbose: print the table on rank 0 whatever the
         verdict. loading: the `loading` cell when the caller observed the model as loaded (the CLI audit).
     """

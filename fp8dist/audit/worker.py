@@ -66,7 +66,7 @@ def main(model_name: str, config: str, steps: int, out_path: str) -> int:
         spec = load_config(config or None)
         check_world_size(spec, dist.get_world_size())
         loaded = load_for_run(model_name, spec)
-        if cuda:
+        if cuda and loaded.materialize is None:  # a meta-built model is allocated on the device by prepare
             loaded.model.to("cuda")
         out = observe(spec, loaded, steps)
     except Fp8distError as exc:

@@ -187,11 +187,13 @@ def resolve(document: Any, source: str = "<config>") -> dict[str, Any]:
         raise ConfigError(issues, source)
     layered = schema.defaults()
     preset = (document.get("precision") or {}).get("preset")
+    written = dict(document)  # what the user wrote, the preset's values counted as written by the user
     if preset:
+        written = deep_merge(schema.presets()[preset]["values"], document)
         layered = deep_merge(layered, schema.presets()[preset]["values"])
     layered = deep_merge(layered, document)
     layered["precision"]["preset"] = preset
-    issues = schema.validate(layered) or vocabulary.derive(layered, document) or rules.check(layered, explicit=document)
+    issues = schema.validate(layered) or vocabulary.derive(layered, written) or rules.check(layered, explicit=document)
     if issues:
         raise ConfigError(issues, source)
     return layered

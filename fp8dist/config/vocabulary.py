@@ -46,7 +46,8 @@ def _written(explicit: Mapping[str, Any], section: str, key: str) -> bool:
 
 def derive(doc: dict[str, Any], explicit: Mapping[str, Any]) -> list[Issue]:
     """Fill the DeepSpeed keys the user did not write from `parallel`, in place; report conflicts and
-    values that cannot mean anything. `explicit`: the user's own document (before defaults and preset)."""
+    values that cannot mean anything. `explicit`: what the user wrote, a preset's values included (a preset
+    that sets deepspeed.zero_stage conflicts with parallel.sharding like a written key does)."""
     par, ds, issues = doc["parallel"], doc["deepspeed"], []
     sharding = par["sharding"]
     if sharding == "hybrid" and par["shard_size"] is None:
@@ -71,6 +72,10 @@ def derive(doc: dict[str, Any], explicit: Mapping[str, Any]) -> list[Issue]:
                                     f"({key}={want} on DeepSpeed)", ds[key],
                                     "remove one of the two keys (nvme offload: write only the deepspeed keys)"))
             ds[key] = want
+    if doc["engine"] == "deepspeed" and par["offload"] == "optimizer" and ds["zero_stage"] == 0:
+        issues.append(Issue("parallel.offload", "optimizer offload is ZeRO-Offload, which needs ZeRO stage >= 1; "
+                            "the sharding here is ZeRO-0", "optimizer",
+                            "set parallel.sharding=grad_op (ZeRO-2) or full, or parallel.offload=none"))
     return issues
 
 

@@ -46,13 +46,15 @@ def initialize(model, spec: Spec, optimizer=None, model_parameters=None, trainin
     before = dict(model.named_parameters())
     decisions = backend.convert_module(model)
     advise_small_gemms(spec, model)
-    activation_checkpointing.apply(model, wrap_units(model, spec), spec.parallel.activation_checkpointing)
     if optimizer is None:
         params = model.parameters() if model_parameters is None else rebind_parameters(model_parameters, before, model)
         optimizer = build_optimizer(params, spec)
     else:
         _check_client_optimizer(optimizer, spec, config)
         rebind_optimizer(optimizer, before, model)
+    # after the optimizer is bound to the backend's parameters: the wrapper renames them (by name is how the
+    # rebinding finds a swapped parameter), it does not replace them
+    activation_checkpointing.apply(model, wrap_units(model, spec), spec.parallel.activation_checkpointing)
     _forget_earlier_torch_autocast(config)
     initialize_fn = backend.deepspeed_initialize if spec.fp8.backend == "msamp" else _deepspeed_initialize()
     engine, optimizer, dataloader, scheduler = initialize_fn(
@@ -63,7 +65,6 @@ def initialize(model, spec: Spec, optimizer=None, model_parameters=None, trainin
     engine.fp8dist_decisions = decisions
     engine.fp8dist_spec = spec
     engine.fp8dist_first_step_audit = audit or spec.audit.first_step
-    engine.fp8dist_steps_done = 0
     engine.fp8dist_audit_report = None
     if spec.compile:
         engine.compile()  # DeepSpeedEngine.compile (0.19.8): torch.compile of the module, hooks kept
@@ -144,9 +145,10 @@ def train_step(engine, batches: list[dict]) -> float:
     step of an engine from `initialize` runs under the dtype audit unless its audit is off."""
     from fp8dist.models import forward_loss
 
-    total = 0.0
+    total, skipped_before = 0.0, engine.skipped_steps
     with first_step_audit(engine, engine.optimizer, engine.fp8dist_spec, engine.fp8dist_first_step_audit,
-                          engine.fp8dist_steps_done) as audit:
+                          engine.fp8dist_audit_report is not None,
+                          skipped=lambda: engine.skipped_steps > skipped_before) as audit:
         for batch in batches:
             batch = {k: v.to(engine.device) for k, v in batch.items()}
             with engine.fp8dist_backend.forward_context():
@@ -154,12 +156,12 @@ def train_step(engine, batches: list[dict]) -> float:
             engine.backward(loss)
             engine.step()
             total += loss.detach().float().item() / len(batches)
-    engine.fp8dist_steps_done += 1
-    if audit is not None:
+    if audit is not None and audit.report is not None:
         engine.fp8dist_audit_report = audit.report
     return total
 
 
+_NOT_SET = object()
 # Where DeepSpeed's optimizers keep the master partitions and the reduced gradients, first match wins
 # (deepspeed 0.19 runtime/zero/stage_1_and_2.py, stage3.py, runtime/bf16_optimizer.py).
 MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition",
@@ -215,11 +217,16 @@ class DeepSpeedInspector(Inspector):
                     record([p.grad for p in self.parameters() if p.grad is not None], "param.grad")
             return step(*args, **kwargs)
 
+        own = optimizer.__dict__.get("step", _NOT_SET)  # a wrapper already on the instance (a scheduler's, a watch's)
         optimizer.step = step_and_record  # on the instance, for the watched block only
         try:
             yield
         finally:
-            del optimizer.step
+            if optimizer.__dict__.get("step") is step_and_record:
+                if own is _NOT_SET:
+                    del optimizer.step
+                else:
+                    optimizer.step = own
 
 
 def _tensors(obj) -> list:

@@ -47,8 +47,7 @@ class FSDP2Run:
     scaler: DynamicLossScaler | None = None  # fp16 compute only
     last_step: StepOutcome | None = None
     first_step_audit: str = "warn"  # audit.first_step: warn | raise | off
-    steps_done: int = 0
-    audit_report: dict | None = None  # the report of the audited first step
+    audit_report: dict | None = None  # the report of the audited first step (the first one the optimizer took)
 
 
 def _dtype(name):
@@ -174,9 +173,10 @@ def train_step(run: FSDP2Run, batches: list[dict], clip: float) -> float:
     """One optimizer step over `batches` (gradient accumulation); returns the mean loss. The first step runs
     under the dtype audit (fp8dist.audit.watch) unless `run.first_step_audit` is off; its report is kept in
     `run.audit_report`."""
-    with first_step_audit(run.model, run.optimizer, run.spec, run.first_step_audit, run.steps_done) as audit:
+    with first_step_audit(run.model, run.optimizer, run.spec, run.first_step_audit, run.audit_report is not None,
+                          skipped=lambda: bool(run.last_step and run.last_step.skipped)) as audit:
         loss = accumulate_gradients(run, batches)
         apply_gradients(run, clip)
-    run.steps_done += 1
-    run.audit_report = audit.report if audit is not None else run.audit_report
+    if audit is not None and audit.report is not None:
+        run.audit_report = audit.report
     return loss

@@ -82,16 +82,23 @@ class Inspector:
 
 
 @contextlib.contextmanager
-def first_step_audit(model, optimizer, spec, mode: str, steps_done: int):
-    """The engines' train steps: step 1 under `fp8dist.audit.watch` (table printed once on rank 0), unless
-    audit.first_step is off; later steps run with nothing installed. Yields the Watch, or None."""
-    if steps_done or mode == "off":
+def first_step_audit(model, optimizer, spec, mode: str, done, skipped: Callable[[], bool] = lambda: False):
+    """The engines' train steps: the first optimizer step under `fp8dist.audit.watch`, its table printed once on
+    rank 0 and `mode` (warn | raise) applied, unless audit.first_step is off or the audit is `done`. A step the
+    optimizer did not take (`skipped()`: non-finite fp16 gradients) has no gradients or states to show, so its
+    observation is dropped and the next step is audited instead. Yields the Watch (its `report` None when
+    dropped), or None."""
+    if done or mode == "off":
         yield None
         return
     from fp8dist.audit.watching import watch
 
-    with watch(model, optimizer, spec, on_mismatch=mode, verbose=True) as audit:
+    with watch(model, optimizer, spec, on_mismatch="defer") as audit:
         yield audit
+    if skipped():
+        audit.report = None
+        return
+    audit.conclude(mode, verbose=True)
 
 
 def _is_deepspeed_engine(model) -> bool:

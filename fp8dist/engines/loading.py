@@ -28,8 +28,19 @@ from fp8dist.errors import Fp8distError
 from fp8dist.models import LoadedModel, causal_lm_batch, check_model_name, torch_dtype
 
 
-_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
-                       "I64": "int64", "I32": "int32", "U8": "uint8", "I8": "int8", "BOOL": "bool"}
+# safetensors dtype names -> torch (huggingface/safetensors README, "dtype")
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+                       "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16",
+                       "U8": "uint8", "BOOL": "bool"}
+
+
+def _torch_dtype(name: str, file: Path, tensor: str):
+    dtype = getattr(torch, _SAFETENSORS_DTYPES.get(name, ""), None)
+    if dtype is None:
+        raise Fp8distError(f"{file}: {tensor} is stored as {name}, which fp8dist cannot read shard by shard "
+                           f"(known: {', '.join(_SAFETENSORS_DTYPES)}); set parallel.cpu_ram_efficient_loading=false")
+    return dtype
 
 
 @dataclass
@@ -53,7 +64,7 @@ class ShardOnRead:
                     numel = 1
                     for dim in piece.get_shape():
                         numel *= dim
-                    dtype = short(getattr(torch, _SAFETENSORS_DTYPES.get(piece.get_dtype(), "float32")))
+                    dtype = short(_torch_dtype(piece.get_dtype(), path, key))
                     counts[dtype] = counts.get(dtype, 0) + numel
         return counts
 
@@ -120,7 +131,7 @@ def read_local_shards(model: torch.nn.Module, path: Path) -> None:
                 raise Fp8distError(f"{name}: sharded on a dim other than 0 ({tensor.placements}); shard-on-read "
                                    "reads row blocks only")
             local, rows, first = tensor.to_local(), local_shape[0], offset[0]
-        dtype = getattr(torch, _SAFETENSORS_DTYPES[dtype_name])
+        dtype = _torch_dtype(dtype_name, file, name)
         row_bytes = dtype.itemsize
         for dim in shape[1:]:
             row_bytes *= dim
@@ -128,10 +139,9 @@ def read_local_shards(model: torch.nn.Module, path: Path) -> None:
             data = os.pread(handle.fileno(), rows * row_bytes, start + first * row_bytes)
         if len(data) != rows * row_bytes:
             raise Fp8distError(f"{file}: {name} ends past the end of the file (truncated?)")
-        values = torch.frombuffer(bytearray(data), dtype=dtype).view(local.shape) if rows else None
-        if values is not None:
+        if local.numel():
             with torch.no_grad():
-                local.copy_(values)
+                local.copy_(torch.frombuffer(bytearray(data), dtype=dtype).view(local.shape))
     present = {n for n, _ in model.named_parameters()}
     unloaded = [n for n in missing if n in present and not _shares_a_loaded_parameter(model, n, index)]
     if unloaded:

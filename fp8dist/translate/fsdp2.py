@@ -63,8 +63,8 @@ def to_fsdp2(spec: Spec, torchao_version: str | None = None) -> dict[str, Any]:
         "offload_policy": {"class": "CPUOffloadPolicy", "pin_memory": "where CUDA is available"}
         if spec.parallel.offload == "params" else None,
         "activation_checkpointing": spec.parallel.activation_checkpointing,
-        "loading": ({"mode": "meta build in the master dtype, shard, then each rank reads its shards "
-                             "(HuggingFaceStorageReader)", "dtype": master}
+        "loading": ({"mode": "meta build in the master dtype, shard, then each rank reads its own rows of "
+                             "the safetensors files", "dtype": master}
                     if spec.parallel.cpu_ram_efficient_loading else {"mode": "full model on every rank"}),
         "loss_scaling": loss_scaling_plan(spec),
         "float8": float8_plan(spec, torchao_version),

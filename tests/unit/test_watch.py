@@ -99,3 +99,46 @@ def test_yaml_off_means_off(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("audit:\n  first_step: off\n")
     assert load_config(path).audit.first_step == "off"
+
+
+def test_a_first_step_the_optimizer_skipped_is_audited_again_on_the_next(capsys):
+    """fp16 loss scaling skips a step with non-finite gradients: nothing to observe of gradients or states,
+    so the engines' first-step audit drops that observation and audits the next step instead."""
+    from fp8dist.engines.inspect import first_step_audit
+
+    model = FeatureMLP()
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = infer_batch(model)(2, 8, 0)
+    with first_step_audit(model, optimizer, fp32_spec(), "warn", False, skipped=lambda: True) as audit:
+        forward_loss(model, batch).backward()  # the step is "skipped": no optimizer.step()
+        optimizer.zero_grad()
+    assert audit.report is None and "fp8dist audit" not in capsys.readouterr().out
+    with first_step_audit(model, optimizer, fp32_spec(), "warn", False) as audit:
+        step(model, optimizer, batch)
+    assert audit.report is not None and capsys.readouterr().out.count("fp8dist audit:") == 1
+    with first_step_audit(model, optimizer, fp32_spec(), "warn", True) as audit:
+        step(model, optimizer, batch)
+    assert audit is None  # done: later steps run with nothing installed
+
+
+def fp32_spec():
+    from fp8dist.config.load import load_config
+
+    return load_config(FP32_SINGLE)
+
+
+def test_the_deepspeed_step_hook_restores_what_was_there_and_nests():
+    from fp8dist.engines.deepspeed import DeepSpeedInspector
+
+    model = FeatureMLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler_style = optimizer.step  # a wrapper already on the instance, as an LR scheduler leaves one
+    optimizer.step = scheduler_style
+    seen = []
+    inspector = DeepSpeedInspector(model, optimizer)
+    with inspector.capture_gradients(lambda grads, where: seen.append(where)):
+        with inspector.capture_gradients(lambda grads, where: seen.append("inner " + where)):
+            forward_loss(model, infer_batch(model)(2, 8, 0)).backward()
+            optimizer.step()
+        assert optimizer.__dict__["step"] is not scheduler_style  # the outer hook is back
+    assert optimizer.__dict__["step"] is scheduler_style and len(seen) == 2
