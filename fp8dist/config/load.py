@@ -193,7 +193,7 @@ def resolve(document: Any, source: str = "<config>") -> dict[str, Any]:
         layered = deep_merge(layered, schema.presets()[preset]["values"])
     layered = deep_merge(layered, document)
     layered["precision"]["preset"] = preset
-    issues = schema.validate(layered) or vocabulary.derive(layered, written) or rules.check(layered, explicit=document)
+    issues = schema.validate(layered) or vocabulary.derive(layered, written, document) or rules.check(layered, explicit=document)
     if issues:
         raise ConfigError(issues, source)
     return layered

@@ -44,10 +44,16 @@ def _written(explicit: Mapping[str, Any], section: str, key: str) -> bool:
     return isinstance(block, Mapping) and key in block
 
 
-def derive(doc: dict[str, Any], explicit: Mapping[str, Any]) -> list[Issue]:
+def derive(doc: dict[str, Any], explicit: Mapping[str, Any], own: Mapping[str, Any] | None = None) -> list[Issue]:
     """Fill the DeepSpeed keys the user did not write from `parallel`, in place; report conflicts and
     values that cannot mean anything. `explicit`: what the user wrote, a preset's values included (a preset
-    that sets deepspeed.zero_stage conflicts with parallel.sharding like a written key does)."""
+    that sets deepspeed.zero_stage conflicts with parallel.sharding like a written key does); `own`: the user's
+    document alone, to say when the other key came from the preset."""
+    own = explicit if own is None else own
+
+    def origin(section: str, key: str) -> str:
+        return "" if _written(own, section, key) else f" (set by preset {doc['precision']['preset']})"
+
     par, ds, issues = doc["parallel"], doc["deepspeed"], []
     sharding = par["sharding"]
     if sharding == "hybrid" and par["shard_size"] is None:
@@ -60,16 +66,20 @@ def derive(doc: dict[str, Any], explicit: Mapping[str, Any]) -> list[Issue]:
     if sharding != "auto":
         stage = ZERO_STAGE[sharding]
         if _written(explicit, "deepspeed", "zero_stage") and ds["zero_stage"] != stage:
-            issues.append(Issue("deepspeed.zero_stage", f"conflicts with parallel.sharding={sharding}, which is "
-                                f"ZeRO-{stage} on DeepSpeed", ds["zero_stage"],
-                                "remove one of the two keys (parallel.sharding keeps its meaning on both engines)"))
+            issues.append(Issue("deepspeed.zero_stage", f"{origin('deepspeed', 'zero_stage')} conflicts with "
+                                f"parallel.sharding={sharding}, which is ZeRO-{stage} on DeepSpeed".lstrip(),
+                                ds["zero_stage"],
+                                "remove one of the two keys (parallel.sharding keeps its meaning on both engines)"
+                                if not origin("deepspeed", "zero_stage") else
+                                f"leave parallel.sharding auto, or set it to the preset's stage "
+                                f"({ {v: k for k, v in ZERO_STAGE.items() if k != 'hybrid'}.get(ds['zero_stage'], 'auto')})"))
         ds["zero_stage"] = stage
     if _written(explicit, "parallel", "offload"):
         optimizer, param = DEEPSPEED_OFFLOAD[par["offload"]]
         for key, want in (("offload_optimizer", optimizer), ("offload_param", param)):
             if _written(explicit, "deepspeed", key) and ds[key] != want:
-                issues.append(Issue(f"deepspeed.{key}", f"conflicts with parallel.offload={par['offload']} "
-                                    f"({key}={want} on DeepSpeed)", ds[key],
+                issues.append(Issue(f"deepspeed.{key}", f"{origin('deepspeed', key)} conflicts with parallel.offload="
+                                    f"{par['offload']} ({key}={want} on DeepSpeed)".lstrip(), ds[key],
                                     "remove one of the two keys (nvme offload: write only the deepspeed keys)"))
             ds[key] = want
     if doc["engine"] == "deepspeed" and par["offload"] == "optimizer" and ds["zero_stage"] == 0:

@@ -19,6 +19,8 @@ from functools import partial
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from fp8dist.errors import Fp8distError
+
 MODES = ("none", "full", "selective")
 
 
@@ -50,8 +52,12 @@ def _selective_context():
 def apply(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]], mode: str) -> list[tuple[str, torch.nn.Module]]:
     """Wrap each unit (name, module) in place in its parent; returns the units as they now are (the wrappers,
     which sharding and compile then treat as the blocks). `none`: the units unchanged."""
-    if mode == "none" or not units:
+    if mode == "none":
         return units
+    if not units:
+        raise Fp8distError(f"parallel.activation_checkpointing={mode} wraps the model's blocks, and "
+                           f"{type(model).__name__} has none that fp8dist finds (no _no_split_modules, no nn.ModuleList)"
+                           "\n  fix: list the block class names in fsdp2.wrap, or set parallel.activation_checkpointing=none")
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):
         # A Hugging Face model in training still fills a KV cache when use_cache is on; the recompute would then

@@ -88,3 +88,21 @@ def test_notes_for_fp8_users():
     replicated = load_config({**float8, "compile": True, "parallel": {"sharding": "replicate"}})
     assert advise(replicated, 8, rank=1, cuda=True) == ["fp8-replicate-compile"]
     assert advise(load_config({}), 8, rank=1, cuda=True) == []
+
+
+def test_a_preset_that_sets_the_stage_conflicts_like_a_written_key():
+    with pytest.raises(ConfigError) as raised:
+        load_config({"precision": {"preset": "msamp-o3"}, "parallel": {"sharding": "full"}})
+    text = str(raised.value)
+    assert "(set by preset msamp-o3) conflicts with parallel.sharding=full" in text and "(grad_op)" in text
+
+
+def test_activation_checkpointing_without_blocks_is_refused():
+    import torch
+
+    from fp8dist.engines import activation_checkpointing
+    from fp8dist.errors import Fp8distError
+
+    with pytest.raises(Fp8distError, match="has none that fp8dist finds"):
+        activation_checkpointing.apply(torch.nn.Linear(4, 4), [], "full")
+    assert activation_checkpointing.apply(torch.nn.Linear(4, 4), [], "none") == []
