@@ -101,11 +101,8 @@ def measure(model_dir: str, mode: str, nproc: int) -> list[dict]:
 
 def activation_bytes() -> dict[str, int]:
     """Bytes kept for backward in one forward of small-llama, per checkpointing mode (one process)."""
-    import torch
-    from torch.utils._pytree import tree_leaves
-
     from fp8dist import load_config
-    from fp8dist.engines import activation_checkpointing as ac
+    from fp8dist.engines import activation_checkpointing
     from fp8dist.engines.blocks import wrap_units
     from fp8dist.models import forward_loss, load_model
 
@@ -113,32 +110,10 @@ def activation_bytes() -> dict[str, int]:
     for mode in ("none", "full", "selective"):
         loaded = load_model("small-llama", "fp32", seed=0)
         spec = load_config({"parallel": {"activation_checkpointing": mode}})
-        caches, original = [], ac._selective_context
-
-        def recording(original=original, caches=caches):
-            pair = original()
-            caches.append(pair[0])
-            return pair
-
-        ac._selective_context = recording
-        ac.apply(loaded.model, wrap_units(loaded.model, spec), mode)
-        seen: dict[int, tuple[int, object]] = {}
-
-        def pack(tensor, seen=seen):
-            if isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter):
-                storage = tensor.untyped_storage()
-                seen[storage.data_ptr()] = (storage.nbytes(), storage)
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        activation_checkpointing.apply(loaded.model, wrap_units(loaded.model, spec), mode)
+        with activation_checkpointing.kept_for_backward() as kept:
             loss = forward_loss(loaded.model, loaded.make_batch(2, 128, 0))
-        for cache in caches:
-            for entries in cache.storage.values():
-                for entry in entries.values():
-                    for leaf in tree_leaves(entry):
-                        pack(getattr(leaf, "val", None))
-        ac._selective_context = original
-        out[mode] = sum(nbytes for nbytes, _ in seen.values())
+        out[mode] = kept()
         loss.backward()
     return out
 

@@ -147,6 +147,12 @@ def torchao_too_small_to_gain(recipe_name: str, out_features: int, in_features: 
     return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
 
 
+# torchao's low-bit optimizers (AdamW8bit, AdamWFp8, 4-bit) quantize a tensor's states only when its local
+# shard has at least this many elements and a whole number of blocks; smaller ones keep full-precision states
+# by design, following bitsandbytes (ao v0.18.0 torchao/optim/adam.py _AdamBase._new_buffer).
+TORCHAO_LOW_BIT_MIN_NUMEL = 4096
+
+
 # --- DeepSpeed -------------------------------------------------------------------------------
 # Newest DeepSpeed whose config rules this module knows (PyPI, research/deepspeed.md).
 NEWEST_KNOWN_DEEPSPEED = (0, 19, 8)

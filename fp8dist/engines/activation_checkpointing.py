@@ -13,16 +13,15 @@ recomputed float8 cast uses the same scale as the forward did.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from functools import partial
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from fp8dist.errors import Fp8distError
-
-MODES = ("none", "full", "selective")
-
 
 def _save_ops() -> set:
     aten = torch.ops.aten
@@ -46,7 +45,52 @@ def _selective_context():
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    contexts = create_selective_checkpoint_contexts(policy)
+    if _CACHES is not None:  # kept_for_backward() is counting: its forward cache holds what is kept
+        _CACHES.append(contexts[0])
+    return contexts
+
+
+_CACHES: list | None = None
+
+
+@contextlib.contextmanager
+def kept_for_backward() -> Iterator[Callable[[], int]]:
+    """Bytes kept for backward by the forward run inside the block, each storage once: what autograd saves
+    (saved-tensor hooks) plus the op outputs selective checkpointing caches, which live in its caching
+    dispatch mode's storage rather than in autograd (torch 2.13 torch/utils/checkpoint.py
+    _CachingTorchDispatchMode.storage). Parameters are not counted; float8 tensors by the bytes they hold.
+    Yields a function that returns the total once the block has run (benchmarks, tests)."""
+    from torch.utils._pytree import tree_leaves
+
+    global _CACHES
+    seen: dict[int, tuple[int, Any]] = {}  # data_ptr -> (bytes, storage kept alive so no address is reused)
+
+    def pack(tensor):
+        if isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter):
+            inner = getattr(tensor, "_data", tensor)
+            try:
+                storage = inner.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # a subclass without a storage of its own
+                return tensor
+            seen[storage.data_ptr()] = (storage.nbytes(), storage)
+        return tensor
+
+    def total() -> int:
+        for cache in caches:
+            for entries in cache.storage.values():
+                for entry in entries.values():
+                    for leaf in tree_leaves(entry):
+                        pack(getattr(leaf, "val", None))
+        return sum(nbytes for nbytes, _ in seen.values())
+
+    previous = _CACHES
+    _CACHES = caches = []
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield total
+    finally:
+        _CACHES = previous
 
 
 def apply(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]], mode: str) -> list[tuple[str, torch.nn.Module]]:

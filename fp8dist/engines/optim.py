@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fp8dist import compat
 from fp8dist.config.rules import effective_state_dtype
 from fp8dist.config.spec import Spec
 from fp8dist.errors import Fp8distError, UnsupportedEnvironment
@@ -46,14 +47,9 @@ def build_optimizer(params, spec: Spec):
     return (torch.optim.Adam if opt.name == "adam" else torch.optim.AdamW)(params, **kwargs)
 
 
-# torchao's low-bit optimizers quantize the states of a tensor only when its local shard has at least this many
-# elements and a multiple of the block size; the others keep full-precision states, by design (follows
-# bitsandbytes; torchao 0.18 torchao/optim/adam.py _AdamBase._new_buffer).
-TORCHAO_MIN_QUANTIZED_NUMEL = 4096
-
-
 def full_precision_by_design(optimizer) -> set[int]:
-    """ids of the optimizer's state tensors that its low-bit design keeps in full precision (empty for others)."""
+    """ids of the optimizer's state tensors that its low-bit design keeps in full precision (empty for others):
+    torchao quantizes a tensor's states only from compat.TORCHAO_LOW_BIT_MIN_NUMEL elements and in whole blocks."""
     if not type(optimizer).__module__.startswith("torchao.optim"):
         return set()
     import torch
@@ -62,7 +58,7 @@ def full_precision_by_design(optimizer) -> set[int]:
     kept = set()
     for param, state in optimizer.state.items():
         numel = (param.to_local() if hasattr(param, "to_local") else param).numel()
-        if numel < TORCHAO_MIN_QUANTIZED_NUMEL or numel % block:
+        if numel < compat.TORCHAO_LOW_BIT_MIN_NUMEL or numel % block:
             kept.update(id(t) for t in state.values() if isinstance(t, torch.Tensor))
     return kept
 

@@ -10,9 +10,7 @@ Rank 0 prints `CASE <name> <json>`.
 """
 from __future__ import annotations
 
-import json
 import sys
-import traceback
 from datetime import timedelta
 
 import torch
@@ -22,6 +20,7 @@ from fp8dist.config.load import load_config
 from fp8dist.data import batches_for
 from fp8dist.engines.loading import load_for_run
 from fp8dist.models import forward_loss, load_model
+from tests.distributed.case_runner import run_cases
 
 STEPS = 3
 BASE = {"train": {"steps": STEPS, "seq_len": 32, "gradient_clipping": 0}, "audit": {"first_step": "off"}}
@@ -111,50 +110,22 @@ def efficient_vs_full(saved: str, precision: dict, parallel: dict, engine: str =
 
 
 def saved_bytes_and_grads(precision: dict, mode: str) -> tuple[int, dict[str, torch.Tensor]]:
-    """Bytes kept for backward after one forward, each storage once: what autograd saves, plus what selective
-    checkpointing caches (its op outputs live in its dispatch mode's storage, torch 2.13
-    torch/utils/checkpoint.py _CachingTorchDispatchMode), and the full gradients."""
-    from torch.utils._pytree import tree_leaves
-
-    from fp8dist.engines import activation_checkpointing as ac
+    """Bytes kept for backward after one forward (activation_checkpointing.kept_for_backward), and the full
+    gradients."""
     from fp8dist.engines import fsdp2
+    from fp8dist.engines.activation_checkpointing import kept_for_backward
 
-    caches, original = [], ac._selective_context
-
-    def recording():
-        pair = original()
-        caches.append(pair[0])
-        return pair
-
-    ac._selective_context = recording
     spec = spec_for("fsdp2", precision, {"activation_checkpointing": mode})
     loaded = load_model("tiny-llama", spec.precision.load_dtype, seed=0)
     run = fsdp2.prepare(loaded.model, spec)
     batch = batches_for(loaded.make_batch, spec, 0, dist.get_rank())[0]
-    seen: dict[int, tuple[int, object]] = {}  # data_ptr -> (bytes, the storage, kept so no address is reused)
-
-    def pack(tensor):
-        if isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter):
-            inner = getattr(tensor, "_data", tensor)  # float8 tensors: the bytes they hold
-            try:
-                storage = inner.untyped_storage()
-                seen[storage.data_ptr()] = (storage.nbytes(), storage)
-            except (RuntimeError, NotImplementedError):
-                pass
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with kept_for_backward() as kept:
         loss = forward_loss(run.model, batch)
-    for cache in caches:
-        for entries in cache.storage.values():
-            for entry in entries.values():
-                for leaf in tree_leaves(entry):
-                    pack(getattr(leaf, "val", None))
-    ac._selective_context = original
+    nbytes = kept()
     loss.backward()
     grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor().detach().clone()
              for n, p in run.model.named_parameters() if p.grad is not None}
-    return sum(nbytes for nbytes, _ in seen.values()), grads
+    return nbytes, grads
 
 
 def activation_checkpointing() -> dict:
@@ -183,16 +154,7 @@ def main(saved: str, tied: str) -> int:
                                                                               "deepspeed"),
         "activation-checkpointing": activation_checkpointing,
     }
-    for name, case in cases.items():
-        if only and name not in only:
-            continue
-        try:
-            out = case()
-        except Exception as exc:  # report, then go on with the next case
-            out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
-        if dist.get_rank() == 0 or "error" in out:
-            print(f"CASE {name} {json.dumps(out)}", flush=True)
-        dist.barrier()
+    run_cases(cases, only)
     dist.destroy_process_group()
     return 0
 

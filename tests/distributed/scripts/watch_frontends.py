@@ -7,13 +7,13 @@ examples/accelerate_watch.py, run as users run it.)
 """
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
 
 from fp8dist.models import load_model
 from tests.conftest import ROOT
+from tests.distributed.case_runner import run_cases
 
 
 def summary(report: dict) -> dict:
@@ -47,10 +47,7 @@ def trainer_deepspeed() -> dict:
 def main(name: str) -> int:
     import torch.distributed as dist
 
-    out = {"trainer-deepspeed": trainer_deepspeed}[name]()
-    if dist.get_rank() == 0:
-        print(f"CASE {name} {json.dumps(out)}", flush=True)
-    dist.barrier()
+    run_cases({"trainer-deepspeed": trainer_deepspeed}, [name])
     dist.destroy_process_group()
     return 0
 

@@ -10,9 +10,7 @@ correct; others carry a deliberate precision bug that users have shipped.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
-import traceback
 from datetime import timedelta
 
 import torch
@@ -23,6 +21,7 @@ from fp8dist.config.load import load_config
 from fp8dist.models import forward_loss, load_model
 from tests.audit_factories import AdamWithBf16States
 from tests.conftest import ROOT
+from tests.distributed.case_runner import run_cases
 
 CONFIG = {name: load_config(ROOT / "configs" / f"{name}.yaml") for name in ("fsdp2-bf16", "fsdp2-torchao-float8")}
 
@@ -200,16 +199,7 @@ def main(ids: list[str]) -> int:
     import deepspeed
 
     deepspeed.init_distributed(timeout=timedelta(seconds=180))  # gloo; serves the torch cases too
-    for name, case in CASES.items():
-        if ids and name not in ids:
-            continue
-        try:
-            out = facts(case())
-        except Exception as exc:  # report, then let the next case run
-            out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
-        if dist.get_rank() == 0 or "error" in out:
-            print(f"CASE {name} {json.dumps(out)}", flush=True)
-        dist.barrier()
+    run_cases({name: (lambda case=case: facts(case())) for name, case in CASES.items()}, ids)
     dist.destroy_process_group()
     return 0
 
