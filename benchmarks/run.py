@@ -26,6 +26,7 @@ BENCHMARKS = {
     "comm_bytes": ("comm_bytes.py", []),
     "memory": ("memory.py", ["--only", "fsdp2-bf16", "deepspeed-bf16-zero2"]),
     "loading_memory": ("loading_memory.py", ["--sizes", "200M", "--ranks", "2"]),
+    "checkpoint_io": ("checkpoint_io.py", ["--quick"]),
     "cli_latency": ("cli_latency.py", ["--runs", "3"]),
     "numerics": ("numerics.py", ["--steps", "10"]),
     "gpu_throughput": ("gpu_throughput.py", ["--steps", "5", "--warmup", "2"]),

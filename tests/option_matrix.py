@@ -69,7 +69,10 @@ RUNS = [
     Run("fsdp2-bf16-masters", {"precision": {"master_weights": "bf16"}, "optimizer": {"state_dtype": "bf16"},
                                "parallel": {"sharding": "grad_op"}, "fsdp2": {"output_dtype": "fp32"}},
         {"local_dtype": "bf16", "state_dtype": "bf16", "logits_dtype": "fp32"}),
-    Run("fsdp2-inputs-not-cast", {"fsdp2": {"cast_forward_inputs": False, "output_dtype": "fp32"}},
+    # checkpoint.keep_last and the timeout act in launch/train.py: tests/distributed/test_checkpoints.py runs them
+    # (keep_last=1 after a resume, a 20 s timeout around a rank killed during a save)
+    Run("fsdp2-inputs-not-cast", {"fsdp2": {"cast_forward_inputs": False, "output_dtype": "fp32"},
+                                  "checkpoint": {"keep_last": 1}, "train": {"process_group_timeout_s": 120}},
         {"local_dtype": "fp32", "logits_dtype": "fp32"}),
     Run("fsdp2-torchao-tensorwise",
         {"precision": {"preset": "torchao-float8",

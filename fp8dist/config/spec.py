@@ -109,6 +109,12 @@ class TrainSpec:
     seq_len: int
     gradient_clipping: float
     seed: int
+    process_group_timeout_s: int
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    keep_last: int
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,7 @@ class Spec:
     precision: PrecisionSpec
     optimizer: OptimizerSpec
     train: TrainSpec
+    checkpoint: CheckpointSpec
     audit: AuditSpec
     parallel: ParallelSpec
     fsdp2: FSDP2Spec

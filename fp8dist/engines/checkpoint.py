@@ -1,22 +1,374 @@
-"""Distributed checkpoints of FSDP2 runs (torch.distributed.checkpoint), float8 models included.
+"""Checkpoints that survive: save, exact resume, crash safety. One layout for both engines.
 
-Model and optimizer state go through torch.distributed.checkpoint.state_dict's get/set_state_dict,
-so each rank writes its own shards. torchao registers its float8 tensor subclasses as safe globals
-(torchtitan#651 was the failure before it did).
+    DIR/step-00000004/                 one complete checkpoint (the step count it was taken after)
+        fp8dist-checkpoint.json        the manifest: written last, so its presence means "complete"
+        hf/config.json                 the model's Hugging Face config (what `fp8dist export` needs)
+        rank-00000.pt ...              per rank: RNG states, the fp16 loss scaler, the LR scheduler
+        dcp/ | deepspeed/              the engine's own files (torch.distributed.checkpoint / engine.save_checkpoint)
+    DIR/.step-00000006.partial/        a save in progress, or one a crash interrupted: never loaded
+
+A save writes everything under the `.partial` name; rank 0 then writes the manifest (with every file's size)
+and renames the directory (one atomic rename on a POSIX filesystem), and only then deletes checkpoints
+beyond `checkpoint.keep_last` and unfinished saves. A job killed during a save leaves the previous
+checkpoint as the newest complete one. Resuming checks the manifest against the files (a truncated shard is
+named), the engine, the world size where the engine cannot reshard, and the model's parameters, before any
+weight is read.
+
+What an engine writes and reads lives in the engine (`fp8dist.engines.fsdp2.Checkpointing`,
+`fp8dist.engines.deepspeed.Checkpointing`); this module is the protocol around them. The checkpoint
+directory must be on a filesystem every rank sees (as for torch.distributed.checkpoint and DeepSpeed).
 """
 from __future__ import annotations
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+import json
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fp8dist.errors import Fp8distError
+
+MANIFEST = "fp8dist-checkpoint.json"
+FORMAT = 1
+HF_CONFIG_DIR = "hf"
+_COMPLETE = re.compile(r"^step-(\d{8})$")
+_PARTIAL = re.compile(r"^\.step-(\d{8})\.partial$")
+# Module wrappers that insert a path component into parameter names: activation checkpointing
+# (torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py _CHECKPOINT_WRAPPED_MODULE), torch.compile
+# (OptimizedModule._orig_mod), FSDP1. torch.distributed.checkpoint.state_dict._get_fqns strips the same ones.
+WRAPPER_COMPONENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 
 
-def save(run, directory: str) -> None:
-    model_state, optim_state = get_state_dict(run.model, run.optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=directory)
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
 
 
-def load(run, directory: str) -> None:
-    model_state, optim_state = get_state_dict(run.model, run.optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=directory)
-    set_state_dict(run.model, run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+def model_key(name: str) -> str:
+    """A parameter's name as the model's own state dict (and Hugging Face) spells it."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_COMPONENTS)
+
+
+class EngineCheckpointing:
+    """What an engine provides (all ranks call `write` / `read` together); the engines subclass it:
+    fp8dist.engines.fsdp2.Checkpointing, fp8dist.engines.deepspeed.Checkpointing."""
+
+    engine = ""
+    reshardable = False  # can a checkpoint written by W ranks be read by another number of ranks
+
+    def __init__(self, module, model_name: str = "", scheduler=None):
+        self.module, self.model_name, self.scheduler = module, model_name, scheduler
+
+    def write(self, directory: Path) -> None:
+        raise NotImplementedError
+
+    def read(self, directory: Path) -> None:
+        raise NotImplementedError
+
+    def shape(self, param) -> list[int]:
+        return list(param.shape)
+
+    def parameter_shapes(self) -> dict[str, list[int]]:
+        return {model_key(name): self.shape(p) for name, p in self.module.named_parameters()}
+
+    def hf_config(self):
+        """The model's transformers config (recorded for `fp8dist export`), or None for other models."""
+        config = getattr(self.module, "config", None)
+        return config if hasattr(config, "to_json_file") else None
+
+    def rank_state(self) -> dict:
+        """What this rank keeps beside model and optimizer (plain objects, for torch.load(weights_only=True))."""
+        return {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+
+    def load_rank_state(self, state: dict) -> None:
+        if self.scheduler is not None:
+            if state.get("scheduler") is None:
+                raise Fp8distError("the checkpoint holds no LR scheduler state, and this run has a scheduler"
+                                   "\n  fix: resume without the scheduler, or from a checkpoint saved with one")
+            self.scheduler.load_state_dict(state["scheduler"])
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where a resumed run stands."""
+
+    path: Path
+    step: int  # optimizer steps already taken
+    data_position: int  # the step index of the next batch
+    notes: tuple[str, ...] = ()  # what is not exact (e.g. RNG states of another world size)
+
+
+def checkpointing_for(target, *, model_name: str = "", scheduler=None) -> EngineCheckpointing:
+    """The engine's checkpointing of an FSDP2Run or a DeepSpeed engine from fp8dist's engines (an
+    EngineCheckpointing passes through)."""
+    if isinstance(target, EngineCheckpointing):
+        return target
+    from fp8dist.engines.fsdp2 import FSDP2Run
+
+    if isinstance(target, FSDP2Run):
+        from fp8dist.engines.fsdp2 import Checkpointing as FSDP2Checkpointing
+
+        return FSDP2Checkpointing(target, model_name, scheduler)
+    if hasattr(target, "save_checkpoint") and hasattr(target, "fp8dist_spec"):
+        from fp8dist.engines.deepspeed import Checkpointing as DeepSpeedCheckpointing
+
+        return DeepSpeedCheckpointing(target, model_name, scheduler)
+    raise Fp8distError(f"cannot checkpoint a {type(target).__name__}: pass the FSDP2Run of "
+                       "fp8dist.engines.fsdp2.prepare or the engine of fp8dist.engines.deepspeed.initialize")
+
+
+# --- saving -------------------------------------------------------------------------------------------
+
+def save(target, directory: str | os.PathLike, step: int, *, spec, model_name: str = "", scheduler=None,
+         data_position: int | None = None) -> Path:
+    """Write a checkpoint of `target` taken after `step` optimizer steps into `directory`/step-NNNNNNNN.
+    Every rank calls it. Returns the checkpoint's path once it is complete on every rank."""
+    engine = checkpointing_for(target, model_name=model_name, scheduler=scheduler)
+    directory = Path(directory)
+    rank, world = _rank_world()
+    final, partial = directory / step_name(step), directory / f".{step_name(step)}.partial"
+    if rank == 0:
+        if directory.exists() and not directory.is_dir():
+            raise Fp8distError(f"--checkpoint-dir {directory}: is a file; name a directory")
+        directory.mkdir(parents=True, exist_ok=True)
+        if partial.exists():
+            shutil.rmtree(partial)
+        partial.mkdir()
+        config = engine.hf_config()
+        if config is not None:
+            (partial / HF_CONFIG_DIR).mkdir()
+            config.to_json_file(str(partial / HF_CONFIG_DIR / "config.json"))
+    _barrier()
+    engine.write(partial)
+    torch.save({"rng": _rng_state(), **engine.rank_state()}, partial / f"rank-{rank:05d}.pt")
+    _barrier()
+    if rank == 0:
+        manifest = {
+            "fp8dist_checkpoint": FORMAT,
+            "engine": engine.engine,
+            "step": step,
+            "data_position": step if data_position is None else data_position,
+            "world_size": world,
+            "model": {"name": model_name, "parameters": engine.parameter_shapes()},
+            "config": spec.to_dict(),
+            "files": {str(p.relative_to(partial)): p.stat().st_size
+                      for p in sorted(partial.rglob("*")) if p.is_file()},
+            "versions": _versions(),
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        _write_file_atomic(partial / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        if final.exists():  # the same step saved again (a rerun from an older checkpoint): replace it
+            (final / MANIFEST).unlink(missing_ok=True)
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        _fsync_dir(directory)
+        prune(directory, spec.checkpoint.keep_last)
+    _barrier()
+    return final
+
+
+def prune(directory: Path, keep_last: int) -> list[Path]:
+    """Delete complete checkpoints beyond the newest `keep_last`, and unfinished saves. A checkpoint loses its
+    manifest first, so a crash during deletion leaves an incomplete directory, never a "complete" one with
+    files missing."""
+    complete = complete_checkpoints(directory)
+    doomed = complete[:-keep_last] + [p for p in directory.iterdir() if _PARTIAL.match(p.name) and p.is_dir()]
+    for path in doomed:
+        (path / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+    for path in directory.iterdir():  # complete-looking names without a manifest: a deletion a crash interrupted
+        if _COMPLETE.match(path.name) and path.is_dir() and not (path / MANIFEST).exists():
+            shutil.rmtree(path, ignore_errors=True)
+            doomed.append(path)
+    return doomed
+
+
+# --- finding and checking -----------------------------------------------------------------------------
+
+def complete_checkpoints(directory: Path) -> list[Path]:
+    """The complete checkpoints in `directory`, oldest first."""
+    found = [p for p in directory.iterdir() if _COMPLETE.match(p.name) and (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: int(_COMPLETE.match(p.name).group(1)))
+
+
+def find_latest(directory: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under `directory`, or None when it has none yet (missing, empty, or only
+    saves a crash interrupted). `directory` may also name one checkpoint. Raises when `directory` holds
+    something else: resuming from it would silently start over."""
+    directory = Path(directory)
+    if (directory / MANIFEST).is_file():
+        return directory
+    if not directory.exists():
+        return None
+    if not directory.is_dir():
+        raise Fp8distError(f"{directory}: is a file, not a checkpoint directory"
+                           "\n  fix: pass the --checkpoint-dir of an earlier run (it holds step-NNNNNNNN directories)")
+    complete = complete_checkpoints(directory)
+    if complete:
+        return complete[-1]
+    ours = [p.name for p in directory.iterdir() if _PARTIAL.match(p.name) or _COMPLETE.match(p.name)]
+    others = [p.name for p in directory.iterdir() if p.name not in ours]
+    if others and not ours:
+        raise Fp8distError(f"{directory}: not an fp8dist checkpoint directory (it holds {', '.join(sorted(others)[:5])}"
+                           f"{' ...' if len(others) > 5 else ''}, and no step-NNNNNNNN checkpoint)"
+                           "\n  fix: pass the --checkpoint-dir of an earlier run (it holds step-NNNNNNNN "
+                           "checkpoints); a new run needs a new or empty directory")
+    return None
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of the checkpoint at `path`, after checking that every file it lists is there, whole."""
+    file = path / MANIFEST
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise Fp8distError(f"{file}: unreadable checkpoint manifest ({exc})"
+                           f"\n  fix: delete {path} to resume from the checkpoint before it") from None
+    if not isinstance(manifest, dict) or manifest.get("fp8dist_checkpoint") != FORMAT:
+        raise Fp8distError(f"{file}: not an fp8dist checkpoint manifest of format {FORMAT}"
+                           f"\n  fix: delete {path}, or resume with the fp8dist version that wrote it")
+    for relative, size in manifest.get("files", {}).items():
+        shard = path / relative
+        if not shard.is_file():
+            raise Fp8distError(f"{shard}: missing from the checkpoint (its manifest lists it, {size} bytes)"
+                               f"\n  fix: restore the file, or delete {path} to resume from the checkpoint before it")
+        actual = shard.stat().st_size
+        if actual != size:
+            raise Fp8distError(f"{shard}: truncated or changed since the save ({actual} bytes, the manifest says "
+                               f"{size})\n  fix: restore the file, or delete {path} to resume from the checkpoint "
+                               "before it")
+    return manifest
+
+
+def check_compatible(manifest: dict, path: Path, engine: EngineCheckpointing, world: int) -> list[str]:
+    """Refuse what cannot be resumed here; return what is resumed but not exactly (notes)."""
+    if manifest["engine"] != engine.engine:
+        raise Fp8distError(f"{path}: written by engine={manifest['engine']}, this run is engine={engine.engine}"
+                           f"\n  fix: resume with a config of engine={manifest['engine']}, or start a new "
+                           "--checkpoint-dir (export the old one with `fp8dist export` to reuse its weights)")
+    saved, here = manifest["model"]["parameters"], engine.parameter_shapes()
+    if saved != here:
+        missing = sorted(set(saved) - set(here))
+        extra = sorted(set(here) - set(saved))
+        shapes = sorted(k for k in set(saved) & set(here) if saved[k] != here[k])
+        detail = (f"parameter {missing[0]} is not in this model" if missing else
+                  f"this model's parameter {extra[0]} is not in the checkpoint" if extra else
+                  f"{shapes[0]} is {saved[shapes[0]]} there and {here[shapes[0]]} here")
+        raise Fp8distError(f"{path}: a checkpoint of another model ({manifest['model'].get('name') or '?'}: {detail})"
+                           "\n  fix: resume with the --model it was trained with, or start a new --checkpoint-dir")
+    notes = []
+    if manifest["model"].get("name") and engine.model_name and manifest["model"]["name"] != engine.model_name:
+        notes.append(f"written by a run of --model {manifest['model']['name']}, resumed with {engine.model_name}: "
+                     "the weights come from the checkpoint, buffers that are not saved (e.g. rotary frequencies) "
+                     "from this model")
+    if manifest["world_size"] != world:
+        if not engine.reshardable:
+            raise Fp8distError(
+                f"{path}: written by {manifest['world_size']} ranks; this job has {world}, and {engine.engine} "
+                f"partitions optimizer states per rank\n  fix: resume with {manifest['world_size']} ranks (or "
+                "convert it with DeepSpeed's deepspeed/checkpoint/ds_to_universal.py and load it with "
+                "DeepSpeed's universal checkpoint support)")
+        notes.append(f"written by {manifest['world_size']} ranks, resumed on {world}: weights and optimizer states "
+                     "are resharded; RNG states and per-rank data differ, so the run is not an exact continuation")
+    return notes
+
+
+# --- resuming -----------------------------------------------------------------------------------------
+
+def resume(target, directory: str | os.PathLike, *, model_name: str = "", scheduler=None) -> Resumed | None:
+    """Load the newest complete checkpoint under `directory` into `target` (every rank calls it). Returns
+    None when there is none yet. Rank 0 decides which checkpoint and checks it; every rank raises the same
+    error when it cannot be used, before any weight is read."""
+    engine = checkpointing_for(target, model_name=model_name, scheduler=scheduler)
+    rank, world = _rank_world()
+    decision: list[Any] = [None]
+    if rank == 0:
+        try:
+            path = find_latest(directory)
+            if path is not None:
+                manifest = read_manifest(path)
+                decision[0] = ("ok", str(path), manifest, check_compatible(manifest, path, engine, world))
+            else:
+                decision[0] = ("none",)
+        except Fp8distError as exc:
+            decision[0] = ("error", str(exc))
+    if dist.is_initialized() and world > 1:
+        dist.broadcast_object_list(decision, src=0)
+    outcome = decision[0]
+    if outcome[0] == "error":
+        raise Fp8distError(outcome[1])
+    if outcome[0] == "none":
+        return None
+    _, path, manifest, notes = outcome
+    path = Path(path)
+    engine.read(path)
+    if manifest["world_size"] == world:
+        state = torch.load(path / f"rank-{rank:05d}.pt", weights_only=True)
+        _set_rng_state(state.pop("rng"))
+        engine.load_rank_state(state)
+    else:
+        engine.load_rank_state(torch.load(path / "rank-00000.pt", weights_only=True))  # the scaler: the same on all
+    _barrier()
+    return Resumed(path, manifest["step"], manifest["data_position"], tuple(notes))
+
+
+# --- helpers ------------------------------------------------------------------------------------------
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for package in ("fp8dist", "torch", "deepspeed", "torchao", "transformers"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def _write_file_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

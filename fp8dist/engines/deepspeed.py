@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from pathlib import Path
 from typing import Any
 
 from fp8dist.audit.formats import is_scaling_tensor, is_tensor_like
@@ -19,6 +20,7 @@ from fp8dist.config.spec import Spec
 from fp8dist.engines import activation_checkpointing
 from fp8dist.engines.advice import advise_small_gemms
 from fp8dist.engines.blocks import wrap_units
+from fp8dist.engines.checkpoint import EngineCheckpointing
 from fp8dist.engines.inspect import Inspector, first_step_audit
 from fp8dist.engines.optim import build_optimizer, offloads_optimizer, rebind_optimizer, rebind_parameters
 from fp8dist.environment import device_info
@@ -245,3 +247,38 @@ def _first_attr(obj, names) -> tuple[str | None, list]:
         if found:
             return name, found
     return None, []
+
+
+class Checkpointing(EngineCheckpointing):
+    """DeepSpeed checkpoints through its own `engine.save_checkpoint` / `load_checkpoint` (every rank writes its
+    optimizer partition; the engine keeps its LR scheduler and loss scaler in them), under the tag
+    `deepspeed`. ZeRO partitions are tied to the world size that wrote them (DeepSpeed refuses another one
+    without its universal-checkpoint conversion), so this is not reshardable."""
+
+    engine = "deepspeed"
+    reshardable = False
+    TAG = "deepspeed"
+
+    def __init__(self, engine, model_name: str = "", scheduler=None):
+        # the engine's own scheduler is in DeepSpeed's files already
+        super().__init__(engine.module, model_name, None if scheduler is engine.lr_scheduler else scheduler)
+        self.ds = engine
+
+    def shape(self, param) -> list[int]:
+        return list(getattr(param, "ds_shape", param.shape))  # ZeRO-3 parameters are empty outside forward
+
+    def write(self, directory: Path) -> None:
+        self.ds.save_checkpoint(str(directory), tag=self.TAG, client_state={}, save_latest=False)
+        self.ds.fp8dist_saved_checkpoint = True
+
+    def read(self, directory: Path) -> None:
+        if self.ds.zero_optimization_stage() == 3 and getattr(self.ds, "fp8dist_saved_checkpoint", False):
+            # deepspeed 0.19 runtime/engine.py load_checkpoint docstring: under ZeRO-3 an engine cannot load
+            # right after it saved
+            raise Fp8distError("DeepSpeed ZeRO-3 cannot load a checkpoint into an engine that has saved one"
+                               "\n  fix: build a new engine with fp8dist.engines.deepspeed.initialize, then resume")
+        path, _ = self.ds.load_checkpoint(str(directory), tag=self.TAG, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+        if path is None:
+            raise Fp8distError(f"{directory}: DeepSpeed found no checkpoint under tag {self.TAG!r}"
+                               f"\n  fix: delete {directory} to resume from the checkpoint before it")

@@ -11,10 +11,13 @@ backend (torchao float8 scale precompute); fp16 compute gets the loss scaler (en
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from fp8dist.backends.base import PrecisionBackend, get_backend
@@ -24,6 +27,7 @@ from fp8dist.config.vocabulary import check_world_size, fsdp2_layout
 from fp8dist.engines import activation_checkpointing
 from fp8dist.engines.advice import advise_small_gemms
 from fp8dist.engines.blocks import wrap_units
+from fp8dist.engines.checkpoint import EngineCheckpointing
 from fp8dist.engines.inspect import first_step_audit
 from fp8dist.engines.loss_scaling import DynamicLossScaler, StepOutcome
 from fp8dist.engines.optim import build_optimizer
@@ -180,3 +184,42 @@ def train_step(run: FSDP2Run, batches: list[dict], clip: float) -> float:
     if audit is not None and audit.report is not None:
         run.audit_report = audit.report
     return loss
+
+
+class Checkpointing(EngineCheckpointing):
+    """FSDP2 checkpoints through torch.distributed.checkpoint: every rank writes its own shards of the model
+    and optimizer state (get_state_dict / set_state_dict), and any number of ranks can read them back (DCP
+    reshards). torchao's float8 weight wrappers are pickled by DCP and loadable because torchao registers
+    them as safe globals (torchao 0.18 float8/fsdp_utils.py; torchtitan#651 before it did). After a load
+    the float8 scales precomputed for the all-gather are recomputed from the loaded weights, as after an
+    optimizer step, so the next forward is the one the uninterrupted run would have made."""
+
+    engine = "fsdp2"
+    reshardable = True
+
+    def __init__(self, run: FSDP2Run, model_name: str = "", scheduler=None):
+        super().__init__(run.model, model_name, scheduler)
+        self.run = run
+
+    def _state(self) -> dict:
+        model_state, optim_state = get_state_dict(self.run.model, self.run.optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def write(self, directory: Path) -> None:
+        dcp.save(self._state(), checkpoint_id=directory / "dcp")
+
+    def read(self, directory: Path) -> None:
+        state = self._state()
+        dcp.load(state, checkpoint_id=directory / "dcp")
+        set_state_dict(self.run.model, self.run.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        self.run.backend.after_optimizer_step(self.run.model)
+
+    def rank_state(self) -> dict:
+        scaler = self.run.scaler.state_dict() if self.run.scaler is not None else None
+        return {**super().rank_state(), "loss_scaler": scaler}
+
+    def load_rank_state(self, state: dict) -> None:
+        super().load_rank_state(state)
+        if self.run.scaler is not None and state.get("loss_scaler") is not None:
+            self.run.scaler.load_state_dict(state["loss_scaler"])

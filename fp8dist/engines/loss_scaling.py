@@ -44,6 +44,17 @@ class DynamicLossScaler:
         self._iteration = 0
         self._last_overflow = -1
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the scale and where the growth window and hysteresis stand."""
+        return {"scale": self.scale, "hysteresis_left": self._hysteresis_left, "iteration": self._iteration,
+                "last_overflow": self._last_overflow}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self._hysteresis_left = int(state["hysteresis_left"])
+        self._iteration = int(state["iteration"])
+        self._last_overflow = int(state["last_overflow"])
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
 

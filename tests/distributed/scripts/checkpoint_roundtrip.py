@@ -1,40 +1,50 @@
-"""torchrun --nproc_per_node 2 checkpoint_roundtrip.py CONFIG DIR: train, save, wipe, load, compare, train on."""
+"""torchrun --nproc_per_node 2 checkpoint_roundtrip.py CONFIG DIR: the library's save / resume with an LR
+scheduler. Two steps, save, two more (the reference); then a fresh model, optimizer and scheduler resume from
+the checkpoint and take the same two steps: weights, scheduler and losses must be identical."""
 import sys
 
 import torch
 import torch.distributed as dist
 
 from fp8dist import load_config
-from fp8dist.engines.checkpoint import load, save
+from fp8dist.data import batches_for
+from fp8dist.engines import checkpoint
 from fp8dist.engines.fsdp2 import prepare, train_step
 from fp8dist.models import load_model
 
 
-def snapshot(model):
-    return {n: p.detach().full_tensor().float().clone() for n, p in model.named_parameters()}
+def build(spec):
+    loaded = load_model("tiny-llama", spec.precision.load_dtype)
+    run = prepare(loaded.model, spec, audit="off")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda step: 1.0 / (1 + step))
+    return loaded, run, scheduler
+
+
+def steps(spec, loaded, run, scheduler, first, last):
+    out = []
+    for index in range(first, last):
+        out.append(train_step(run, batches_for(loaded.make_batch, spec, index, dist.get_rank()), 1.0))
+        scheduler.step()
+    return out
 
 
 def main(config, directory):
     dist.init_process_group("gloo")
     spec = load_config(config)
-    loaded = load_model("tiny-llama", spec.precision.load_dtype)
-    run = prepare(loaded.model, spec)
-    batch = lambda i: [loaded.make_batch(2, 32, seed=i + 10 * dist.get_rank())]
-    for i in range(3):
-        train_step(run, batch(i), 1.0)
-    save(run, directory)
-    before = snapshot(run.model)
-    with torch.no_grad():
-        for p in run.model.parameters():
-            p.zero_()
-    assert all(v.abs().sum() == 0 for v in snapshot(run.model).values())
-    load(run, directory)
-    after = snapshot(run.model)
-    same = all(torch.equal(before[n], after[n]) for n in before)
+    loaded, run, scheduler = build(spec)
+    steps(spec, loaded, run, scheduler, 0, 2)
+    checkpoint.save(run, directory, 2, spec=spec, scheduler=scheduler)
+    reference = steps(spec, loaded, run, scheduler, 2, 4)
+    expected = {n: p.detach().full_tensor().float().clone() for n, p in run.model.named_parameters()}
+
+    loaded, run, scheduler = build(spec)
+    resumed = checkpoint.resume(run, directory, scheduler=scheduler)
     kinds = sorted({type(p.to_local()).__name__ for p in run.model.parameters()})
-    loss = train_step(run, batch(3), 1.0)
+    again = steps(spec, loaded, run, scheduler, resumed.step, 4)
+    same = all(torch.equal(expected[n], p.detach().full_tensor().float()) for n, p in run.model.named_parameters())
     if dist.get_rank() == 0:
-        print(f"restored_identical={same} loss_after={loss:.4f} local_kinds={','.join(kinds)}", flush=True)
+        print(f"resumed_step={resumed.step} weights_identical={same} losses_identical={reference == again} "
+              f"lr={scheduler.get_last_lr()[0]:.6g} local_kinds={','.join(kinds)}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
