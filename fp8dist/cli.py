@@ -1,8 +1,8 @@
-"""`fp8dist` command line: validate | translate | schema | presets | env | estimate | compare | audit.
+"""`fp8dist` command line: validate | translate | import | schema | presets | env | estimate | compare | audit | export.
 
 Exit codes: 0 ok; 1 the audit found a dtype that differs from the documented table (or a phase it could not
 measure), or compare found a loss gap beyond its tolerance; 2 a usage,
-config or environment error (message on stderr, no traceback). `validate`, `translate`, `schema` and
+config or environment error (message on stderr, no traceback). `validate`, `translate`, `import`, `schema` and
 `estimate` never import torch at start (estimate builds its meta model lazily).
 """
 from __future__ import annotations
@@ -79,6 +79,8 @@ def cmd_translate(args) -> int:
     from fp8dist.translate import TARGETS
 
     spec = load_config(args.config, overrides=args.overrides)
+    if args.to == "accelerate":
+        return _translate_accelerate(args, spec)
     versions = {"deepspeed": ("--deepspeed-version", "deepspeed_version", args.deepspeed_version),
                 "fsdp2": ("--torchao-version", "torchao_version", args.torchao_version)}
     for target, (flag, _, value) in versions.items():
@@ -87,6 +89,50 @@ def cmd_translate(args) -> int:
     _, keyword, value = versions[args.to]
     document = TARGETS[args.to](spec, **{keyword: value})
     text = _dump(document)
+    if args.output:
+        write_atomic(args.output, text)
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
+
+
+def _translate_accelerate(args, spec) -> int:
+    """`translate --to accelerate`: the Accelerate config file (YAML; JSON when -o names a .json file). The
+    DeepSpeed config is embedded as JSON text on stdout; with -o it is written beside the file as
+    <name>.deepspeed.json and named by its absolute path (accelerate 1.15 HfDeepSpeedConfig reads both)."""
+    from fp8dist.translate.accelerate import accelerate_file, render
+
+    document, plan = accelerate_file(spec, args.deepspeed_version, args.torchao_version)
+    beside = None
+    if args.output:
+        target = Path(args.output)
+        if target.is_dir() or not target.parent.exists():
+            write_atomic(args.output, "")  # raises the -o error; nothing is written
+        if "deepspeed_config" in document:
+            beside = target.with_name(target.name.rsplit(".", 1)[0] + ".deepspeed.json")
+            document["deepspeed_config"]["deepspeed_config_file"] = str(beside.resolve())
+    if args.output and args.output.endswith(".json"):
+        text = _dump(document)
+    else:
+        text = render(document, plan, spec, args.config)
+    if not args.output:
+        sys.stdout.write(text)
+        return EXIT_OK
+    if beside is not None:
+        write_atomic(str(beside), _dump(plan["deepspeed"]["config"]))
+    try:
+        write_atomic(args.output, text)
+    except BaseException:
+        if beside is not None:
+            beside.unlink(missing_ok=True)
+        raise
+    return EXIT_OK
+
+
+def cmd_import(args) -> int:
+    from fp8dist.importers import import_file
+
+    text = import_file(args.file, args.kind)
     if args.output:
         write_atomic(args.output, text)
     else:
@@ -142,6 +188,15 @@ def cmd_compare(args) -> int:
     return run_compare(args)
 
 
+def cmd_export(args) -> int:
+    from fp8dist.export import export_hf
+
+    exported = export_hf(args.checkpoint, args.out_dir, args.dtype)
+    print(f"exported {exported.directory} ({exported.dtype}, {exported.tensors} tensors, {exported.bytes} bytes in "
+          f"{', '.join(exported.files)})")
+    return EXIT_OK
+
+
 def cmd_audit(args) -> int:
     from fp8dist.audit.run import run_audit
 
@@ -160,13 +215,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["yaml", "json"], default="yaml")
     p.set_defaults(func=cmd_validate)
 
-    p = sub.add_parser("translate", help="print the DeepSpeed JSON or the FSDP2 plan for a config")
+    p = sub.add_parser("translate", help="print the DeepSpeed JSON, the FSDP2 plan or an Accelerate config file")
     p.add_argument("config")
-    p.add_argument("--to", choices=["deepspeed", "fsdp2"], required=True)
+    p.add_argument("--to", choices=["deepspeed", "fsdp2", "accelerate"], required=True)
     p.add_argument("-o", "--output", help="write to this file (atomically) instead of stdout")
     p.add_argument("--deepspeed-version", help="target DeepSpeed version (default: installed, else newest known)")
     p.add_argument("--torchao-version", help="target torchao version for --to fsdp2 (default: installed, else newest known)")
     p.set_defaults(func=cmd_translate)
+
+    p = sub.add_parser("import", help="an Accelerate config, Axolotl YAML or DeepSpeed JSON as an fp8dist config")
+    p.add_argument("file", help="the file to read (its kind is detected from its keys)")
+    p.add_argument("--from", dest="kind", choices=["accelerate", "axolotl", "deepspeed"],
+                   help="the kind of FILE, when detection cannot tell")
+    p.add_argument("-o", "--output", help="write to this file (atomically) instead of stdout")
+    p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("schema", help="print the JSON Schema of the config")
     p.set_defaults(func=cmd_schema)
@@ -200,6 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=AUDIT_TIMEOUT_S, help=f"seconds before the runs are stopped "
                    f"(default {AUDIT_TIMEOUT_S})")
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("export", help="write a checkpoint's model in Hugging Face format (config.json + safetensors)")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a --checkpoint-dir of launch/train.py (its newest "
+                   "complete checkpoint) or one step-NNNNNNNN checkpoint in it")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="new or empty directory (an earlier export there is replaced)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="dtype of the exported weights (default: the run's precision.load_dtype)")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("audit", help="measure the dtypes of a real run and compare with the documented table")
     p.add_argument("model", help="tiny-llama or small-llama (built in), a local Hugging Face model directory, or package.module:factory")

@@ -307,3 +307,74 @@ def te_field_removed(field: str, te_version: Version | None) -> tuple[bool, str]
         return True, (f"`{field}` was removed from Transformer Engine in {fmt(removed)}; newer TE would "
                       f"silently drop it, so fp8dist refuses it")
     return False, f"Transformer Engine {fmt(te_version)} still accepts `{field}`"
+
+
+# --- Accelerate (config files, plugins, FP8 recipe kwargs) -----------------------------------
+# The Accelerate release whose config-file keys, launcher environment and recipe kwargs
+# fp8dist/translate/accelerate.py and fp8dist/importers/accelerate.py follow (the installed one, PyPI).
+ACCELERATE_KNOWN = (1, 15, 0)
+# fp8_config.backend must hold FP8BackendType's value (accelerate 1.15 utils/dataclasses.py): the launcher
+# exports it as ACCELERATE_FP8_BACKEND and Accelerator.fp8_backend builds FP8BackendType(value) from it.
+ACCELERATE_FP8_BACKEND = {"torchao": "AO", "te": "TE", "msamp": "MSAMP"}
+# What `accelerate launch` exports for an fp8_config key it is not given: its argparse defaults
+# (commands/launch.py "FP8 Arguments"); the recipe kwargs read these env names (utils/dataclasses.py
+# AORecipeKwargs / TERecipeKwargs / MSAMPRecipeKwargs).
+ACCELERATE_LAUNCH_FP8_DEFAULTS = {"margin": 0, "interval": 1, "fp8_format": "HYBRID", "amax_history_len": 1024,
+                                  "amax_compute_algo": "most_recent", "opt_level": "O2",
+                                  "enable_fsdp_float8_all_gather": True, "pad_inner_dim": True,
+                                  "use_autocast_during_eval": False, "use_mxfp8_block_scaling": False}
+# TERecipeKwargs then hands Transformer Engine only the fields that differ from these same defaults
+# (KwargsHandler.to_kwargs builds the default instance in a clean environment), so a value equal to one of them
+# never reaches TE and TE's own default applies (amax_compute_algo "max"; MXFP8BlockScaling's fp8_format E4M3).
+# Keys `accelerate config` writes into fp8_config (commands/config/cluster.py) under names that the launcher
+# exports as ACCELERATE_FP8_<KEY> and no recipe ever reads: the run silently uses the launcher default of the
+# name on the right.
+ACCELERATE_UNREAD_FP8_KEYS = {"amax_history_length": "amax_history_len", "amax_compute_algorithm": "amax_compute_algo",
+                              "optimization_level": "opt_level"}
+# Transformer Engine recipes Accelerate can build: DelayedScaling, or MXFP8BlockScaling with
+# use_mxfp8_block_scaling (utils/transformer_engine.py apply_fp8_autowrap).
+ACCELERATE_TE_RECIPES = {"delayed": "DelayedScaling", "mxfp8": "MXFP8BlockScaling"}
+# MSAMPRecipeKwargs / DeepSpeedPlugin.msamp_opt_level accept O1 and O2 only (utils/dataclasses.py OptLevel).
+ACCELERATE_MSAMP_OPT_LEVELS = ("O1", "O2")
+# torchao's module filter when a config file (not Python) sets up FP8: every nn.Linear except the first and the
+# last one and those with a dim not divisible by 16 (utils/ao.py convert_model_to_fp8_ao, filter_linear_layers).
+ACCELERATE_AO_DIM_MULTIPLE = 16
+# The FSDP2 MixedPrecisionPolicy a config file can give: `mixed_precision` sets param_dtype, reduce_dtype and
+# output_dtype to one dtype, fp8 meaning bf16 (utils/dataclasses.py FullyShardedDataParallelPlugin.set_mixed_precision);
+# and with any mixed precision fsdp2_prepare_model upcasts trainable parameters to fp32 (utils/fsdp_utils.py).
+ACCELERATE_FP8_COMPUTE_DTYPE = "bf16"
+# "auto" in a DeepSpeed config, as Accelerate fills it at prepare (accelerator.py _prepare_deepspeed):
+# gradient_clipping 1.0; optimizer lr / weight_decay from DummyOptim (utils/deepspeed.py: lr=0.001,
+# weight_decay=0); the bucket sizes from the model's hidden_size h (h*h, 0.9*h*h, 10*h).
+ACCELERATE_DS_AUTO = {"gradient_clipping": 1.0, "optimizer.params.lr": 0.001, "optimizer.params.weight_decay": 0.0,
+                      "gradient_accumulation_steps": 1}
+ACCELERATE_DS_HIDDEN_SIZE_AUTO = {"zero_optimization.reduce_bucket_size": "hidden_size * hidden_size",
+                                  "zero_optimization.stage3_prefetch_bucket_size": "0.9 * hidden_size * hidden_size",
+                                  "zero_optimization.stage3_param_persistence_threshold": "10 * hidden_size"}
+
+
+def accelerate_matches(version: Version | None) -> tuple[bool, str]:
+    """Is `version` the Accelerate release whose key names and behaviour the translation follows?"""
+    if version is None:
+        return False, (f"Accelerate is not installed here; the file follows Accelerate "
+                       f"{fmt(ACCELERATE_KNOWN[:2])}.x (pip install 'accelerate>=1.15')")
+    if version[:2] == ACCELERATE_KNOWN[:2]:
+        return True, f"Accelerate {fmt(version)} is the {fmt(ACCELERATE_KNOWN[:2])}.x release the file follows"
+    return False, (f"Accelerate {fmt(version)} is installed, the file follows {fmt(ACCELERATE_KNOWN[:2])}.x; check it "
+                   "with `accelerate launch --config_file`")
+
+
+# --- DeepSpeed defaults an import resolves to -------------------------------------------------
+# When a DeepSpeed config leaves a key out (or writes "auto" inside a typed section, which
+# DeepSpeedConfigModel replaces by the default), DeepSpeed 0.19.8 uses these (runtime/precision_config.py,
+# runtime/zero/config.py; measured with deepspeed.runtime.config.DeepSpeedConfig).
+DS_FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+                    "min_loss_scale": 1}
+DS_ZERO_DEFAULTS = {"reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+                    "stage3_param_persistence_threshold": 100_000}
+
+
+def deepspeed_default_communication(section: str | None) -> str:
+    """communication_data_type when the config leaves it out: the 16-bit section's dtype, else fp32
+    (deepspeed 0.19.8 runtime/engine.py DeepSpeedEngine.communication_data_type)."""
+    return {"fp16": "fp16", "bf16": "bf16"}.get(section or "", "fp32")

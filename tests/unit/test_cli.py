@@ -7,13 +7,17 @@ import pytest
 
 from tests.conftest import CONFIGS, ROOT, run_cli
 
-HEAVY = ("torch", "deepspeed", "torchao", "transformers", "transformer_engine", "msamp")
+HEAVY = ("torch", "deepspeed", "torchao", "transformers", "transformer_engine", "msamp", "accelerate")
 
 
 @pytest.mark.parametrize("argv", [
     ["validate", "configs/fsdp2-bf16.yaml"],
     ["translate", "configs/deepspeed-bf16-zero2.yaml", "--to", "deepspeed"],
     ["translate", "configs/fsdp2-torchao-float8.yaml", "--to", "fsdp2"],
+    ["translate", "configs/fsdp2-bf16-pure.yaml", "--to", "accelerate"],
+    ["translate", "configs/deepspeed-bf16-zero3.yaml", "--to", "accelerate"],
+    ["import", "tests/unit/fixtures/accelerate_fsdp_config.yaml"],
+    ["import", "tests/unit/fixtures/axolotl_fp8_fsdp2.yaml"],
     ["schema"],
 ])
 def test_light_commands_do_not_import_heavy_packages(argv):
