@@ -107,7 +107,7 @@ def accelerator_kwargs(config, *, world_size: int | None = None, deepspeed_versi
 def fsdp_plugin(plan: dict[str, Any]):
     import torch
     from accelerate.utils import FullyShardedDataParallelPlugin
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     fs = plan["fsdp"]
     policy = fs["policy"]
@@ -119,8 +119,12 @@ def fsdp_plugin(plan: dict[str, Any]):
         mp_policy = MixedPrecisionPolicy(param_dtype=dtype["param_dtype"], reduce_dtype=dtype["reduce_dtype"],
                                          output_dtype=dtype["output_dtype"],
                                          cast_forward_inputs=policy["cast_forward_inputs"])
+    # Accelerate's own offload policy pins host memory, which needs an accelerator (torch 2.13 _fsdp_param.py
+    # pin_memory: "Cannot access accelerator device" on a CPU-only node); pinned only where CUDA exists, as in
+    # fp8dist's runtime.
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if fs["offload_params"] else False
     return FullyShardedDataParallelPlugin(
-        fsdp_version=2, reshard_after_forward=fs["reshard_after_forward"], cpu_offload=fs["offload_params"],
+        fsdp_version=2, reshard_after_forward=fs["reshard_after_forward"], cpu_offload=offload,
         auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=fs["wrap"],
         activation_checkpointing=fs["activation_checkpointing"], cpu_ram_efficient_loading=fs["cpu_ram_efficient_loading"],
         mixed_precision_policy=mp_policy)

@@ -260,6 +260,18 @@ def _torchao_plan(spec: Spec, mode: str, torchao_version: str | None, issues: li
                                 "utils/ao.py filter_linear_layers)", True,
                                 "set pad_inner_dim=false, or modules.skip_first_last=false with "
                                 f"{_HELPER} (fp8dist's own filter)"))
+    if (spec.engine == "fsdp2" and linear["enable_fsdp_float8_all_gather"] and spec.precision.load_dtype != "fp32"
+            and accelerate_mixed_precision(spec) != "no"):
+        # Verified on torch 2.13 / torchao 0.18: `param.data = param.data.to(fp32)` on a
+        # WeightWithDynamicFloat8CastTensor changes the wrapper's dtype, not its inner tensor, and fully_shard then
+        # fails with "FSDP expects uniform original parameter dtype". fp8dist's runtime upcasts before converting.
+        issues.append(Issue("precision.load_dtype", "Accelerate converts to float8 before its FSDP2 upcast to fp32 "
+                            "masters (accelerate 1.15 utils/fsdp_utils.py fsdp2_prepare_model: param.data = "
+                            "param.data.to(float32)), which leaves torchao's float8 all-gather weights in the load "
+                            "dtype: FSDP2 then stops with 'FSDP expects uniform original parameter dtype'",
+                            spec.precision.load_dtype,
+                            "set precision.load_dtype=fp32 (load the model in fp32: nothing left to upcast), or "
+                            "enable_fsdp_float8_all_gather=false, or run fp8dist's own FSDP2 runtime"))
     if linear["enable_fsdp_float8_all_gather"] and not ao.precompute_float8_dynamic_scale_for_fsdp:
         issues.append(Issue("precision.fp8.torchao.precompute_float8_dynamic_scale_for_fsdp", "Accelerate always "
                             "registers torchao's scale precompute after each optimizer step with float8 all-gather "

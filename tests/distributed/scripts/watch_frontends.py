@@ -1,4 +1,5 @@
-"""HF Trainer with DeepSpeed ZeRO-2 (the config fp8dist translates) audited by `AuditCallback`, 2 ranks:
+"""HF Trainer with DeepSpeed ZeRO-2 (TrainingArguments from fp8dist.integrations.training_arguments_kwargs)
+audited by `AuditCallback`, 2 ranks:
 
     torchrun --nproc_per_node 2 tests/distributed/scripts/watch_frontends.py trainer-deepspeed
 
@@ -24,21 +25,21 @@ def summary(report: dict) -> dict:
 
 
 def trainer_deepspeed() -> dict:
+    """TrainingArguments from `training_arguments_kwargs` (bf16, the DeepSpeed dict, batch, clipping, AdamW)."""
     from transformers import Trainer, TrainingArguments
 
     from fp8dist.config.load import load_config
-    from fp8dist.integrations import AuditCallback
-    from fp8dist.translate.deepspeed import to_deepspeed
+    from fp8dist.integrations import AuditCallback, training_arguments_kwargs
 
-    spec = load_config(ROOT / "configs" / "deepspeed-bf16-zero2.yaml")
-    ds_config = to_deepspeed(spec)
-    model = load_model("tiny-llama", "fp32").model
+    config = ROOT / "configs" / "deepspeed-bf16-zero2.yaml"
+    spec = load_config(config)
+    model = load_model("tiny-llama", spec.precision.load_dtype).model
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (16, 32),
                                                                         generator=torch.Generator().manual_seed(0))]
-    args = TrainingArguments(output_dir="/tmp/fp8dist-trainer-test", per_device_train_batch_size=ds_config[
-        "train_micro_batch_size_per_gpu"], gradient_accumulation_steps=ds_config["gradient_accumulation_steps"],
-        max_steps=2, bf16=True, deepspeed=ds_config, report_to=[], save_strategy="no", logging_steps=1000,
-        max_grad_norm=ds_config["gradient_clipping"], learning_rate=spec.optimizer.lr, use_cpu=not torch.cuda.is_available())
+    # use_cpu: TrainingArguments refuses bf16 on a CPU-only node without it (transformers 5 training_args.py)
+    args = TrainingArguments(output_dir="/tmp/fp8dist-trainer-test", max_steps=2, report_to=[], save_strategy="no",
+                             logging_steps=1000, use_cpu=not torch.cuda.is_available(),
+                             **training_arguments_kwargs(config))
     callback = AuditCallback(spec, on_mismatch="ignore")
     Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
     return summary(callback.report)
