@@ -27,6 +27,7 @@ from typing import Iterator
 
 from fp8dist.errors import Fp8distError
 
+MARKER = "fp8dist-export.json"  # says a directory is an fp8dist export, which a new export may replace
 SHARD_BYTES = 5 << 30  # transformers' default max_shard_size of save_pretrained ("5GB")
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -42,14 +43,14 @@ class Exported:
 
 
 def check_destination(out_dir: str | os.PathLike) -> None:
-    """OUT_DIR may be new (its parents are made), empty, or an earlier export (which is replaced); anything else
-    is refused."""
+    """OUT_DIR may be new (its parents are made), empty, or an earlier fp8dist export (which is replaced, known by
+    its fp8dist-export.json); anything else is refused: a Hugging Face model directory is never overwritten."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise Fp8distError(f"{out}: is a file\n  fix: name a new directory for the export")
-    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
-        raise Fp8distError(f"{out}: exists and holds files that are not a Hugging Face export"
-                           "\n  fix: name a new or empty directory (an earlier export there is replaced)")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise Fp8distError(f"{out}: exists and holds files that fp8dist did not export (no {MARKER})"
+                           "\n  fix: name a new or empty directory (an earlier fp8dist export there is replaced)")
 
 
 def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None = None,
@@ -69,6 +70,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
                            "model, so there is no config.json to export with it"
                            "\n  fix: export Hugging Face models; for others read the checkpoint with "
                            "torch.distributed.checkpoint (FSDP2) or DeepSpeed's zero_to_fp32.py")
+    asked = dtype
     dtype = dtype or manifest["config"]["precision"]["load_dtype"]
     if dtype not in ("fp32", "bf16", "fp16"):
         raise Fp8distError(f"--dtype {dtype}: not an export dtype\n  fix: use fp32, bf16 or fp16")
@@ -84,20 +86,22 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
     scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.absolute().parent))
     try:
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger and progress prints: not our output
-            reader = _reader(path, manifest)
-        narrower = [d for d in getattr(reader, "stored", ()) if d.itemsize < target.itemsize]
+            reader = _unless_unreadable(path, lambda: _reader(path, manifest))
+        narrower = sorted(d for d in getattr(reader, "stored", ()) if d.itemsize < target.itemsize)
         if narrower:
-            raise Fp8distError(f"{path}: a DeepSpeed checkpoint without ZeRO keeps the weights in "
-                               f"{str(narrower[0]).removeprefix('torch.')}; "
-                               f"a {dtype} export would be them upcast, not the fp32 masters"
-                               f"\n  fix: export in {manifest['config']['precision']['load_dtype']}, or train with "
-                               "deepspeed.zero_stage >= 1 to export the masters")
+            stored = {value: key for key, value in _DTYPE_NAMES.items()}[str(narrower[0]).removeprefix("torch.")]
+            if asked:
+                raise Fp8distError(f"{path}: a DeepSpeed checkpoint without ZeRO keeps the weights in {stored}; "
+                                   f"a {dtype} export would be them upcast, not the fp32 masters"
+                                   f"\n  fix: --dtype {stored}, or train with deepspeed.zero_stage >= 1 to export "
+                                   "the masters")
+            dtype, target = stored, torch_dtype(stored)  # the default: the weights as they were saved
         groups = list(_groups(reader.sizes(target), shard_bytes))
         names = [WEIGHTS] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
                                                     for i in range(len(groups))]
         weight_map, tensors = {}, 0
         for name, group in zip(names, groups):
-            shard = {key: _plain(value, target) for key, value in reader.read(group)}
+            shard = _unless_unreadable(path, lambda: {key: _plain(value, target) for key, value in reader.read(group)})
             save_file(shard, str(scratch / name), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(shard, name))
             tensors += len(shard)
@@ -107,8 +111,10 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (scratch / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         config = json.loads(config_file.read_text(encoding="utf-8"))
-        config["dtype"] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
+        config["dtype"] = _DTYPE_NAMES[dtype]
         (scratch / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (scratch / MARKER).write_text(json.dumps({"checkpoint": str(path.absolute()), "step": manifest["step"],
+                                                  "dtype": dtype, "files": names}, indent=1) + "\n")
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(scratch, 0o777 & ~umask)  # mkdtemp makes it private; an export is an ordinary directory
@@ -119,6 +125,28 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     return Exported(out, dtype, tuple(names), tensors, total)
+
+
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _unless_unreadable(path: Path, read):
+    """`read()`, with what the checkpoint's files or the libraries raise said as the checkpoint being unreadable
+    (torch.distributed.checkpoint's CheckpointException is a BaseException)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return read()
+    except Fp8distError:
+        raise
+    except ImportError as exc:
+        raise Fp8distError(f"{path}: reading it needs {exc.name or 'a library'}, which is not installed"
+                           "\n  fix: pip install -e '.[all]' (as for training)") from None
+    except (Exception, CheckpointException) as exc:
+        from fp8dist.engines.checkpoint import failure_text
+
+        raise Fp8distError(f"{path}: cannot read the checkpoint ({failure_text(exc)})"
+                           f"\n  fix: restore its files, or export the checkpoint before it") from None
 
 
 def _plain(value, dtype):

@@ -127,13 +127,15 @@ def train(spec, loaded, args, on_step, say):
         raise Fp8distError(f"--export-hf: the model {args.model} is not a Hugging Face model (no `config` with "
                            "to_json_file), so there is no config.json to export\n  fix: drop --export-hf and keep "
                            "--checkpoint-dir, or train a transformers model")
-    steps, start, saved_at = args.steps or spec.train.steps, 0, None
+    steps, start, latest = args.steps or spec.train.steps, 0, None  # latest: this run's newest checkpoint
+    if args.checkpoint_dir:
+        checkpoint.check_run_directory(args.checkpoint_dir, args.resume)
     if args.resume:
         resumed = checkpoint.resume(target, args.checkpoint_dir, model_name=args.model)
         if resumed is None:
             say(f"no complete checkpoint in {args.checkpoint_dir}: starting from step 0")
         else:
-            start = saved_at = resumed.step
+            start, latest = resumed.step, (resumed.step, resumed.path)
             say(f"resumed from {resumed.path} (step {resumed.step})")
             for note in resumed.notes:
                 say(f"note: {note}")
@@ -144,14 +146,14 @@ def train(spec, loaded, args, on_step, say):
         on_step(index, loss, note)
         done = index + 1
         if args.checkpoint_dir and ((args.save_every and done % args.save_every == 0) or done == steps):
-            saved_at = done
-            say(f"saved {checkpoint.save(target, args.checkpoint_dir, done, spec=spec, model_name=args.model)}")
+            latest = (done, checkpoint.save(target, args.checkpoint_dir, done, spec=spec, model_name=args.model))
+            say(f"saved {latest[1]}")
     if args.export_hf:
-        return checkpoint_for_export(target, spec, args, saved_at == max(steps, start), max(steps, start))
+        return checkpoint_for_export(target, spec, args, latest, max(steps, start))
     return None
 
 
-def checkpoint_for_export(target, spec, args, saved, step):
+def checkpoint_for_export(target, spec, args, latest, step):
     """The checkpoint the export is made from, and whether it is a scratch one to delete afterwards: the final
     checkpoint of the run, or one written beside the export when the run keeps none. Exporting from a
     checkpoint makes the same files here as `fp8dist export` makes later."""
@@ -161,8 +163,8 @@ def checkpoint_for_export(target, spec, args, saved, step):
 
     from fp8dist.engines import checkpoint
 
-    if saved:
-        return checkpoint.find_latest(args.checkpoint_dir), False
+    if latest is not None and latest[0] == step:
+        return latest[1], False
     parent = os.path.dirname(os.path.abspath(args.export_hf))
     if dist.get_rank() == 0:
         os.makedirs(parent, exist_ok=True)
@@ -225,6 +227,8 @@ def main(argv=None) -> int:
             say(f"step {step + 1} {note}")
 
     spec = None
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         check_args(args)
         spec = fp8dist.spec_from_args(args)
@@ -253,6 +257,12 @@ def main(argv=None) -> int:
     except Fp8distError as exc:  # bad input or environment: 2; the first-step audit with audit.first_step=raise: 1
         print(f"train.py: {exc}", file=sys.stderr)
         return exc.exit_code
+    except CheckpointException as exc:  # torch.distributed.checkpoint gathers every rank's failure (a BaseException)
+        from fp8dist.engines.checkpoint import failure_text
+
+        print(f"train.py: a checkpoint in {args.checkpoint_dir} could not be written or read: {failure_text(exc)}"
+              "\n  fix: check the space and permissions of that directory on every node", file=sys.stderr)
+        return 2
     except RuntimeError as exc:
         if not lost_peer(exc):
             raise

@@ -40,6 +40,7 @@ FORMAT = 1
 HF_CONFIG_DIR = "hf"
 _COMPLETE = re.compile(r"^step-(\d{8})$")
 _PARTIAL = re.compile(r"^\.step-(\d{8})\.partial$")
+_LEFTOVER = re.compile(r"^\.step-(\d{8})\.(partial|replaced)$")
 # Module wrappers that insert a path component into parameter names: activation checkpointing
 # (torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py _CHECKPOINT_WRAPPED_MODULE), torch.compile
 # (OptimizedModule._orig_mod), FSDP1. torch.distributed.checkpoint.state_dict._get_fqns strips the same ones.
@@ -133,9 +134,10 @@ def save(target, directory: str | os.PathLike, step: int, *, spec, model_name: s
     directory = Path(directory)
     rank, world = _rank_world()
     final, partial = directory / step_name(step), directory / f".{step_name(step)}.partial"
-    if rank == 0:
+
+    def begin():
         if directory.exists() and not directory.is_dir():
-            raise Fp8distError(f"--checkpoint-dir {directory}: is a file; name a directory")
+            raise Fp8distError(f"--checkpoint-dir {directory}: is a file\n  fix: name a directory")
         directory.mkdir(parents=True, exist_ok=True)
         if partial.exists():
             shutil.rmtree(partial)
@@ -144,11 +146,8 @@ def save(target, directory: str | os.PathLike, step: int, *, spec, model_name: s
         if config is not None:
             (partial / HF_CONFIG_DIR).mkdir()
             config.to_json_file(str(partial / HF_CONFIG_DIR / "config.json"))
-    _barrier()
-    engine.write(partial)
-    torch.save({"rng": _rng_state(), **engine.rank_state()}, partial / f"rank-{rank:05d}.pt")
-    _barrier()
-    if rank == 0:
+
+    def commit():
         manifest = {
             "fp8dist_checkpoint": FORMAT,
             "engine": engine.engine,
@@ -163,22 +162,29 @@ def save(target, directory: str | os.PathLike, step: int, *, spec, model_name: s
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         _write_file_atomic(partial / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-        if final.exists():  # the same step saved again (a rerun from an older checkpoint): replace it
-            (final / MANIFEST).unlink(missing_ok=True)
-            shutil.rmtree(final)
+        replaced = directory / f".{step_name(step)}.replaced"
+        if final.exists():  # the same step saved again: moved aside first, so a crash keeps one of the two
+            os.rename(final, replaced)
         os.rename(partial, final)
         _fsync_dir(directory)
-        prune(directory, spec.checkpoint.keep_last)
+        shutil.rmtree(replaced, ignore_errors=True)
+        prune(directory, spec.checkpoint.keep_last, keep=final)
+
+    on_rank_zero(f"preparing {partial}", begin)
+    engine.write(partial)
+    torch.save({"rng": _rng_state(), **engine.rank_state()}, partial / f"rank-{rank:05d}.pt")
     _barrier()
+    on_rank_zero(f"completing {final}", commit)
     return final
 
 
-def prune(directory: Path, keep_last: int) -> list[Path]:
-    """Delete complete checkpoints beyond the newest `keep_last`, and unfinished saves. A checkpoint loses its
-    manifest first, so a crash during deletion leaves an incomplete directory, never a "complete" one with
-    files missing."""
+def prune(directory: Path, keep_last: int, keep: Path | None = None) -> list[Path]:
+    """Delete complete checkpoints beyond the newest `keep_last` (never `keep`, the one just written), and
+    unfinished saves. A checkpoint loses its manifest first, so a crash during deletion leaves an incomplete
+    directory, never a "complete" one with files missing."""
     complete = complete_checkpoints(directory)
-    doomed = complete[:-keep_last] + [p for p in directory.iterdir() if _PARTIAL.match(p.name) and p.is_dir()]
+    doomed = [p for p in complete[:-keep_last] if p != keep]
+    doomed += [p for p in directory.iterdir() if _LEFTOVER.match(p.name) and p.is_dir()]
     for path in doomed:
         (path / MANIFEST).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
@@ -287,26 +293,18 @@ def resume(target, directory: str | os.PathLike, *, model_name: str = "", schedu
     error when it cannot be used, before any weight is read."""
     engine = checkpointing_for(target, model_name=model_name, scheduler=scheduler)
     rank, world = _rank_world()
-    decision: list[Any] = [None]
-    if rank == 0:
-        try:
-            path = find_latest(directory)
-            if path is not None:
-                manifest = read_manifest(path)
-                decision[0] = ("ok", str(path), manifest, check_compatible(manifest, path, engine, world))
-            else:
-                decision[0] = ("none",)
-        except Fp8distError as exc:
-            decision[0] = ("error", str(exc))
-    if dist.is_initialized() and world > 1:
-        dist.broadcast_object_list(decision, src=0)
-    outcome = decision[0]
-    if outcome[0] == "error":
-        raise Fp8distError(outcome[1])
-    if outcome[0] == "none":
+
+    def decide():
+        path = find_latest(directory)
+        if path is None:
+            return None
+        manifest = read_manifest(path)
+        return str(path), manifest, check_compatible(manifest, path, engine, world)
+
+    decided = on_rank_zero(f"resuming from {directory}", decide)
+    if decided is None:
         return None
-    _, path, manifest, notes = outcome
-    path = Path(path)
+    path, manifest, notes = Path(decided[0]), decided[1], decided[2]
     engine.read(path)
     if manifest["world_size"] == world:
         state = torch.load(path / f"rank-{rank:05d}.pt", weights_only=True)
@@ -318,7 +316,67 @@ def resume(target, directory: str | os.PathLike, *, model_name: str = "", schedu
     return Resumed(path, manifest["step"], manifest["data_position"], tuple(notes))
 
 
+def check_run_directory(directory: str | os.PathLike, resuming: bool) -> None:
+    """Before the first step (every rank calls it): `directory` must be a directory this job can write (made if
+    missing), not one checkpoint, and for a new run hold no checkpoint of an earlier one: the new run's saves
+    would interleave with them, and pruning and `--resume` would pick the other run's newer steps."""
+    directory = Path(directory)
+
+    def check():
+        if (directory / MANIFEST).is_file():
+            raise Fp8distError(f"--checkpoint-dir {directory}: names one checkpoint, not the directory of a run"
+                               f"\n  fix: pass its parent, {directory.parent}" + (" (--resume then continues from its "
+                                                                                 "newest checkpoint)" if resuming else ""))
+        if directory.exists() and not directory.is_dir():
+            raise Fp8distError(f"--checkpoint-dir {directory}: is a file\n  fix: name a directory")
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            probe = directory / f".fp8dist-write-test-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise Fp8distError(f"--checkpoint-dir {directory}: cannot write there ({exc.strerror})"
+                               "\n  fix: name a directory this job can write, on a filesystem every rank sees") from None
+        complete = complete_checkpoints(directory)
+        if complete and not resuming:
+            raise Fp8distError(f"--checkpoint-dir {directory}: holds checkpoints of an earlier run (newest "
+                               f"{complete[-1].name})\n  fix: add --resume to continue that run, or name a new or "
+                               "empty directory")
+
+    on_rank_zero(f"--checkpoint-dir {directory}", check)
+
+
 # --- helpers ------------------------------------------------------------------------------------------
+
+def failure_text(exc: BaseException) -> str:
+    """One line for an error while reading or writing a checkpoint; torch.distributed.checkpoint's
+    CheckpointException holds each failing rank's own error (`failures`)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:  # rank -> (exception, traceback) in torch 2.13 (api.py)
+        errors = {rank: e[0] if isinstance(e, tuple) else e for rank, e in failures.items()}
+        return "; ".join(f"rank {rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+                         for rank, e in sorted(errors.items()))
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+
+
+def on_rank_zero(what: str, action):
+    """Run `action` on rank 0 only and give its result, or its error, to every rank: a failure there raises the
+    same Fp8distError everywhere instead of leaving the other ranks waiting in a collective."""
+    rank, world = _rank_world()
+    outcome: list[Any] = [None]
+    if rank == 0:
+        try:
+            outcome[0] = ("ok", action())
+        except Fp8distError as exc:
+            outcome[0] = ("error", str(exc))
+        except Exception as exc:  # an OSError, a malformed manifest: said with what was being done
+            outcome[0] = ("error", f"{what}: {type(exc).__name__}: {exc}")
+    if dist.is_initialized() and world > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[0][0] == "error":
+        raise Fp8distError(outcome[0][1])
+    return outcome[0][1]
+
 
 def _rank_world() -> tuple[int, int]:
     if dist.is_initialized():

@@ -197,6 +197,20 @@ def test_checkpoints_that_cannot_be_resumed(resumed, tmp_path):
     result = train("fsdp2-bf16", "--checkpoint-dir", broken, "--resume")
     assert result.returncode != 0 and "truncated or changed since the save" in result.stderr
 
+    corrupt = tmp_path / "corrupt"  # the same size, other bytes: caught when read
+    shutil.copytree(fsdp2, corrupt)
+    shard = sorted((corrupt / "step-00000004" / "dcp").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[:2000] = bytes(2000)
+    shard.write_bytes(bytes(data))
+    result = run_cli("export", corrupt, tmp_path / "out")
+    assert result.returncode == 2 and "cannot read the checkpoint (rank 0: " in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+    result = train("fsdp2-bf16", "--checkpoint-dir", fsdp2, sets=["train.steps=1"])  # a new run, no --resume
+    assert result.returncode != 0 and "holds checkpoints of an earlier run (newest step-00000004)" in result.stderr
+    assert "step 1 loss" not in result.stdout  # refused before the first step
+
     empty = tmp_path / "empty"
     result = train("fsdp2-bf16", "--checkpoint-dir", empty, "--resume", sets=["train.steps=1"])
     assert result.returncode == 0 and f"no complete checkpoint in {empty}: starting from step 0" in result.stdout

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from fp8dist.engines.checkpoint import MANIFEST, find_latest, model_key, prune, read_manifest
+from fp8dist.engines.checkpoint import MANIFEST, check_run_directory, find_latest, model_key, prune, read_manifest
 from fp8dist.errors import Fp8distError
-from fp8dist.export import check_destination
+from fp8dist.export import MARKER, check_destination
 
 
 def make(directory, step, complete=True, files=None):
@@ -82,12 +82,33 @@ def test_model_keys_drop_wrapper_components():
 def test_export_destination(tmp_path):
     check_destination(tmp_path / "new" / "deeper")  # made when written
     check_destination(tmp_path)  # empty
-    (tmp_path / "config.json").write_text("{}")
-    check_destination(tmp_path)  # an earlier export: replaced
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "notes.txt").write_text("keep me")
-    with pytest.raises(Fp8distError, match="holds files that are not a Hugging Face export"):
-        check_destination(other)
+    (tmp_path / "config.json").write_text("{}")  # a Hugging Face model directory (the --model, say): never replaced
+    with pytest.raises(Fp8distError, match=f"holds files that fp8dist did not export .no {MARKER}"):
+        check_destination(tmp_path)
+    (tmp_path / MARKER).write_text("{}")
+    check_destination(tmp_path)  # an earlier fp8dist export: replaced
     with pytest.raises(Fp8distError, match="is a file"):
-        check_destination(other / "notes.txt")
+        check_destination(tmp_path / "config.json")
+
+
+def test_the_run_directory_is_checked_before_the_first_step(tmp_path):
+    check_run_directory(tmp_path / "new" / "run", resuming=False)  # made
+    assert (tmp_path / "new" / "run").is_dir()
+    run = tmp_path / "run"
+    make(run, 2)
+    with pytest.raises(Fp8distError, match=r"(?s)holds checkpoints of an earlier run .newest step-00000002.*add --resume"):
+        check_run_directory(run, resuming=False)
+    check_run_directory(run, resuming=True)
+    with pytest.raises(Fp8distError, match="names one checkpoint, not the directory of a run"):
+        check_run_directory(run / "step-00000002", resuming=True)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(Fp8distError, match="is a file"):
+        check_run_directory(tmp_path / "file", resuming=False)
+
+
+def test_prune_never_deletes_the_checkpoint_just_written(tmp_path):
+    for step in (8, 10):
+        make(tmp_path, step)
+    just_written = make(tmp_path, 2)
+    prune(tmp_path, keep_last=1, keep=just_written)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000010"]
