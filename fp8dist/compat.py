@@ -364,6 +364,11 @@ def accelerate_matches(version: Version | None) -> tuple[bool, str]:
                    "with `accelerate launch --config_file`")
 
 
+# --- Hugging Face export ----------------------------------------------------------------------
+# transformers 5.23 modeling_utils.py PreTrainedModel.save_pretrained: max_shard_size="50GB" (decimal, as
+# huggingface_hub parse_size_to_int reads "GB"); fp8dist.export writes safetensors shards of at most this.
+HF_MAX_SHARD_BYTES = 50 * 10**9
+
 # --- DeepSpeed defaults an import resolves to -------------------------------------------------
 # When a DeepSpeed config leaves a key out (or writes "auto" inside a typed section, which
 # DeepSpeedConfigModel replaces by the default), DeepSpeed 0.19.8 uses these (runtime/precision_config.py,

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from fp8dist import compat
 from fp8dist.errors import Fp8distError
+from fp8dist.models import TORCH_DTYPES
 
 MARKER = "fp8dist-export.json"  # says a directory is an fp8dist export, which a new export may replace
-SHARD_BYTES = 5 << 30  # transformers' default max_shard_size of save_pretrained ("5GB")
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
@@ -54,7 +55,7 @@ def check_destination(out_dir: str | os.PathLike) -> None:
 
 
 def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None = None,
-              shard_bytes: int = SHARD_BYTES) -> Exported:
+              shard_bytes: int = compat.HF_MAX_SHARD_BYTES) -> Exported:
     """Write the model of `checkpoint` (one checkpoint, or a --checkpoint-dir: its newest complete one) to
     `out_dir` in Hugging Face format, in `dtype` (fp32 | bf16 | fp16; default the run's load dtype)."""
     from fp8dist.engines.checkpoint import HF_CONFIG_DIR, find_latest, read_manifest
@@ -89,7 +90,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
             reader = _unless_unreadable(path, lambda: _reader(path, manifest))
         narrower = sorted(d for d in getattr(reader, "stored", ()) if d.itemsize < target.itemsize)
         if narrower:
-            stored = {value: key for key, value in _DTYPE_NAMES.items()}[str(narrower[0]).removeprefix("torch.")]
+            stored = {value: key for key, value in TORCH_DTYPES.items()}[str(narrower[0]).removeprefix("torch.")]
             if asked:
                 raise Fp8distError(f"{path}: a DeepSpeed checkpoint without ZeRO keeps the weights in {stored}; "
                                    f"a {dtype} export would be them upcast, not the fp32 masters"
@@ -111,7 +112,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (scratch / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         config = json.loads(config_file.read_text(encoding="utf-8"))
-        config["dtype"] = _DTYPE_NAMES[dtype]
+        config["dtype"] = TORCH_DTYPES[dtype]
         (scratch / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (scratch / MARKER).write_text(json.dumps({"checkpoint": str(path.absolute()), "step": manifest["step"],
                                                   "dtype": dtype, "files": names}, indent=1) + "\n")
@@ -125,9 +126,6 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     return Exported(out, dtype, tuple(names), tensors, total)
-
-
-_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _unless_unreadable(path: Path, read):

@@ -24,9 +24,9 @@ from typing import Any
 from fp8dist.config.load import load_config
 from fp8dist.config.spec import Spec
 from fp8dist.errors import Fp8distError
+from fp8dist.models import TORCH_DTYPES
 from fp8dist.translate.accelerate import accelerate_plan
 
-TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def as_spec(config) -> Spec:

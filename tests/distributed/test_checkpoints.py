@@ -126,6 +126,19 @@ def test_export_loads_in_plain_transformers(case, resumed):
     assert f"{size} bytes" in line and "(bf16, 21 tensors" in line
 
 
+def test_a_sharded_export_loads_the_same(resumed, tmp_path):
+    """Shards of at most 60 kB (the default is transformers' 50 GB): several files and an index that
+    from_pretrained follows to the same model."""
+    from fp8dist.export import export_hf
+
+    done = export_hf(resumed["fsdp2-bf16"]["dir"] / "straight", tmp_path / "sharded", shard_bytes=60_000)
+    assert len(done.files) > 1 and done.files[0] == f"model-00001-of-{len(done.files):05d}.safetensors"
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(done.files) and len(index["weight_map"]) == 21
+    sharded, whole = load_plainly(tmp_path / "sharded"), load_plainly(resumed["fsdp2-bf16"]["dir"] / "hf-a")
+    assert sharded["missing"] == [] and sharded["loss"] == whole["loss"], (sharded, whole)
+
+
 def test_offline_export_cli(resumed, tmp_path):
     result = run_cli("export", resumed["deepspeed-zero2-bf16"]["dir"] / "straight", tmp_path / "out", "--dtype", "fp16")
     assert result.returncode == 0, result.stderr[-3000:]
