@@ -1,9 +1,9 @@
 """Shared by the benchmark scripts: relaunch under torchrun, medians, and the `result` lines run.py reads.
 
-Each script prints human-readable lines, then one line per measured quantity:
-    result <name>=<value> goal=<goal> [label]
-where <goal> is `<=X`, `>=X`, `=X` (within 1%) or `info` (a figure without a limit), so that
-`benchmarks/run.py` can collect every figure of one run into a single table.
+Each script prints human-readable lines, then one result line per measured quantity (fp8dist.runtime.ranks: the
+one protocol of what a process hands back, `fp8dist-result result <name> {"value": v, "goal": g, "label": l}`),
+where the goal is `<=X`, `>=X`, `=X` (within 1%) or `info` (a figure without a limit), so that `benchmarks/run.py`
+can collect every figure of one run into a single table.
 """
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from fp8dist.runtime.ranks import emit, results
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULT_LINE = re.compile(r"^result (\S+)=(\S+) goal=(\S+)(?: (.*))?$")
 EQUAL_TOLERANCE = 0.01
 
 
@@ -41,7 +42,7 @@ def median(values: list[float]) -> float:
 
 
 def result(name: str, value: float, goal: str, label: str = "") -> None:
-    print(f"result {name}={value:.4f} goal={goal}" + (f" {label}" if label else ""), flush=True)
+    emit("result", name, {"value": round(float(value), 6), "goal": goal, "label": label})
 
 
 @dataclass(frozen=True)
@@ -63,13 +64,7 @@ class Result:
 
 
 def parse_results(text: str) -> list[Result]:
-    out = []
-    for line in text.splitlines():
-        match = RESULT_LINE.match(line.strip())
-        if match:
-            name, value, goal, label = match.groups()
-            out.append(Result(name, float(value), goal, label or ""))
-    return out
+    return [Result(name, float(r["value"]), r["goal"], r.get("label", "")) for name, r in results(text, "result")]
 
 
 def quiet_libraries() -> None:

@@ -5,14 +5,13 @@
 A Llama-shaped model (~58M parameters at 50M) trains one step under the bf16 preset (fp32 masters, fp32
 AdamW states) on 2 gloo ranks, with FSDP2 and with DeepSpeed ZeRO-2; then fp8dist.engines.checkpoint saves
 it `--repeats` times (median seconds, bytes on disk per parameter) and resumes from it as many times; rank 0
-then exports the newest checkpoint to Hugging Face format in fp32 and in bf16 (fp8dist.export). Goal: the
+then exports the newest checkpoint to Hugging Face format in fp32 and in bf16 (fp8dist.runtime.export). Goal: the
 bf16 export takes half the bytes of the fp32 one (the "fp32 checkpoints from bf16 training" pain,
 instructlab#477); the resumable checkpoint (masters + Adam moments, ~12 bytes per parameter) is info.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -20,6 +19,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import cpu_env, median, quiet_libraries, result, under_torchrun  # noqa: E402
+from fp8dist.runtime import process_group  # noqa: E402
+from fp8dist.runtime.process_group import leave  # noqa: E402
+from fp8dist.runtime.ranks import emit, results  # noqa: E402
 from loading_memory import SIZES  # noqa: E402
 
 
@@ -29,17 +31,16 @@ def _bytes(path) -> int:
 
 def worker(size: str, repeats: int, root: str) -> None:
     quiet_libraries()
-    import deepspeed
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from fp8dist import load_config
-    from fp8dist.data import batches_for
-    from fp8dist.engines import checkpoint
-    from fp8dist.models import _llama_config, causal_lm_batch
+    from fp8dist.runtime.data import batches_for
+    import fp8dist.engines.checkpoint as checkpoint
+    from fp8dist.runtime.models import _llama_config, causal_lm_batch
 
-    deepspeed.init_distributed()  # gloo on the CPU accelerator; serves FSDP2 too
+    process_group.init(deepspeed=True)  # gloo on the CPU accelerator; serves FSDP2 too
     rank = dist.get_rank()
     figures = {}
     for engine in ("fsdp2", "deepspeed"):
@@ -73,7 +74,7 @@ def worker(size: str, repeats: int, root: str) -> None:
             checkpoint.resume(target, directory)
             loads.append(time.perf_counter() - started)
         if rank == 0:
-            from fp8dist.export import export_hf
+            from fp8dist.runtime.export import export_hf
 
             newest = checkpoint.find_latest(directory)
             exports = {}
@@ -85,9 +86,8 @@ def worker(size: str, repeats: int, root: str) -> None:
                                "checkpoint_bytes": _bytes(newest), "exports": exports}
         dist.barrier()
     if rank == 0:
-        print("FIGURES " + json.dumps(figures), flush=True)
-    dist.barrier()
-    os._exit(0)  # gloo teardown while a peer still exits aborted a rank before (see launch/train.py)
+        emit("figures", "checkpoint_io", figures)
+    leave(0)
 
 
 def main() -> int:
@@ -107,11 +107,11 @@ def main() -> int:
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                               __file__, "--repeats", str(repeats), "--worker", args.size, root],
                              capture_output=True, text=True, env=cpu_env())
-    lines = [line for line in out.stdout.splitlines() if line.startswith("FIGURES ")]
+    lines = results(out.stdout, "figures")
     if out.returncode != 0 or not lines:
         print(out.stdout[-3000:], out.stderr[-3000:], file=sys.stderr)
         return 2
-    figures = json.loads(lines[0][len("FIGURES "):])
+    figures = lines[0][1]
     for engine, f in figures.items():
         params = f["params"]
         (fp32_bytes, fp32_s), (bf16_bytes, bf16_s) = f["exports"]["fp32"], f["exports"]["bf16"]

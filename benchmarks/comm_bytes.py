@@ -19,6 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import quiet_libraries, relaunch, result, under_torchrun  # noqa: E402
+from fp8dist.runtime import process_group  # noqa: E402
+from fp8dist.runtime.process_group import leave  # noqa: E402
 
 CONFIGS = {"bf16": {"precision": {"preset": "bf16"}},
            "float8": {"precision": {"preset": "torchao-float8", "fp8": {"torchao": {"emulate": True}}}}}
@@ -31,9 +33,9 @@ def measure(name: str) -> dict[str, int]:
     from torch.distributed.fsdp import FSDPModule
 
     from fp8dist import load_config
-    from fp8dist.engines.collectives import ByteViewAllGather, CommRecord
+    from fp8dist.engines.fsdp2.collectives import ByteViewAllGather, CommRecord
     from fp8dist.engines.fsdp2 import prepare, train_step
-    from fp8dist.models import load_model
+    from fp8dist.runtime.models import load_model
 
     spec = load_config(CONFIGS[name])
     loaded = load_model("tiny-llama", spec.precision.load_dtype)
@@ -68,7 +70,7 @@ def worker() -> None:
     import torch.distributed as dist
 
     quiet_libraries()
-    dist.init_process_group("gloo")
+    process_group.init()
     results = {name: measure(name) for name in CONFIGS}
     if dist.get_rank() == 0:
         bf16, fp8 = results["bf16"], results["float8"]
@@ -83,8 +85,7 @@ def worker() -> None:
                "same, flat buffers incl. FSDP2 copy-in padding")
         result("allgather_bytes_fp8_vs_bf16_whole_model", fp8["total"] / bf16["total"], "info",
                "embeddings, norms and the excluded lm_head stay bf16")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave(0)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import ROOT, quiet_libraries, relaunch, result, under_torchrun  # noqa: E402
+from fp8dist.runtime import process_group  # noqa: E402
+from fp8dist.runtime.process_group import leave  # noqa: E402
 
 TRAIN = {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
 CASES = {
@@ -50,8 +52,7 @@ def gpu_problem() -> str | None:
         return "torch is not installed"
     if not torch.cuda.is_available():
         return "no CUDA GPU is visible (this benchmark measures real FP8 GEMMs: H100/H200, SM 8.9+)"
-    from fp8dist import compat
-
+    import fp8dist.compat as compat
     capability = torch.cuda.get_device_capability(0)
     ok, why = compat.torchao_fp8_hardware("tensorwise", capability)
     if not ok:
@@ -60,8 +61,7 @@ def gpu_problem() -> str | None:
 
 
 def skip_reason(name: str, capability) -> str | None:
-    from fp8dist import compat
-
+    import fp8dist.compat as compat
     if name == "float8 rowwise":
         ok, why = compat.torchao_fp8_hardware("rowwise", capability)
         if not ok:
@@ -87,7 +87,7 @@ def run_case(name: str, args) -> tuple[float, float]:
 
     from fp8dist import load_config
     from fp8dist.engines.fsdp2 import prepare, train_step
-    from fp8dist.models import causal_lm_batch
+    from fp8dist.runtime.models import causal_lm_batch
 
     spec = load_config({**CASES[name], "engine": "fsdp2",
                         "train": {**TRAIN, "micro_batch_size": args.micro_batch, "seq_len": args.seq_len}})
@@ -121,8 +121,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     quiet_libraries()
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
+    process_group.init()  # NCCL, the device of LOCAL_RANK
     capability = torch.cuda.get_device_capability()
     rank0 = dist.get_rank() == 0
     if rank0:
@@ -144,8 +143,7 @@ def worker(args) -> None:
             if name != "bf16":
                 result(f"gpu_tokens_per_s_{name.split()[0]}_{name.split()[1]}_vs_bf16", ratio, "info",
                        f"{name}; published: {PUBLISHED[name]}")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave(0)
 
 
 def main() -> int:

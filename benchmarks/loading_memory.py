@@ -24,6 +24,8 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import ROOT, cpu_env, quiet_libraries, result, under_torchrun  # noqa: E402
+from fp8dist.runtime import process_group  # noqa: E402
+from fp8dist.runtime.process_group import leave  # noqa: E402
 
 SIZES = {  # ~parameters -> Llama config overrides (vocab 32000: the embeddings are a real share, as in Llama)
     "50M": dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
@@ -48,9 +50,9 @@ def worker(model_dir: str, mode: str, out: str) -> None:
 
     from fp8dist import load_config
     from fp8dist.engines import fsdp2
-    from fp8dist.engines.loading import load_for_run
+    from fp8dist.runtime.loading import load_for_run
 
-    dist.init_process_group("gloo")
+    process_group.init()
     # the libraries both paths use, imported before the baseline (transformers loads model code lazily)
     import accelerate.big_modeling  # noqa: F401
     import safetensors.torch  # noqa: F401
@@ -73,15 +75,14 @@ def worker(model_dir: str, mode: str, out: str) -> None:
     if dist.get_rank() == 0:
         with open(out, "w", encoding="utf-8") as handle:
             json.dump(reports, handle)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave(0)
 
 
 def save_model(size: str, directory: str) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fp8dist.models import _llama_config
+    from fp8dist.runtime.models import _llama_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_llama_config(**SIZES[size]), dtype=torch.bfloat16)
@@ -102,9 +103,10 @@ def measure(model_dir: str, mode: str, nproc: int) -> list[dict]:
 def activation_bytes() -> dict[str, int]:
     """Bytes kept for backward in one forward of small-llama, per checkpointing mode (one process)."""
     from fp8dist import load_config
-    from fp8dist.engines import activation_checkpointing
+    import fp8dist.engines.activation_checkpointing as activation_checkpointing
     from fp8dist.engines.blocks import wrap_units
-    from fp8dist.models import forward_loss, load_model
+    from fp8dist.engines.base import forward_loss
+    from fp8dist.runtime.models import load_model
 
     out = {}
     for mode in ("none", "full", "selective"):

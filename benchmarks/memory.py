@@ -34,7 +34,7 @@ def configs(only: list[str]) -> list[str]:
 
 
 def measured(config: str) -> dict[str, float]:
-    from fp8dist.audit.run import measure
+    from fp8dist.commands.audit import measure
 
     os.environ.update({k: v for k, v in cpu_env().items() if k in ("OMP_NUM_THREADS", "DS_ACCELERATOR")})
     observed = measure("tiny-llama", str(ROOT / "configs" / f"{config}.yaml"), nproc=2, steps=1)

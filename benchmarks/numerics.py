@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import ROOT, cpu_env, result  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
-from tests.distributed.launch import losses as train_losses  # noqa: E402  (parses launch/train.py's lines)
+from fp8dist.runtime.loop import losses as train_losses  # noqa: E402  (launch/train.py's step lines)
 
 RUNS = {"bf16": "fsdp2-bf16", "float8 tensorwise": "fsdp2-torchao-float8", "float8 rowwise": "fsdp2-torchao-rowwise"}
 

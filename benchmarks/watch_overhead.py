@@ -20,6 +20,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import median, quiet_libraries, relaunch, result, under_torchrun  # noqa: E402
+from fp8dist.runtime import process_group  # noqa: E402
+from fp8dist.runtime.process_group import leave  # noqa: E402
 
 MODEL, MICRO_BATCH, SEQ_LEN, WARMUP = "small-llama", 2, 128, 2
 CASES = {"fsdp2 bf16": "configs/fsdp2-bf16.yaml", "deepspeed zero2 bf16": "configs/deepspeed-bf16-zero2.yaml"}
@@ -27,7 +29,7 @@ CASES = {"fsdp2 bf16": "configs/fsdp2-bf16.yaml", "deepspeed zero2 bf16": "confi
 
 def prepared(spec):
     """(model the loop calls, optimizer, step(batch) -> loss) from fp8dist's engine, first-step audit off."""
-    from fp8dist.models import load_model
+    from fp8dist.runtime.models import load_model
 
     model = load_model(MODEL, spec.precision.load_dtype, seed=0).model
     if spec.engine == "deepspeed":
@@ -68,7 +70,7 @@ def one_round(spec, pairs: int, watched_first: bool, during: list, after: list, 
     import torch.distributed as dist
 
     from fp8dist.audit import watch
-    from fp8dist.models import causal_lm_batch, small_llama_config
+    from fp8dist.runtime.models import causal_lm_batch, small_llama_config
 
     if watched_first:
         model, optimizer, watched = prepared(spec)
@@ -99,9 +101,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     quiet_libraries()
-    import deepspeed
-
-    deepspeed.init_distributed()  # gloo on the CPU accelerator; serves the FSDP2 case too
+    process_group.init(deepspeed=True)  # gloo on the CPU accelerator; serves the FSDP2 case too
     if dist.get_rank() == 0:
         print(f"{MODEL}, micro-batch {MICRO_BATCH} x {SEQ_LEN} tokens, 2 gloo ranks, {args.rounds} rounds x "
               f"{args.pairs} interleaved pairs")
@@ -113,7 +113,7 @@ def worker(args) -> None:
             key = name.replace(" ", "_")
             result(f"watch_observed_step_{key}", during, "info", f"{name}: watched step / plain step")
             result(f"watch_after_{key}", after, "<=1.02", f"{name}: steps after the watch / never watched")
-    dist.destroy_process_group()
+    leave(0)
 
 
 def main(argv=None) -> int:

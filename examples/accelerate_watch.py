@@ -24,7 +24,7 @@ from accelerate import Accelerator
 from accelerate.utils import FullyShardedDataParallelPlugin
 
 from fp8dist.audit import watch
-from fp8dist.models import load_model
+from fp8dist.runtime.models import load_model
 
 
 def main() -> int:

@@ -1,12 +1,37 @@
 """fp8dist: one precision config for DeepSpeed and FSDP2, with FP8 and a dtype audit.
 
 Importing fp8dist imports neither torch nor DeepSpeed; the runtimes import them when used.
+
+This module is also the composition root: it hands the first-step audit (fp8dist.audit, a layer above the
+engines) to the engines, which never import it (docs/architecture.md).
 """
+from fp8dist.config.arguments import add_config_arguments, spec_from_args
 from fp8dist.config.load import load_config
 from fp8dist.config.spec import Spec
-from fp8dist.errors import ConfigError, Fp8distError, UnsupportedEnvironment
-from fp8dist.launch_args import add_config_arguments, spec_from_args
+from fp8dist.engines.base import provide_first_step_audit
+from fp8dist.errors import ConfigError, ExitCode, Fp8distError, UnsupportedEnvironment
 
 __version__ = "0.1.0"
-__all__ = ["load_config", "Spec", "ConfigError", "Fp8distError", "UnsupportedEnvironment",
+__all__ = ["load_config", "load_model", "Spec", "ConfigError", "ExitCode", "Fp8distError", "UnsupportedEnvironment",
            "add_config_arguments", "spec_from_args", "__version__"]
+
+
+def load_model(name_or_dir: str, spec: Spec, *, plan: dict | None = None):
+    """MODEL as a run of `spec` needs it, returned as a fp8dist.runtime.models.LoadedModel (`.model` for the engine
+    setup, `.materialize` for fp8dist.engines.fsdp2.prepare, `.make_batch`): RAM-efficiently where
+    `parallel.cpu_ram_efficient_loading` says so (a local Hugging Face directory only), else fully on every rank.
+    MODEL: a built-in name, a local Hugging Face model directory, or `package.module:factory`. `plan`: the run's
+    translation when the caller made it already. Under DeepSpeed ZeRO-3 RAM-efficient loading, keep the returned
+    object alive as long as the model (it holds the HfDeepSpeedConfig)."""
+    from fp8dist.runtime.loading import load_for_run
+
+    return load_for_run(name_or_dir, spec, plan=plan)
+
+
+def _first_step_audit(engine, mode: str):
+    from fp8dist.audit.first_step import first_step_audit
+
+    return first_step_audit(engine, mode)
+
+
+provide_first_step_audit(_first_step_audit)

@@ -43,8 +43,6 @@ TORCH_FSDP2_PUBLIC = (2, 6, 0)
 TORCH_FSDP2_CUSTOM_COLLECTIVES = (2, 9, 0)
 # The lowest torch fp8dist runs on: pyproject.toml's `torch>=` (tests/unit/test_promises.py keeps them equal).
 TORCH_FLOOR = TORCH_FSDP2_CUSTOM_COLLECTIVES
-# Axolotl refuses FP8 + FSDP2 below torch 2.7 (axolotl src/axolotl/utils/config.py check_fsdp_torch_version).
-TORCH_FSDP2_FP8_RECOMMENDED = (2, 7, 0)
 
 
 def torch_supported(torch_version: Version) -> tuple[bool, str]:
@@ -90,8 +88,7 @@ def torchao_fp8_hardware(recipe_name: str, capability: Capability | None) -> tup
 
 # --- torchao ---------------------------------------------------------------------------------
 # torchao's C++ extensions load only with torch >= 2.11 (ao v0.18.0 torchao/__init__.py); float8
-# training is pure Python. Float8LinearConfig.from_recipe_name exists since 0.9.0.
-TORCHAO_FROM_RECIPE_NAME = (0, 9, 0)
+# training is pure Python.
 # Newest torchao whose float8 API this module knows (PyPI, 2026-07-31).
 NEWEST_KNOWN_TORCHAO = (0, 18, 0)
 # force_recompute_fp8_weight_in_bwd: added in 0.6.0 (pytorch/ao#936), a logged no-op from 0.12.0
@@ -366,7 +363,7 @@ def accelerate_matches(version: Version | None) -> tuple[bool, str]:
 
 # --- Hugging Face export ----------------------------------------------------------------------
 # transformers 5.23 modeling_utils.py PreTrainedModel.save_pretrained: max_shard_size="50GB" (decimal, as
-# huggingface_hub parse_size_to_int reads "GB"); fp8dist.export writes safetensors shards of at most this.
+# huggingface_hub parse_size_to_int reads "GB"); fp8dist.runtime.export writes safetensors shards of at most this.
 HF_MAX_SHARD_BYTES = 50 * 10**9
 
 # --- DeepSpeed defaults an import resolves to -------------------------------------------------

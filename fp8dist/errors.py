@@ -2,7 +2,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any
+
+
+class ExitCode(IntEnum):
+    """Every exit code of the CLI, launch/train.py and the rank processes."""
+
+    OK = 0
+    MISMATCH = 1  # the audit saw another dtype than the config's (or could not measure a phase); compare beyond tolerance
+    ERROR = 2  # a usage, config or environment error: the message says which, and the fix
+    LOST_PEER = 3  # launch/train.py: another rank died or stopped answering within train.process_group_timeout_s
+    INTERRUPTED = 130  # Ctrl-C
 
 _UNSET = object()
 
@@ -33,7 +44,7 @@ def _short(value: Any, limit: int = 120) -> str:
 class Fp8distError(Exception):
     """Base class: a usage, config or environment problem (CLI exit code 2)."""
 
-    exit_code = 2
+    exit_code = ExitCode.ERROR
 
 
 class ConfigError(Fp8distError):

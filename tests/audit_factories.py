@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from fp8dist.models import causal_lm_batch, load_model
+from fp8dist.runtime.models import causal_lm_batch, load_model
 
 
 class SecretlyFP32(torch.nn.Module):

@@ -2,7 +2,7 @@
 import os
 import signal
 
-from fp8dist.models import load_model
+from fp8dist.runtime.models import load_model
 
 
 def tiny_llama_killed_in_save():

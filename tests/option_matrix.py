@@ -32,7 +32,7 @@ class Refusal:
     id: str
     config: dict
     says: str  # a fragment of the message
-    kind: str = "config"  # config: load_config refuses; environment: fp8dist.engines.preflight refuses
+    kind: str = "config"  # config: load_config refuses; environment: fp8dist.runtime.preflight refuses
     unless: str | None = None  # environment refusals: the capability that lifts it (tests skip where present)
 
 

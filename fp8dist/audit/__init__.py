@@ -1,4 +1,4 @@
-"""The dtype audit: `fp8dist audit MODEL` (fp8dist.audit.run) and `fp8dist.audit.watch` for any training loop.
+"""The dtype audit: `fp8dist audit MODEL` (fp8dist.commands.audit) and `fp8dist.audit.watch` for any training loop.
 
 Importing this package imports no torch; `watch` and `AuditMismatch` load fp8dist.audit.watching on first use.
 """

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 
-from fp8dist.audit.formats import enum_short, is_tensor_like, storage
+from fp8dist.backends.storage import enum_short, is_tensor_like, storage
 
 TE_MODULE_PREFIX = "transformer_engine.pytorch.module."
 MSAMP_GEMM_MODULE = "msamp.operators.gemm.gemm"
@@ -83,8 +83,7 @@ class LibraryGemmRecorder:
         self._patch(gemm_class, "fp8_gemm", classmethod(fp8_gemm))
         device = getattr(sys.modules.get("msamp.common.utils.device"), "Device", None)
         if device is not None and not device.is_fp8_supported():
-            from fp8dist import compat
-
+            import fp8dist.compat as compat
             self.notes.append(compat.msamp_native_fp8(_gpu_name())[1])
 
     def __exit__(self, *exc) -> None:

@@ -1,6 +1,6 @@
 """Probes that observe a real prepared model without changing its numerics.
 
-Every tensor is read by what it stores, not its logical `.dtype` (fp8dist.audit.formats); GEMMs are seen
+Every tensor is read by what it stores, not its logical `.dtype` (fp8dist.backends.storage); GEMMs are seen
 as aten matmuls (TorchDispatchMode) and, for Transformer Engine and MS-AMP, at their own GEMM entry points
 (fp8dist.audit.library_gemms).
 """
@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fp8dist.audit.formats import is_tensor_like, short, storage
+from fp8dist.backends.storage import is_tensor_like, short, storage
 from fp8dist.audit.library_gemms import LibraryGemmRecorder
 
 __all__ = ["short", "summarize", "trainable", "MatmulRecorder", "describe_fp8", "low_precision_format",

@@ -8,7 +8,7 @@
     w.passed, w.report             # the report is the JSON document of `fp8dist audit --format json`
 
 Everything inside the block is observed, nothing is read from settings: the storage of the weights and of
-what the optimizer steps (asked of the engine that prepared the model, fp8dist.engines.inspect), the
+what the optimizer steps (asked of the engine that prepared the model, fp8dist.engines.inspector), the
 operand formats of every matmul (fp8dist.audit.probes), the gradients as the optimizer is about to step,
 the collectives on the wire (fp8dist.audit.wire) and the optimizer states after the step. The engine is
 recognised from the objects; one that differs from the config's is reported as a mismatch of its own.
@@ -24,14 +24,15 @@ import contextlib
 import sys
 from typing import Any
 
-from fp8dist.audit import probes
+import fp8dist.audit.probes as probes
 from fp8dist.audit.expected import expected, normalize
-from fp8dist.audit.formats import is_scaling_tensor
 from fp8dist.audit.report import build, table, verdict
 from fp8dist.audit.wire import REDUCTIONS, WireRecorder
+from fp8dist.backends.storage import is_scaling_tensor
 from fp8dist.config.load import load_config
-from fp8dist.config.rules import weight_dtype
 from fp8dist.config.spec import Spec
+from fp8dist.engines.optim import full_precision_by_design
+from fp8dist.engines.registry import inspector_for
 from fp8dist.errors import Fp8distError
 
 ON_MISMATCH = ("warn", "raise", "ignore", "defer")  # defer: decide later with Watch.conclude
@@ -77,8 +78,6 @@ class Watch:
     # -- entering: what the prepared run stores before the step -------------------------------------------
     def __enter__(self) -> "Watch":
         import torch.distributed as dist
-
-        from fp8dist.engines.inspect import inspector_for
 
         self.inspector = inspector_for(self.model, self.optimizer)
         self.nproc = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -155,7 +154,7 @@ class Watch:
         out["gemm"] = (_obs(probes.low_precision_format(fp8), probes.describe_fp8(fp8) + notes) if fp8
                        else _obs(compute, "no FP8/FP4 operands seen" + notes, measured=bool(other)))
         master_value, where, separate = self._masters
-        if not separate and self._no_master_expected() and normalize(master_value) == weight_dtype(self.spec.to_dict()):
+        if not separate and self._no_master_expected() and normalize(master_value) == self.spec.precision.weight_dtype:
             out["master_weights"] = _obs("n/a", f"no separate master copy: the optimizer steps the weights themselves, "
                                                 f"in the config's weight dtype ({where})")
         else:
@@ -168,8 +167,6 @@ class Watch:
             out["weight_gradients"] = _obs(grads["value"], f"{grads['where']}: {grads['counts']}")
             if grads["numel"]:
                 self._bytes["gradients"] = grads["nbytes"] / grads["numel"]
-            from fp8dist.engines.optim import full_precision_by_design
-
             holder = self.inspector.state_optimizer()
             kept = full_precision_by_design(holder)
             state, per_key = probes.optimizer_states(holder, skip=kept)

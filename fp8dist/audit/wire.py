@@ -12,7 +12,7 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fp8dist.audit.formats import short
+from fp8dist.backends.storage import short
 
 # c10d op name -> kind. Reductions carry gradients; gathers carry weights.
 KINDS = {

@@ -10,11 +10,12 @@ from fp8dist.config.spec import Spec
 
 
 class PrecisionBackend:
-    """The native backend (fp32 / bf16 / fp16): the engines' own mixed precision does all the work."""
+    """The native backend (fp32 / bf16 / fp16, `precision.fp8.backend: none`): the engines' own mixed precision
+    does all the work."""
 
-    name = "native"
+    name = "none"
 
-    def __init__(self, spec: Spec):
+    def __init__(self, spec: Spec, plan: dict | None = None):
         self.spec = spec
 
     def check_environment(self, device: dict[str, Any]) -> None:
@@ -32,18 +33,18 @@ class PrecisionBackend:
         """Called after every optimizer step (torchao: precompute float8 scales for FSDP2)."""
 
 
-def get_backend(spec: Spec) -> PrecisionBackend:
-    backend = spec.fp8.backend
-    if backend == "torchao":
-        from fp8dist.backends.torchao import TorchaoFloat8
+# precision.fp8.backend -> its class. Each backend module registers itself (fp8dist/backends/__init__.py imports
+# them all, so the registry is complete whenever this module is importable).
+BACKENDS: dict[str, type[PrecisionBackend]] = {"none": PrecisionBackend}
 
-        return TorchaoFloat8(spec)
-    if backend == "te":
-        from fp8dist.backends.transformer_engine import TransformerEngine
 
-        return TransformerEngine(spec)
-    if backend == "msamp":
-        from fp8dist.backends.msamp import MSAMP
+def register(cls: type[PrecisionBackend]) -> type[PrecisionBackend]:
+    """Class decorator: the backend for `precision.fp8.backend == cls.name`."""
+    BACKENDS[cls.name] = cls
+    return cls
 
-        return MSAMP(spec)
-    return PrecisionBackend(spec)
+
+def get_backend(spec: Spec, plan: dict | None = None) -> PrecisionBackend:
+    """The backend of `spec`; `plan`: the run's FSDP2 translation (fp8dist.translate.fsdp2), whose `float8` part a
+    backend takes instead of planning again."""
+    return BACKENDS[spec.fp8.backend](spec, plan)

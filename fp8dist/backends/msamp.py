@@ -17,9 +17,10 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any
 
-from fp8dist import compat
-from fp8dist.backends.base import PrecisionBackend
+import fp8dist.compat as compat
+from fp8dist.backends.base import PrecisionBackend, register
 from fp8dist.backends.module_filter import Decision, decide, linear_infos
+from fp8dist.backends.transformer_engine import TransformerEngine
 from fp8dist.errors import Fp8distError, UnsupportedEnvironment
 
 NOT_INSTALLED = f"MS-AMP is not installed, and {compat.msamp_install_hint()}"
@@ -39,15 +40,14 @@ def _import_msamp():
     return msamp
 
 
+@register
 class MSAMP(PrecisionBackend):
     name = "msamp"
 
-    def __init__(self, spec):
-        super().__init__(spec)
+    def __init__(self, spec, plan: dict | None = None):
+        super().__init__(spec, plan)
         if spec.fp8.msamp.use_te:
-            from fp8dist.backends.transformer_engine import TransformerEngine
-
-            self.te = TransformerEngine(spec)
+            self.te = TransformerEngine(spec, plan)
         else:
             self.te = None
 

@@ -4,19 +4,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from fp8dist import compat
-from fp8dist.backends.base import PrecisionBackend
+import fp8dist.compat as compat
+from fp8dist.backends.base import PrecisionBackend, register
 from fp8dist.backends.module_filter import Decision, decide, linear_infos
 from fp8dist.errors import UnsupportedEnvironment
 from fp8dist.translate.fsdp2 import float8_plan
 
 
+@register
 class TorchaoFloat8(PrecisionBackend):
     name = "torchao"
 
-    def __init__(self, spec):
-        super().__init__(spec)
-        self.plan = float8_plan(spec)
+    def __init__(self, spec, plan: dict | None = None):
+        super().__init__(spec, plan)
+        self.plan = plan["float8"] if plan and plan.get("float8") else float8_plan(spec)
 
     def check_environment(self, device: dict[str, Any]) -> None:
         if compat.installed_version("torchao") is None:

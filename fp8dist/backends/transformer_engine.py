@@ -19,8 +19,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from fp8dist import compat
-from fp8dist.backends.base import PrecisionBackend
+import fp8dist.compat as compat
+from fp8dist.backends.base import PrecisionBackend, register
 from fp8dist.backends.module_filter import Decision, decide, linear_infos
 from fp8dist.errors import UnsupportedEnvironment
 from fp8dist.translate.fsdp2 import te_recipe_fields
@@ -52,6 +52,7 @@ def _te_version() -> compat.Version | None:
     return compat.parse_version(version) if version else None
 
 
+@register
 class TransformerEngine(PrecisionBackend):
     name = "te"
 

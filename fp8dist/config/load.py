@@ -12,7 +12,11 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from fp8dist.config import rules, schema, vocabulary
+import fp8dist.config.rules as rules
+
+import fp8dist.config.schema as schema
+
+import fp8dist.config.vocabulary as vocabulary
 from fp8dist.config.spec import Spec
 from fp8dist.errors import ConfigError, Issue
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from fp8dist import compat
+import fp8dist.compat as compat
+from fp8dist.config.spec import compute_dtype_of, state_dtype_of, weight_dtype_of
 from fp8dist.errors import Issue
 
 Doc = Mapping[str, Any]
@@ -25,27 +26,20 @@ def check(doc: Doc, explicit: Doc | None = None) -> list[Issue]:
     return issues
 
 
+# The derived values on the plain dict (the spec's properties, fp8dist.config.spec, on a validated one).
 def weight_dtype(doc: Doc) -> str:
-    """dtype of the copy the optimizer steps on."""
     p = doc["precision"]
-    return p["load_dtype"] if p["master_weights"] == "none" else p["master_weights"]
+    return weight_dtype_of(p["load_dtype"], p["master_weights"])
 
 
 def compute_dtype(doc: Doc) -> str:
-    """dtype of the non-FP8 ops (PrecisionSpec.compute_dtype on a plain dict)."""
     p = doc["precision"]
-    return p["mixed_precision"] if p["mixed_precision"] != "none" else weight_dtype(doc)
+    return compute_dtype_of(p["mixed_precision"], p["load_dtype"], p["master_weights"])
 
 
 def effective_state_dtype(doc: Doc) -> str:
-    """optimizer.state_dtype with `auto` resolved (MS-AMP O2/O3: fp8 first moment + fp16 second)."""
-    state = doc["optimizer"]["state_dtype"]
-    if state != "auto":
-        return state
     fp8 = doc["precision"]["fp8"]
-    if fp8["backend"] == "msamp" and fp8["msamp"]["opt_level"] in ("O2", "O3"):
-        return "fp8+fp16"
-    return weight_dtype(doc)
+    return state_dtype_of(doc["optimizer"]["state_dtype"], fp8["backend"], fp8["msamp"]["opt_level"], weight_dtype(doc))
 
 
 @rule

@@ -1,7 +1,10 @@
-"""The resolved config as frozen, typed dataclasses.
+"""The resolved config as frozen, typed dataclasses, and the values derived from it.
 
-Field meanings and defaults live in schemas/fp8dist.schema.json (one place); these classes only give
-the validated dict a typed shape. tests/unit/test_spec.py keeps the two in step.
+Field meanings and defaults live in schemas/fp8dist.schema.json (one place); these classes give the validated
+dict a typed shape (tests/unit/config/test_schema_and_presets.py keeps the two in step). Each derived value
+(the weight, compute and optimizer-state dtypes, float8 all-gather's `auto`) is computed once, by the functions
+below: the properties of the spec use them, and so do the cross-field rules, which run on the plain dict before a
+spec exists (fp8dist.config.rules).
 """
 from __future__ import annotations
 
@@ -10,6 +13,36 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_type_hints
 
 Dtype = Literal["fp32", "bf16", "fp16"]
+
+
+def weight_dtype_of(load_dtype: str, master_weights: str) -> str:
+    """dtype of the copy the optimizer steps on: the master dtype, or the weights as loaded without masters."""
+    return load_dtype if master_weights == "none" else master_weights
+
+
+def compute_dtype_of(mixed_precision: str, load_dtype: str, master_weights: str) -> str:
+    """dtype of the non-FP8 ops: the mixed-precision dtype, or the stored weight dtype without it."""
+    return mixed_precision if mixed_precision != "none" else weight_dtype_of(load_dtype, master_weights)
+
+
+def state_dtype_of(state_dtype: str, backend: str, msamp_opt_level: str, weight_dtype: str) -> str:
+    """optimizer.state_dtype with `auto` resolved: the dtype of the weights the optimizer steps, except under
+    MS-AMP O2/O3 (FP8 first moment + FP16 second, MS-AMP docs optimization-level.md)."""
+    if state_dtype != "auto":
+        return state_dtype
+    if backend == "msamp" and msamp_opt_level in ("O2", "O3"):
+        return "fp8+fp16"
+    return weight_dtype
+
+
+def float8_all_gather_of(value, recipe_name: str, engine: str, backend: str) -> bool:
+    """precision.fp8.torchao.enable_fsdp_float8_all_gather with `auto` resolved: on for torchao tensorwise under
+    FSDP2 (the only recipe torchao all-gathers in float8: Float8LinearConfig.__post_init__, torchao 0.18)."""
+    if backend != "torchao":
+        return False
+    if value == "auto":
+        return recipe_name == "tensorwise" and engine == "fsdp2"
+    return bool(value)
 
 
 @dataclass(frozen=True)
@@ -85,10 +118,11 @@ class PrecisionSpec:
 
     @property
     def compute_dtype(self) -> str:
-        """dtype of the non-FP8 ops: the mixed-precision dtype, or the stored weight dtype without it."""
-        if self.mixed_precision != "none":
-            return self.mixed_precision
-        return self.load_dtype if self.master_weights == "none" else self.master_weights
+        return compute_dtype_of(self.mixed_precision, self.load_dtype, self.master_weights)
+
+    @property
+    def weight_dtype(self) -> str:
+        return weight_dtype_of(self.load_dtype, self.master_weights)
 
 
 @dataclass(frozen=True)
@@ -176,6 +210,18 @@ class Spec:
     @property
     def fp8(self) -> FP8Spec:
         return self.precision.fp8
+
+    @property
+    def optimizer_state_dtype(self) -> str:
+        """optimizer.state_dtype with `auto` resolved (state_dtype_of)."""
+        return state_dtype_of(self.optimizer.state_dtype, self.fp8.backend, self.fp8.msamp.opt_level,
+                              self.precision.weight_dtype)
+
+    @property
+    def float8_all_gather(self) -> bool:
+        """Whether FSDP2 all-gathers the converted weights in float8 (float8_all_gather_of)."""
+        return float8_all_gather_of(self.fp8.torchao.enable_fsdp_float8_all_gather, self.fp8.torchao.recipe_name,
+                                    self.engine, self.fp8.backend)
 
 
 def _build(cls, data: dict[str, Any]):

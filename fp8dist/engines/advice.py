@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from fp8dist import compat
+import fp8dist.compat as compat
 from fp8dist.config.spec import Spec
 
 _SAID: set[str] = set()

@@ -14,8 +14,9 @@ checkpoint as the newest complete one. Resuming checks the manifest against the 
 named), the engine, the world size where the engine cannot reshard, and the model's parameters, before any
 weight is read.
 
-What an engine writes and reads lives in the engine (`fp8dist.engines.fsdp2.Checkpointing`,
-`fp8dist.engines.deepspeed.Checkpointing`); this module is the protocol around them. The checkpoint
+What an engine writes and reads lives in the engine (`fp8dist.engines.fsdp2.checkpointing`,
+`fp8dist.engines.deepspeed.checkpointing`, reached through `Engine.checkpointing`); this module is the protocol
+around them. The checkpoint
 directory must be on a filesystem every rank sees (as for torch.distributed.checkpoint and DeepSpeed).
 """
 from __future__ import annotations
@@ -106,20 +107,13 @@ class Resumed:
 
 
 def checkpointing_for(target, *, model_name: str = "", scheduler=None) -> EngineCheckpointing:
-    """The engine's checkpointing of an FSDP2Run or a DeepSpeed engine from fp8dist's engines (an
-    EngineCheckpointing passes through)."""
+    """The checkpointing of an fp8dist engine (fp8dist.engines.base.Engine: an FSDP2Run, a DeepSpeedRun) or of a
+    DeepSpeedEngine from fp8dist.engines.deepspeed.initialize; an EngineCheckpointing passes through."""
     if isinstance(target, EngineCheckpointing):
         return target
-    from fp8dist.engines.fsdp2 import FSDP2Run
-
-    if isinstance(target, FSDP2Run):
-        from fp8dist.engines.fsdp2 import Checkpointing as FSDP2Checkpointing
-
-        return FSDP2Checkpointing(target, model_name, scheduler)
-    if hasattr(target, "save_checkpoint") and hasattr(target, "fp8dist_spec"):
-        from fp8dist.engines.deepspeed import Checkpointing as DeepSpeedCheckpointing
-
-        return DeepSpeedCheckpointing(target, model_name, scheduler)
+    run = getattr(target, "fp8dist_run", target)
+    if callable(getattr(run, "checkpointing", None)):
+        return run.checkpointing(model_name, scheduler)
     raise Fp8distError(f"cannot checkpoint a {type(target).__name__}: pass the FSDP2Run of "
                        "fp8dist.engines.fsdp2.prepare or the engine of fp8dist.engines.deepspeed.initialize")
 

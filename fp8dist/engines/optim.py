@@ -3,17 +3,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from fp8dist import compat
-from fp8dist.config.rules import effective_state_dtype
+import fp8dist.compat as compat
 from fp8dist.config.spec import Spec
 from fp8dist.errors import Fp8distError, UnsupportedEnvironment
 
 
 def check_optimizer_environment(spec: Spec, device: dict[str, Any]) -> None:
     """Refuse an optimizer that cannot step here, before anything is launched."""
-    from fp8dist import compat
-
-    if spec.engine == "fsdp2" and effective_state_dtype(spec.to_dict()) == "fp8":
+    if spec.engine == "fsdp2" and spec.optimizer_state_dtype == "fp8":
         ok, reason = compat.torchao_fp8_states_on_fsdp2(device["cuda_available"])
         if not ok:
             raise UnsupportedEnvironment(f"optimizer.state_dtype=fp8: {reason}",
@@ -28,7 +25,7 @@ def build_optimizer(params, spec: Spec):
     import torch
 
     opt = spec.optimizer
-    state = effective_state_dtype(spec.to_dict())
+    state = spec.optimizer_state_dtype
     if opt.name == "sgd":
         return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay)
     kwargs = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)

@@ -13,15 +13,15 @@ __all__ = ["AuditCallback", "accelerator_kwargs", "training_arguments_kwargs"]
 
 def __getattr__(name: str):
     if name == "AuditCallback":
-        from fp8dist.integrations.trainer import AuditCallback
+        from fp8dist.audit.trainer_callback import AuditCallback
 
         return AuditCallback
     if name == "training_arguments_kwargs":
-        from fp8dist.integrations.trainer import training_arguments_kwargs
+        from fp8dist.formats.accelerate.trainer import training_arguments_kwargs
 
         return training_arguments_kwargs
     if name == "accelerator_kwargs":
-        from fp8dist.integrations.accelerate import accelerator_kwargs
+        from fp8dist.formats.accelerate.kwargs import accelerator_kwargs
 
         return accelerator_kwargs
     raise AttributeError(f"module 'fp8dist.integrations' has no attribute {name!r}")

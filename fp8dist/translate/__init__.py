@@ -1,6 +1,5 @@
-"""Pure translators: a validated Spec in, a plain JSON-able document out (no torch import)."""
-from fp8dist.translate.accelerate import to_accelerate
+"""Pure translators: a validated Spec in, the plan an engine executes out, as plain JSON-able data (no torch import)."""
 from fp8dist.translate.deepspeed import to_deepspeed
 from fp8dist.translate.fsdp2 import to_fsdp2
 
-TARGETS = {"deepspeed": to_deepspeed, "fsdp2": to_fsdp2, "accelerate": to_accelerate}
+__all__ = ["to_deepspeed", "to_fsdp2"]

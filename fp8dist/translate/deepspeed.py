@@ -12,13 +12,12 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from fp8dist import compat
-from fp8dist.config.rules import effective_state_dtype
+import fp8dist.compat as compat
+import fp8dist.dtypes as dtypes
 from fp8dist.config.spec import Spec
 from fp8dist.config.vocabulary import deepspeed_extras
 from fp8dist.errors import ConfigError, Issue
 
-_TORCH_DTYPE_NAME = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def target_deepspeed_version(explicit: str | None) -> tuple[compat.Version, str]:
@@ -76,7 +75,7 @@ def _precision_sections(spec: Spec, version, origin, issues) -> dict[str, Any]:
         # which rules._deepspeed requires reduce_dtype to be). DeepSpeed's default list would reduce nn.Linear
         # gradients in the autocast dtype and ignore communication_data_type (deepspeed 0.19
         # runtime/torch_autocast.py init_autocast_params, zero/stage_1_and_2.py ipg_buckets).
-        return {"torch_autocast": {"enabled": True, "dtype": _TORCH_DTYPE_NAME[p.mixed_precision],
+        return {"torch_autocast": {"enabled": True, "dtype": dtypes.torch_name(p.mixed_precision),
                                    "lower_precision_safe_modules": []}}
     if p.mixed_precision == "fp16":
         fp16 = p.loss_scaling
@@ -93,7 +92,7 @@ def _precision_sections(spec: Spec, version, origin, issues) -> dict[str, Any]:
             issues.append(Issue("precision.master_weights", f"{reason} ({origin})", "bf16",
                                 f"upgrade to DeepSpeed >= {compat.fmt(compat.DS_BF16_MASTER)} or use fp32 masters"))
         section["bf16_master_weights_and_grads"] = True
-        if effective_state_dtype(spec.to_dict()) == "bf16":
+        if spec.optimizer_state_dtype == "bf16":
             section["bf16_optimizer_states"] = True
     return {"bf16": section}
 

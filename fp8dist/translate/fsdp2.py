@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fp8dist import compat
-from fp8dist.config.rules import effective_state_dtype, weight_dtype
+import fp8dist.compat as compat
 from fp8dist.config.spec import Spec
 from fp8dist.config.vocabulary import fsdp2_layout
 from fp8dist.errors import ConfigError, Issue
@@ -43,8 +42,7 @@ def target_torchao_version(explicit: str | None = None) -> tuple[compat.Version,
 
 def to_fsdp2(spec: Spec, torchao_version: str | None = None) -> dict[str, Any]:
     p, f = spec.precision, spec.fsdp2
-    master = weight_dtype(spec.to_dict())
-    state = effective_state_dtype(spec.to_dict())
+    master, state = p.weight_dtype, spec.optimizer_state_dtype
     plan: dict[str, Any] = {
         "engine": "fsdp2",
         "load_dtype": p.load_dtype,
@@ -100,9 +98,7 @@ def float8_plan(spec: Spec, torchao_version: str | None = None) -> dict[str, Any
                 "swap": ["nn.Linear -> te.Linear"] + (["nn.LayerNorm -> te.LayerNorm"] if fp8.te.swap_layernorm else []),
                 "module_filter": {**modules, "require_dims_multiple_of": compat.TE_RECIPE_DIM_MULTIPLE[fp8.te.recipe]}}
     ao = fp8.torchao
-    all_gather = ao.enable_fsdp_float8_all_gather
-    if all_gather == "auto":
-        all_gather = ao.recipe_name == "tensorwise" and spec.engine == "fsdp2"
+    all_gather = spec.float8_all_gather
     version, origin = target_torchao_version(torchao_version)
     recompute, reason = compat.torchao_force_recompute(version, ao.force_recompute_fp8_weight_in_bwd, all_gather)
     config = {"recipe_name": ao.recipe_name, "enable_fsdp_float8_all_gather": all_gather,

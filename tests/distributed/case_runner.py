@@ -1,11 +1,13 @@
 """The loop of the multi-case rank scripts (tests/distributed/scripts/*_runs.py): every rank runs each case;
-rank 0 (and any rank whose case failed, with its traceback) prints `CASE <name> <json>` for the test to read;
+rank 0 (and any rank whose case failed, with its traceback) prints a `case` result line
+(fp8dist.runtime.ranks.emit) for the test to read;
 a failed case does not stop the next."""
 from __future__ import annotations
 
-import json
 import traceback
 from typing import Callable
+
+from fp8dist.runtime.ranks import emit
 
 
 def run_cases(cases: dict[str, Callable[[], dict]], only: list[str] | tuple = ()) -> None:
@@ -19,5 +21,5 @@ def run_cases(cases: dict[str, Callable[[], dict]], only: list[str] | tuple = ()
         except Exception as exc:  # report, then go on with the next case (the peers raised the same or time out)
             out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
         if dist.get_rank() == 0 or "error" in out:
-            print(f"CASE {name} {json.dumps(out)}", flush=True)
+            emit("case", name, out)
         dist.barrier()

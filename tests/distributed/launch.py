@@ -1,10 +1,10 @@
 """Run real 2-process jobs on gloo (CPU) with the real launchers."""
 import os
-import re
 import socket
 import subprocess
 import sys
 
+from fp8dist.runtime.loop import losses  # noqa: F401 - the tests read train.py's lines with it
 from tests.conftest import ROOT
 
 TRAIN = ROOT / "launch" / "train.py"
@@ -34,8 +34,6 @@ def deepspeed(script, *args, nproc=2, timeout=400):
     return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=ROOT)
 
 
-def losses(stdout: str) -> list[float]:
-    return [float(x) for x in re.findall(r"^step \d+ loss ([-\d.naif]+)$", stdout, flags=re.M)]
 
 
 def describe(result) -> str:

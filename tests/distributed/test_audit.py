@@ -68,7 +68,7 @@ def test_audit_fails_on_an_optimizer_with_other_state_dtypes():
 def test_audit_of_local_hf_directories(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
-    from fp8dist.models import tiny_config
+    from fp8dist.runtime.models import tiny_config
 
     AutoModelForCausalLM.from_config(tiny_config(arch)).save_pretrained(tmp_path / arch)
     result = audit(str(tmp_path / arch), "fsdp2-bf16", nproc=1, fmt="markdown")

@@ -40,7 +40,7 @@ def read_export(directory):
 def resumed(tmp_path_factory):
     """Per case: a straight run of 2N steps saving at N (and at 2N), and a run resumed from a copy of the
     step-N checkpoint; each exports at the end (bf16, from train.py) and, here, in fp32 (its masters)."""
-    from fp8dist.export import export_hf
+    from fp8dist.runtime.export import export_hf
 
     root, out = tmp_path_factory.mktemp("resume"), {}
     for case, (config, sets) in RESUME_CASES.items():
@@ -129,7 +129,7 @@ def test_export_loads_in_plain_transformers(case, resumed):
 def test_a_sharded_export_loads_the_same(resumed, tmp_path):
     """Shards of at most 60 kB (the default is transformers' 50 GB): several files and an index that
     from_pretrained follows to the same model."""
-    from fp8dist.export import export_hf
+    from fp8dist.runtime.export import export_hf
 
     done = export_hf(resumed["fsdp2-bf16"]["dir"] / "straight", tmp_path / "sharded", shard_bytes=60_000)
     assert len(done.files) > 1 and done.files[0] == f"model-00001-of-{len(done.files):05d}.safetensors"

@@ -19,7 +19,7 @@ def _model_dir_with_tokenizer(path, text):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from fp8dist.models import tiny_llama_config
+    from fp8dist.runtime.models import tiny_llama_config
 
     AutoModelForCausalLM.from_config(tiny_llama_config()).save_pretrained(path)
     tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
@@ -93,7 +93,7 @@ def test_compare_is_bounded_in_time():
 
 
 def test_json_stays_strict_when_a_loss_is_not_finite():
-    from fp8dist.compare import as_json, verdict
+    from fp8dist.commands.compare import as_json, verdict
 
     report = json.loads(as_json(verdict({"config": [1.0, float("nan")], "baseline": [1.0, 1.1]}, 0.05)))
     assert report["passed"] is False and report["max_relative_gap"] is None and report["losses"]["config"][1] is None

@@ -4,7 +4,8 @@ measures in a real run (one launch for all)."""
 import pytest
 
 from fp8dist.config.load import load_config
-from fp8dist.estimate import estimate
+from fp8dist.commands.estimate import estimate
+from fp8dist.runtime.ranks import results
 from tests.conftest import ROOT
 from tests.distributed.launch import describe, torchrun
 
@@ -18,13 +19,10 @@ WORLD = 2
 
 @pytest.fixture(scope="module")
 def measured():
-    import json
-
     script = ROOT / "tests" / "distributed" / "scripts" / "estimate_vs_audit.py"
     result = torchrun(script, ",".join(CPU_CONFIGS), ",".join(MODELS), timeout=900)
     assert result.returncode == 0, describe(result)
-    return {(line.split()[1], line.split()[2]): json.loads(line.split(" ", 3)[3])
-            for line in result.stdout.splitlines() if line.startswith("CASE ")}
+    return {tuple(name.split("/")): payload for name, payload in results(result.stdout, "case")}
 
 
 @pytest.mark.parametrize("config", CPU_CONFIGS)

@@ -45,7 +45,7 @@ def test_every_example_config_has_its_frontend_group():
 @pytest.mark.parametrize("config, key", sorted(REFUSED.items()))
 def test_what_accelerate_cannot_express_is_refused_naming_the_key(config, key):
     from fp8dist.integrations import accelerator_kwargs
-    from fp8dist.translate.accelerate import NotExpressible
+    from fp8dist.formats.accelerate.translate import NotExpressible
 
     with pytest.raises(NotExpressible) as refused:
         accelerator_kwargs(ROOT / "configs" / f"{config}.yaml", world_size=2)

@@ -1,9 +1,9 @@
 """The option matrix's runs: every case of tests/option_matrix.py RUNS trains for real on 2 ranks (gloo),
 all in one torchrun launch (tests/distributed/scripts/option_runs.py), and reports what it observed."""
-import json
 
 import pytest
 
+from fp8dist.runtime.ranks import results
 from tests.conftest import ROOT
 from tests.distributed.launch import describe, torchrun
 from tests.option_matrix import RUNS
@@ -16,12 +16,9 @@ SCRIPT = ROOT / "tests" / "distributed" / "scripts" / "option_runs.py"
 def reports():
     result = torchrun(SCRIPT, timeout=1200)
     found: dict[str, dict] = {}
-    for line in result.stdout.splitlines():
-        if line.startswith("CASE "):
-            _, case_id, rank, payload = line.split(" ", 3)
-            facts, _ = json.JSONDecoder().raw_decode(payload)  # a peer's log line may follow on the same line
-            if rank == "0" or "error" in facts:
-                found.setdefault(case_id, {}).update(facts)
+    for case_id, facts in results(result.stdout, "case"):
+        if facts.pop("rank") == 0 or "error" in facts:
+            found.setdefault(case_id, {}).update(facts)
     return found, result
 
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from fp8dist.runtime.ranks import results
 from tests.conftest import ROOT, run_cli
 from tests.distributed.launch import describe, losses, torchrun
 
@@ -20,7 +21,7 @@ def saved(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fp8dist.models import _llama_config, load_model
+    from fp8dist.runtime.models import _llama_config, load_model
 
     root = tmp_path_factory.mktemp("models")
     load_model("tiny-llama", "bf16", seed=0).model.save_pretrained(root / "tiny-llama")
@@ -35,10 +36,8 @@ def cases(saved):
     result = torchrun(SCRIPT, saved / "tiny-llama", saved / "tied", nproc=4, timeout=900)
     assert result.returncode == 0, describe(result)
     found = {}
-    for line in result.stdout.splitlines():
-        if line.startswith("CASE "):
-            _, name, payload = line.split(" ", 2)
-            found[name], _ = json.JSONDecoder().raw_decode(payload)
+    for name, payload in results(result.stdout, "case"):
+        found[name] = payload
     errors = {k: v["traceback"] for k, v in found.items() if "error" in v}
     assert not errors, errors
     return found

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from fp8dist.runtime.ranks import results
 from tests.conftest import ROOT
 from tests.distributed.launch import _env, describe, torchrun
 
@@ -13,12 +14,7 @@ SCRIPTS = ROOT / "tests" / "distributed" / "scripts"
 
 
 def parse(result) -> dict:
-    cases = {}
-    for line in result.stdout.splitlines():
-        if line.startswith("CASE "):
-            _, name, payload = line.split(" ", 2)
-            cases[name] = json.loads(payload)
-    return cases
+    return dict(results(result.stdout, "case"))
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,11 @@ import json
 from pathlib import Path
 
 from fp8dist.config.load import load_config
-from fp8dist.translate import TARGETS
+from fp8dist.translate import to_deepspeed, to_fsdp2
 
 ROOT = Path(__file__).resolve().parents[2]
 # Goldens pin the versions they were made for, so they hold whatever torchao/DeepSpeed is installed
-# (tests/unit/test_translate.py covers the "installed version" resolution separately). MS-AMP configs are
+# (tests/unit/translate/test_translate.py covers the "installed version" resolution separately). MS-AMP configs are
 # translated for MS-AMP 0.4's pinned DeepSpeed; the rest for the newest known.
 DEEPSPEED_VERSION = {"msamp": "0.13.1"}
 DEFAULT_DEEPSPEED_VERSION = "0.19.8"
@@ -25,8 +25,9 @@ def golden_cases():
 
 
 def translate(spec, target, version):
-    keyword = "deepspeed_version" if target == "deepspeed" else "torchao_version"
-    return TARGETS[target](spec, **{keyword: version})
+    if target == "deepspeed":
+        return to_deepspeed(spec, deepspeed_version=version)
+    return to_fsdp2(spec, torchao_version=version)
 
 
 if __name__ == "__main__":

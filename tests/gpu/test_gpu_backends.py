@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from fp8dist import compat
+import fp8dist.compat as compat
 from tests.conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.gpu

@@ -1,5 +1,6 @@
-"""The benchmark harness (benchmarks/run.py, _common.py): it reads every script's `result` lines and judges
-them against their goals. The measurements themselves are not tests (benchmarks/README.md)."""
+"""The benchmark harness (benchmarks/run.py, _common.py): it reads every script's result lines (the one protocol of
+fp8dist.runtime.ranks) and judges them against their goals. The measurements themselves are not tests
+(benchmarks/README.md)."""
 import subprocess
 import sys
 
@@ -12,15 +13,23 @@ from _common import parse_results  # noqa: E402
 
 
 def test_result_lines_are_collected_and_judged():
-    text = """noise before
-result overhead_fsdp2_bf16=1.0132 goal=<=1.02 median step time fp8dist / by hand
-result allgather=0.5009 goal=<=0.5
-result cli=0.3000 goal=<=0.25 slow start
-result bytes_per_param_fp32=1.0050 goal==1 measured 16.08 / implied 16
-result bytes_per_param_bf16=0.9800 goal==1
-result gap=0.0041 goal=>=0.01
-result noise=0.9977 goal=info A/A
-not a result=1 goal=<=2"""
+    import contextlib
+    import io
+
+    from _common import result
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print("noise before")
+        result("overhead_fsdp2_bf16", 1.0132, "<=1.02", "median step time fp8dist / by hand")
+        result("allgather", 0.5009, "<=0.5")
+        result("cli", 0.3, "<=0.25", "slow start")
+        result("bytes_per_param_fp32", 1.005, "=1", "measured 16.08 / implied 16")
+        result("bytes_per_param_bf16", 0.98, "=1")
+        result("gap", 0.0041, ">=0.01")
+        result("noise", 0.9977, "info", "A/A")
+        print("result not_a_result=1 goal=<=2")
+    text = out.getvalue()
     got = {r.name: (r.value, r.verdict(), r.label) for r in parse_results(text)}
     assert got == {
         "overhead_fsdp2_bf16": (1.0132, "meets", "median step time fp8dist / by hand"),
@@ -36,8 +45,7 @@ not a result=1 goal=<=2"""
 def test_gpu_throughput_refuses_cleanly_without_an_fp8_gpu():
     import torch
 
-    from fp8dist import compat
-
+    import fp8dist.compat as compat
     if torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= compat.FP8_MIN_CAPABILITY:
         pytest.skip("an FP8 GPU is present: the script would run for real")
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_throughput.py")], capture_output=True,

@@ -6,9 +6,9 @@ import inspect
 
 import pytest
 
-from fp8dist.config import rules
+import fp8dist.config.rules as rules
 from fp8dist.config.load import load_config
-from fp8dist.engines.preflight import preflight
+from fp8dist.runtime.preflight import preflight
 from fp8dist.errors import ConfigError, Fp8distError
 from tests.conftest import ROOT
 from tests.option_matrix import REFUSALS, RUN_BASE, RUNS, merge, render, required, uncovered

@@ -9,7 +9,7 @@ import tomllib
 
 import pytest
 
-from fp8dist import compat
+import fp8dist.compat as compat
 from fp8dist.audit.report import build, table
 from fp8dist.config.load import load_config
 from fp8dist.errors import ConfigError
@@ -92,7 +92,7 @@ def test_fsdp2_plan_has_a_loss_scaler_exactly_for_fp16_compute():
 
 def test_importing_the_fsdp2_engine_loads_no_private_collectives():
     code = ("import sys, fp8dist.engines.fsdp2; "
-            "print('fp8dist.engines.collectives' in sys.modules)")
+            "print('fp8dist.engines.fsdp2.collectives' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
 
@@ -162,7 +162,7 @@ def test_audit_run_is_bounded_in_time():
 
 
 def test_preflight_refuses_a_torch_below_the_floor(monkeypatch):
-    from fp8dist.engines.preflight import preflight
+    from fp8dist.runtime.preflight import preflight
     from fp8dist.errors import UnsupportedEnvironment
 
     spec = load_config(ROOT / "configs" / "fsdp2-bf16.yaml")

@@ -7,10 +7,12 @@ import torch
 import torch.distributed as dist
 
 from fp8dist import load_config
-from fp8dist.data import batches_for
-from fp8dist.engines import checkpoint
+from fp8dist.runtime.data import batches_for
+import fp8dist.engines.checkpoint as checkpoint
 from fp8dist.engines.fsdp2 import prepare, train_step
-from fp8dist.models import load_model
+from fp8dist.runtime.models import load_model
+from fp8dist.runtime import process_group
+from fp8dist.runtime.process_group import leave
 
 
 def build(spec):
@@ -29,7 +31,7 @@ def steps(spec, loaded, run, scheduler, first, last):
 
 
 def main(config, directory):
-    dist.init_process_group("gloo")
+    process_group.init()
     spec = load_config(config)
     loaded, run, scheduler = build(spec)
     steps(spec, loaded, run, scheduler, 0, 2)
@@ -45,9 +47,8 @@ def main(config, directory):
     if dist.get_rank() == 0:
         print(f"resumed_step={resumed.step} weights_identical={same} losses_identical={reference == again} "
               f"lr={scheduler.get_last_lr()[0]:.6g} local_kinds={','.join(kinds)}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    leave(0)

@@ -7,7 +7,7 @@
 --to accelerate`) exported. `kwargs`: for each CONFIG, `Accelerator(**accelerator_kwargs(CONFIG))`, then the
 same config run by fp8dist's own engine in the same processes, for reference. The script is what a user
 writes: load the model, build the optimizer the config names, `accelerator.prepare`, `accelerator.backward`,
-`optimizer.step()`. Rank 0 prints `CASE <frontend>:<config> <json>` with the observed cells.
+`optimizer.step()`. Rank 0 prints a `case` result line `<frontend>:<config>` with the observed cells.
 
 Accelerate 1.15 applies an FSDP plugin only on GPU-like devices (state.py AcceleratorState.__init__: the FSDP
 branch is under `distributed_type in [MULTI_GPU, ...]`); on CPU the same Accelerator silently runs DDP. So in
@@ -25,9 +25,12 @@ import torch
 
 from fp8dist.audit import watch
 from fp8dist.config.load import load_config
-from fp8dist.data import batches_for
+from fp8dist.runtime.data import batches_for
 from fp8dist.engines.optim import build_optimizer
-from fp8dist.models import load_model
+from fp8dist.runtime import process_group
+from fp8dist.runtime.models import load_model
+from fp8dist.runtime.process_group import leave
+from fp8dist.runtime.ranks import emit
 from tests.distributed.case_runner import run_cases
 
 
@@ -92,7 +95,7 @@ def through_fp8dist(config: str) -> dict:
 
         engine = initialize(loaded.model, spec, audit="warn")[0]
         train_step(engine, batches)
-        return observed(engine.fp8dist_audit_report)
+        return observed(engine.fp8dist_run.audit_report)
     from fp8dist.engines.fsdp2 import prepare, train_step
 
     run = prepare(loaded.model, spec, audit="warn")
@@ -113,26 +116,19 @@ def _forget_accelerate() -> None:
 
 
 def main(mode: str, configs: list[str]) -> int:
-    import torch.distributed as dist
-
     if mode == "launched":  # as a user script: the Accelerator sets up (or not) the process group
         out = through_accelerate(configs[0], True)
         if os.environ.get("RANK", "0") == "0":
-            print(f"CASE launched:{Path(configs[0]).stem} {json.dumps(out)}", flush=True)
+            emit("case", f"launched:{Path(configs[0]).stem}", out)
     else:
         cases = {}
         for config in configs:
             cases[f"kwargs:{Path(config).stem}"] = lambda config=config: through_accelerate(config, False)
             cases[f"fp8dist:{Path(config).stem}"] = lambda config=config: through_fp8dist(config)
-        import deepspeed
-
-        deepspeed.init_distributed()  # gloo on the CPU accelerator; serves every case
+        process_group.init(deepspeed=True)  # gloo on the CPU accelerator; serves every case
         run_cases(cases)
-    if dist.is_initialized():
-        dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # gloo teardown while a peer still exits aborted a rank before (see launch/train.py)
+    return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1], sys.argv[2:]))
+    leave(main(sys.argv[1], sys.argv[2:]))

@@ -4,7 +4,7 @@
 
 Each case builds tiny-llama fresh, prepares it with fp8dist's engine (FSDP2 or DeepSpeed) and trains
 `train.steps` steps through the library's train steps. Rank 0 prints one line per case:
-`CASE <id> <rank> <json facts>` (any rank whose case failed prints `{"error": ...}` too), the facts that tests/distributed/test_option_runs.py checks.
+a `case` result line per case (fp8dist.runtime.ranks.emit; any rank whose case failed prints `{"error": ...}` too), the facts that tests/distributed/test_option_runs.py checks.
 """
 from __future__ import annotations
 
@@ -18,13 +18,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fp8dist.audit import probes
+from fp8dist.runtime import process_group
+from fp8dist.runtime.ranks import emit
+from fp8dist.runtime.process_group import leave
+
+import fp8dist.audit.probes as probes
 from fp8dist.config.load import load_config
-from fp8dist.data import batches_for
-from fp8dist.engines.inspect import first_step_audit
-from fp8dist.engines.loading import load_for_run
-from fp8dist.engines.preflight import preflight
-from fp8dist.models import load_model
+from fp8dist.runtime.data import batches_for
+from fp8dist.runtime.loading import load_for_run
+from fp8dist.runtime.preflight import preflight
+from fp8dist.runtime.models import load_model
 from tests.option_matrix import RUN_BASE, RUNS, merge
 
 CASE_TIMEOUT = timedelta(seconds=180)  # a rank stuck in a collective fails the job instead of hanging
@@ -69,7 +72,7 @@ def run_fsdp2(case, spec, loaded) -> dict:
     for step in range(spec.train.steps):
         # Step 1 under the config's first-step audit, as the engine's train_step runs it (this loop injects
         # faults between the halves of a step, so it calls them itself).
-        with first_step_audit(run.model, run.optimizer, spec, spec.audit.first_step, step) as audit:
+        with run.first_step():
             loss = accumulate_gradients(run, batches_for(loaded.make_batch, spec, step, dist.get_rank()))
             inject = case.inject_inf
             if inject and inject["step"] == step + 1 and inject["rank"] == dist.get_rank():
@@ -79,7 +82,6 @@ def run_fsdp2(case, spec, loaded) -> dict:
             if not apply_gradients(run, spec.train.gradient_clipping):
                 skipped.append(step + 1)
                 assert _checksum(run.model) == before, "a skipped step changed the weights"
-        run.audit_report = audit.report if audit is not None else run.audit_report
         losses.append(loss)
         if run.scaler is not None:
             scales.append(run.scaler.scale)
@@ -146,7 +148,7 @@ def run_deepspeed(case, spec, loaded) -> dict:
     losses = [train_step(engine, batches_for(loaded.make_batch, spec, step, dist.get_rank())) for step in range(spec.train.steps)]
     master, _, separate = DeepSpeedInspector(engine.module, engine.optimizer).masters()
     master = master if separate else None
-    facts = {**audit_facts(engine.fp8dist_audit_report), "losses": losses, "zero_stage": engine.zero_optimization_stage(),
+    facts = {**audit_facts(engine.fp8dist_run.audit_report), "losses": losses, "zero_stage": engine.zero_optimization_stage(),
              "optimizer": type(engine.basic_optimizer).__name__, "compiled": engine.is_compiled,
              "master_dtype": probes.summarize(master)[0] if master else None,
              "float8_linears": float8_linears(engine.module), "skipped_steps": engine.skipped_steps,
@@ -172,9 +174,7 @@ def saved_tiny_llama() -> str:
 
 
 def main(ids: list[str]) -> int:
-    import deepspeed
-
-    deepspeed.init_distributed(timeout=CASE_TIMEOUT)  # gloo on the CPU accelerator; serves FSDP2 cases too
+    process_group.init(CASE_TIMEOUT.total_seconds(), deepspeed=True)  # gloo on the CPU accelerator; serves FSDP2 cases too
     for case in [c for c in RUNS if not ids or c.id in ids]:
         try:
             spec = load_config(merge(RUN_BASE, case.config))
@@ -186,17 +186,15 @@ def main(ids: list[str]) -> int:
         except Exception as exc:  # report, then let the next case run (the peers raised the same or time out)
             facts = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
         if dist.get_rank() == 0 or "error" in facts:
-            print(f"CASE {case.id} {dist.get_rank()} {json.dumps(facts)}", flush=True)
+            emit("case", case.id, {**facts, "rank": dist.get_rank()})
         # A RAM-efficient ZeRO-3 case keeps an HfDeepSpeedConfig alive with its model; while it lives,
         # transformers builds every model under zero.Init. Let it go before the next case builds one.
         loaded = None
         gc.collect()
         dist.barrier()
         torch._dynamo.reset()
-    dist.barrier()
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    leave(main(sys.argv[1:]))

@@ -1,25 +1,28 @@
-"""Real-size features on 4 gloo ranks, one job (tests/distributed/test_scaling.py reads the CASE lines):
+"""Real-size features on 4 gloo ranks, one job (tests/distributed/test_scaling.py reads the `case` result lines):
 
-    torchrun --nproc_per_node 4 tests/distributed/scripts/scaling_runs.py SAVED_DIR TIED_DIR [CASE ...]
+    torchrun --nproc_per_node 4 tests/distributed/scripts/scaling_runs.py SAVED_DIR TIED_DIR [NAME ...]
 
 - strategies: the per-step losses of full, grad_op, hybrid (groups of 2) and replicate, on FSDP2 and DeepSpeed;
 - efficient-loading: RAM-efficient loading against full loading of the same saved model (FSDP2 + float8
   all-gather, a tied-embedding model, DeepSpeed ZeRO-3 + float8): step-1 loss, weights, buffers, dtypes;
 - activation-checkpointing: gradients and saved-tensor bytes with full / selective / no checkpointing.
-Rank 0 prints `CASE <name> <json>`.
+Rank 0 prints a `case` result line per case (fp8dist.runtime.ranks.emit).
 """
 from __future__ import annotations
 
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from fp8dist.runtime import process_group
+from fp8dist.runtime.process_group import leave
+
 from fp8dist.config.load import load_config
-from fp8dist.data import batches_for
-from fp8dist.engines.loading import load_for_run
-from fp8dist.models import forward_loss, load_model
+from fp8dist.runtime.data import batches_for
+from fp8dist.runtime.loading import load_for_run
+from fp8dist.engines.base import forward_loss
+from fp8dist.runtime.models import load_model
 from tests.distributed.case_runner import run_cases
 
 STEPS = 3
@@ -77,7 +80,7 @@ def efficient_vs_full(saved: str, precision: dict, parallel: dict, engine: str =
 
             engine_, *_ = deepspeed.initialize(loaded.model, spec, audit="ignore")
             facts[label] = {"loss": deepspeed.train_step(engine_, batch),
-                            "audit_passed": engine_.fp8dist_audit_report["passed"],
+                            "audit_passed": engine_.fp8dist_run.audit_report["passed"],
                             "float8_linears": sum(type(m).__name__ == "Float8Linear" for m in engine_.module.modules())}
             engine_.destroy()
             continue
@@ -142,9 +145,7 @@ def activation_checkpointing() -> dict:
 
 
 def main(saved: str, tied: str) -> int:
-    import deepspeed
-
-    deepspeed.init_distributed(timeout=timedelta(seconds=300))  # gloo; serves the FSDP2 cases too
+    process_group.init(300, deepspeed=True)  # gloo; serves the FSDP2 cases too
     only = sys.argv[3:]
     cases = {
         "strategies": strategies,
@@ -155,9 +156,8 @@ def main(saved: str, tied: str) -> int:
         "activation-checkpointing": activation_checkpointing,
     }
     run_cases(cases, only)
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1], sys.argv[2]))
+    leave(main(sys.argv[1], sys.argv[2]))

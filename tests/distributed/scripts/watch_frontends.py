@@ -3,7 +3,7 @@ audited by `AuditCallback`, 2 ranks:
 
     torchrun --nproc_per_node 2 tests/distributed/scripts/watch_frontends.py trainer-deepspeed
 
-Rank 0 prints `CASE <name> <json>` with the verdict, failing phases and observed cells. (Accelerate's loop is
+Rank 0 prints a `case` result line with the verdict, failing phases and observed cells. (Accelerate's loop is
 examples/accelerate_watch.py, run as users run it.)
 """
 from __future__ import annotations
@@ -12,7 +12,8 @@ import sys
 
 import torch
 
-from fp8dist.models import load_model
+from fp8dist.runtime.models import load_model
+from fp8dist.runtime.process_group import leave
 from tests.conftest import ROOT
 from tests.distributed.case_runner import run_cases
 
@@ -46,12 +47,9 @@ def trainer_deepspeed() -> dict:
 
 
 def main(name: str) -> int:
-    import torch.distributed as dist
-
     run_cases({"trainer-deepspeed": trainer_deepspeed}, [name])
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1]))
+    leave(main(sys.argv[1]))

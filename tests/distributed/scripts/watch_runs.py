@@ -1,9 +1,9 @@
 """Hand-written training loops audited with `fp8dist.audit.watch`, one 2-rank job for all cases:
 
-    torchrun --nproc_per_node 2 tests/distributed/scripts/watch_runs.py [CASE ...]
+    torchrun --nproc_per_node 2 tests/distributed/scripts/watch_runs.py [NAME ...]
 
 Each case prepares tiny-llama by hand (fully_shard, deepspeed.initialize or DDP, no fp8dist engine), runs one
-step inside `watch` and prints on rank 0 `CASE <id> <json>`: the verdict, the failing phases of every rank,
+step inside `watch` and prints on rank 0 a `case` result line (fp8dist.runtime.ranks.emit): the verdict, the failing phases of every rank,
 the observed cells and the bytes on the wire (tests/distributed/test_watch.py checks them). Some loops are
 correct; others carry a deliberate precision bug that users have shipped.
 """
@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from fp8dist.runtime import process_group
+from fp8dist.runtime.process_group import leave
+
 from fp8dist.audit import AuditMismatch, watch
 from fp8dist.config.load import load_config
-from fp8dist.models import forward_loss, load_model
+from fp8dist.engines.base import forward_loss
+from fp8dist.runtime.models import load_model
 from tests.audit_factories import AdamWithBf16States
 from tests.conftest import ROOT
 from tests.distributed.case_runner import run_cases
@@ -54,7 +57,7 @@ def fsdp2_by_hand(*, upcast=True, float8=None, mixed_precision=True):
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     if float8 == "float8 all-gather":  # gloo has no float8 dtype: send the same bytes as uint8
-        from fp8dist.engines.collectives import ByteViewAllGather
+        from fp8dist.engines.fsdp2.collectives import ByteViewAllGather
 
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -196,13 +199,10 @@ def facts(result) -> dict:
 
 
 def main(ids: list[str]) -> int:
-    import deepspeed
-
-    deepspeed.init_distributed(timeout=timedelta(seconds=180))  # gloo; serves the torch cases too
+    process_group.init(180, deepspeed=True)  # gloo; serves the torch cases too
     run_cases({name: (lambda case=case: facts(case())) for name, case in CASES.items()}, ids)
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    leave(main(sys.argv[1:]))

@@ -1,0 +1,101 @@
+"""`fp8dist env`: versions, device, compute capability, and which backends can run here (and why not)."""
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+import fp8dist.compat as compat
+from fp8dist.commands.output import dump_json
+from fp8dist.errors import ExitCode
+from fp8dist.machine import device_info
+PACKAGES = {"torch": "torch", "deepspeed": "deepspeed", "torchao": "torchao", "transformers": "transformers",
+            "transformer_engine": "transformer-engine", "msamp": compat.MSAMP_DISTRIBUTION, "omegaconf": "omegaconf",
+            "jsonschema": "jsonschema"}
+
+
+def _importable(module: str) -> tuple[bool, str]:
+    import importlib
+
+    try:
+        importlib.import_module(module)
+        return True, "imports"
+    except Exception as exc:  # TE raises RuntimeError/OSError without CUDA, not only ImportError
+        return False, f"`import {module}` fails: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def backend_status(versions: dict[str, str | None], device: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    cap = tuple(device["capability"]) if device["capability"] else None
+    cuda = compat.parse_version(device["cuda"]) if device["cuda"] else None
+    out: dict[str, dict[str, Any]] = {}
+
+    torch_v = versions.get("torch")
+    ok, why = compat.fsdp2_supported(compat.parse_version(torch_v)) if torch_v else (False, "torch is not installed")
+    out["fsdp2"] = {"usable": ok, "reason": why}
+    out["deepspeed"] = ({"usable": True, "reason": f"deepspeed {versions['deepspeed']} installed"}
+                        if versions.get("deepspeed") else {"usable": False, "reason": "pip install deepspeed"})
+
+    if versions.get("torchao"):
+        hw, hw_why = compat.torchao_fp8_hardware("tensorwise", cap)
+        out["torchao_float8"] = {"usable": True, "native_fp8": hw,
+                                 "reason": hw_why if hw else f"{hw_why}; runs here only with "
+                                 "precision.fp8.torchao.emulate=true (emulated float8, for tests)"}
+    else:
+        out["torchao_float8"] = {"usable": False, "reason": "pip install torchao"}
+
+    if not versions.get("transformer_engine"):
+        out["transformer_engine"] = {"usable": False, "reason": "not installed: Transformer Engine needs CUDA to build "
+                                     "and run (pip install transformer-engine[pytorch] on a CUDA machine)"}
+    else:
+        ok, why = _importable("transformer_engine.pytorch")
+        if ok:
+            ok, why = compat.te_recipe_hardware("delayed", cap, cuda)
+        out["transformer_engine"] = {"usable": ok, "reason": why}
+
+    if not versions.get("msamp"):
+        why = f"not installed, and {compat.msamp_install_hint()}"
+        if versions.get("deepspeed"):
+            fits, window = compat.msamp_supports_deepspeed(compat.parse_version(versions["deepspeed"]))
+            why += "" if fits else f"; and {window}"
+        out["msamp"] = {"usable": False, "reason": why}
+    else:
+        ok, why = _importable("msamp")
+        if ok and versions.get("deepspeed"):
+            ok, why = compat.msamp_supports_deepspeed(compat.parse_version(versions["deepspeed"]),
+                                                      compat.parse_version(versions["msamp"]))
+        if ok:
+            native, native_why = compat.msamp_native_fp8(device["name"])
+            why = why if native else f"{why}; {native_why}"
+        out["msamp"] = {"usable": ok, "reason": why}
+    return out
+
+
+def report() -> dict[str, Any]:
+    versions = {name: compat.installed_version(dist) for name, dist in PACKAGES.items()}
+    device = device_info()
+    return {"python": platform.python_version(), "platform": platform.platform(), "versions": versions,
+            "device": device, "backends": backend_status(versions, device)}
+
+
+def render(info: dict[str, Any]) -> str:
+    lines = [f"python      {info['python']}  ({info['platform']})"]
+    for name, version in info["versions"].items():
+        lines.append(f"{name:20s}{version or 'not installed'}")
+    dev = info["device"]
+    if dev["cuda_available"]:
+        cap = ".".join(map(str, dev["capability"]))
+        lines.append(f"device      {dev['name']} (compute capability {cap}, CUDA {dev['cuda']})")
+    else:
+        lines.append("device      CPU only (no CUDA GPU visible)")
+    lines.append("")
+    for name, status in info["backends"].items():
+        mark = "yes" if status["usable"] else "no "
+        lines.append(f"{mark}  {name:20s}{status['reason']}")
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> int:
+    import sys
+
+    info = report()
+    sys.stdout.write(dump_json(info) if args.format == "json" else render(info))
+    return ExitCode.OK

@@ -1,0 +1,345 @@
+"""`fp8dist estimate MODEL --config X --world-size N`: per-rank memory of a run before it starts.
+
+The model is built on the meta device (no weights read, no memory), so an 8B or 70B estimate takes
+seconds. Per-parameter bytes of each store come from the audit's expected dtypes for the config
+(audit/expected.py `implied_bytes_per_param`, the same rules the audit checks a real run against), then
+divided by the ranks each engine shards that store over. Activations are measured on the meta device: one
+forward of a `micro_batch_size x seq_len` batch in the compute dtype, summing the tensors autograd saves for
+backward (parameters excluded), attributed to the transformer blocks, so full activation checkpointing can
+be computed too (every block keeps its input, one block at a time is recomputed).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fp8dist.compat as compat
+from fp8dist.commands.output import dump_json
+from fp8dist.config.load import load_config
+from fp8dist.config.spec import Spec
+from fp8dist.engines.registry import facts_for
+from fp8dist.errors import ExitCode, Fp8distError
+
+# Shapes only (config.json of the public checkpoints; no weights): what users name most.
+SHAPES: dict[str, dict[str, Any]] = {
+    # meta-llama/Meta-Llama-3-8B config.json
+    "llama-3-8b": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                   "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+                   "tie_word_embeddings": False},
+    # meta-llama/Meta-Llama-3-70B config.json
+    "llama-3-70b": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672,
+                    "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+                    "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+                    "tie_word_embeddings": False},
+    # google-bert/bert-base-cased config.json (the base model, as Accelerate's estimate-memory counts it)
+    "bert-base-cased": {"model_type": "bert", "architectures": ["BertForMaskedLM"], "vocab_size": 28996, "hidden_size": 768, "num_hidden_layers": 12,
+                        "num_attention_heads": 12, "intermediate_size": 3072, "max_position_embeddings": 512,
+                        "type_vocab_size": 2},
+}
+ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2"}
+STORES = ("weights", "master_weights", "gradients", "optimizer", "buffers", "fp8_extras", "activations")
+
+
+@dataclass
+class MetaModel:
+    model: Any
+    shape_only: bool  # a built-in shape: parameter count and sizes are real, no weights exist
+    causal_lm: bool
+
+
+def _hf_config(name: str):
+    from transformers import AutoConfig
+
+    if name in SHAPES:
+        values = dict(SHAPES[name])
+        return AutoConfig.for_model(values.pop("model_type"), **values)
+    from fp8dist.runtime.models import BUILTIN
+
+    if name in BUILTIN:
+        return BUILTIN[name]()
+    path = Path(name)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise Fp8distError(f"unknown MODEL {name!r}: use a built-in name or shape ({', '.join([*BUILTIN, *SHAPES])}), "
+                           "a local Hugging Face model directory, or a config.json")
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise Fp8distError(f"{path}: not a JSON config ({exc})") from None
+    except OSError as exc:
+        raise Fp8distError(f"{path}: cannot read it ({exc.strerror})") from None
+    if not isinstance(document, dict) or "model_type" not in document:
+        raise Fp8distError(f"{path}: a Hugging Face config.json needs a `model_type` key")
+    model_type = document.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **document)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise Fp8distError(f"{path}: transformers cannot build model_type {model_type!r}: "
+                           f"{str(exc).splitlines()[0]}") from None
+
+
+def build_meta_model(name: str, dtype: str) -> MetaModel:
+    """The model on the meta device in `dtype`: real shapes, no storage."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from fp8dist.dtypes import torch_dtype
+
+    config = _hf_config(name)
+    architectures = getattr(config, "architectures", None) or []
+    # A causal LM is trained as one; anything else (BERT's masked LM) is counted as its base model, as
+    # Accelerate's estimate-memory does.
+    causal = any(a.endswith("ForCausalLM") for a in architectures) or (
+        not architectures and not getattr(config, "is_encoder_decoder", False)
+        and config.model_type not in ENCODER_TYPES)
+    with torch.device("meta"):
+        try:
+            auto = AutoModelForCausalLM if causal else AutoModel
+            model = auto.from_config(config, dtype=torch_dtype(dtype))
+        except Exception as exc:  # noqa: BLE001 - whatever transformers raises for a config it cannot build
+            raise Fp8distError(f"transformers cannot build {name!r} ({config.model_type}): "
+                               f"{str(exc).splitlines()[0]}") from None
+    return MetaModel(model, name in SHAPES, causal)
+
+
+def offloaded(spec: Spec) -> set[str]:
+    """The stores that live in host memory instead of the accelerator's (the engine's facts)."""
+    return facts_for(spec).offloaded(spec)
+
+
+def shard_counts(spec: Spec, world: int) -> dict[str, int]:
+    """Over how many ranks each store is divided (1: every rank holds all of it; the engine's facts)."""
+    return facts_for(spec).shard_counts(spec, world)
+
+
+def bytes_per_param(spec: Spec) -> dict[str, float]:
+    from fp8dist.audit.expected import implied_bytes_per_param
+
+    implied = implied_bytes_per_param(spec)
+    return {"weights": implied["weights"], "master_weights": implied["master"], "gradients": implied["gradients"],
+            "optimizer": implied["optimizer"]}
+
+
+def _blocks(model, spec: Spec) -> list:
+    """The transformer blocks, found as FSDP2 finds its wrap units (HF `_no_split_modules`, else the first
+    ModuleList)."""
+    from fp8dist.engines.blocks import wrap_units
+
+    return [module for _, module in wrap_units(model, spec)]
+
+
+def activation_bytes(meta: MetaModel, spec: Spec) -> dict[str, int]:
+    """Bytes autograd saves for backward in one micro-batch forward, without and with full activation
+    checkpointing, measured on the meta device in the compute dtype. A tensor saved by several ops (the
+    input of q/k/v_proj) or through several views counts once, at the size of its base; attention is counted
+    as flash / memory-efficient SDPA keeps it (no S x S tensors)."""
+    import torch
+
+    from fp8dist.engines.base import forward_loss
+
+    model, t = meta.model, spec.train
+    params = {id(p) for p in model.parameters()}
+    blocks = _blocks(model, spec)
+    current: list[int | None] = [None]
+    per_block = [0] * len(blocks)
+    block_inputs = [0] * len(blocks)
+    outside = [0]
+    seen: dict[int, torch.Tensor] = {}  # keeps every counted base alive, so that ids are not reused
+
+    def pack(tensor):
+        base = tensor._base if tensor._base is not None else tensor
+        if tuple(base.shape[-2:]) == (t.seq_len, t.seq_len):
+            return tensor  # S x S attention probabilities / masks: saved by the meta device's math SDPA only;
+            # flash and memory-efficient attention (what a GPU run uses) keep none
+        if id(base) not in params and id(base) not in seen:
+            seen[id(base)] = base
+            size = base.numel() * base.element_size()
+            if current[0] is None:
+                outside[0] += size
+            else:
+                per_block[current[0]] += size
+        return tensor
+
+    def enter(index):
+        def hook(_module, args, kwargs):
+            current[0] = index
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            if isinstance(hidden, torch.Tensor):
+                block_inputs[index] = hidden.numel() * hidden.element_size()
+        return hook
+
+    handles = [block.register_forward_pre_hook(enter(i), with_kwargs=True) for i, block in enumerate(blocks)]
+    handles += [block.register_forward_hook(lambda *_: current.__setitem__(0, None)) for block in blocks]
+    ids = torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta")
+    batch = {"input_ids": ids, **({"labels": ids} if meta.causal_lm else {})}
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            forward_loss(model, batch)
+    except Exception as exc:  # noqa: BLE001 - an op without a meta kernel, a model that needs other inputs
+        raise Fp8distError(f"cannot run {type(model).__name__} on the meta device to measure activations: "
+                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    finally:
+        for handle in handles:
+            handle.remove()
+    none = outside[0] + sum(per_block)
+    full = outside[0] + sum(block_inputs) + (max(per_block) if per_block else 0)
+    return {"none": none, "full": full}
+
+
+def _decisions(meta: MetaModel, spec: Spec):
+    """(Linear facts, the backend's module-filter decision for each), as the backend would decide."""
+    from fp8dist.backends.module_filter import decide, linear_infos
+
+    fp8 = spec.fp8
+    infos = linear_infos(meta.model)
+    multiple = {"te": compat.TE_RECIPE_DIM_MULTIPLE[fp8.te.recipe], "msamp": None,  # backends/msamp.py: no dims rule
+                "torchao": None if fp8.torchao.pad_inner_dim else 16}.get(fp8.backend)
+    return infos, decide(infos, fp8.modules.exclude, fp8.modules.skip_first_last, multiple)
+
+
+def fp8_coverage(meta: MetaModel, spec: Spec) -> dict[str, Any]:
+    """Share of the GEMM FLOPs of one token that run in FP8 under the config's module filter, the Linears left
+    out and why, and the converted ones below torchao's size heuristics. Attention's own matmuls (QK^T, AV)
+    count as FP8 only with Transformer Engine's fp8_dpa."""
+    fp8 = spec.fp8
+    infos, decisions = _decisions(meta, spec)
+    if not fp8.enabled:
+        return {"backend": "none", "fp8_share": 0.0, "linears": len(infos), "converted": 0, "left_out": [],
+                "too_small_to_gain": []}
+    by_fqn = {i.fqn: i for i in infos}
+    flops = {i.fqn: 2 * i.in_features * i.out_features for i in infos}
+    config = meta.model.config
+    heads = getattr(config, "num_attention_heads", 0)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
+    attention = 2 * 2 * spec.train.seq_len * heads * head_dim * len(_blocks(meta.model, spec))  # per token
+    converted = [d.fqn for d in decisions if d.convert]
+    small = []
+    if fp8.backend == "torchao":
+        small = [fqn for fqn in converted if compat.torchao_too_small_to_gain(
+            fp8.torchao.recipe_name, by_fqn[fqn].out_features, by_fqn[fqn].in_features)]
+    in_fp8 = sum(flops[f] for f in converted) + (attention if fp8.backend == "te" and fp8.te.fp8_dpa else 0)
+    total = sum(flops.values()) + attention
+    return {"backend": fp8.backend, "fp8_share": in_fp8 / total if total else 0.0, "linears": len(infos),
+            "converted": len(converted),
+            "left_out": [{"fqn": d.fqn, "reason": d.reason} for d in decisions if not d.convert],
+            "too_small_to_gain": small}
+
+
+def fp8_extra_bytes(meta: MetaModel, spec: Spec) -> tuple[int, str]:
+    """Per-rank bytes the FP8 recipe keeps beyond the stores above, and how they were counted."""
+    if not spec.fp8.enabled:
+        return 0, "no FP8 backend"
+    infos, decisions = _decisions(meta, spec)
+    sizes = [i.in_features * i.out_features for i, d in zip(infos, decisions) if d.convert]
+    if spec.fp8.backend == "torchao":
+        scales = 4 * 3 * len(sizes)  # input, weight and grad scales (fp32) per Float8Linear
+        if spec.float8_all_gather:
+            return sum(sizes) + scales, ("unsharded float8 weights of the converted Linears, saved for backward "
+                                         "in eager mode (1 byte/param), plus their scales")
+        return scales, "float8 scales only: weights are cast per GEMM and not kept"
+    if spec.fp8.backend == "te":
+        history = spec.fp8.te.amax_history_len or 1024  # TE's DelayedScaling default
+        per_linear = 3 * 4 * (history + 1) if spec.fp8.te.recipe == "delayed" else 3 * 4
+        return sum(sizes) + per_linear * len(sizes), ("the FP8 weight copy each te.Linear caches (1 byte/param), "
+                                                      "plus amax history and scales (fp32)")
+    return 0, "MS-AMP keeps its FP8 weights and scales inside the stores above (table A)"
+
+
+def estimate(name: str, spec: Spec, world: int) -> dict[str, Any]:
+    if world < 1:
+        raise Fp8distError(f"--world-size must be at least 1, got {world}")
+    compute = spec.precision.compute_dtype
+    meta = build_meta_model(name, compute)
+    params = sum(p.numel() for p in meta.model.parameters())
+    per_param = bytes_per_param(spec)
+    shards = shard_counts(spec, world)
+    per_rank = {store: math.ceil(params * per_param[store] / shards[store]) for store in per_param}
+    activations = activation_bytes(meta, spec)
+    coverage = fp8_coverage(meta, spec)
+    extras, extras_how = fp8_extra_bytes(meta, spec)
+    # Buffers (RoPE tables, BERT's position ids) stay whole on every rank, in their own dtype.
+    per_rank["buffers"] = sum(b.numel() * b.element_size() for b in meta.model.buffers())
+    per_rank["fp8_extras"] = extras
+    per_rank["activations"] = activations["none"]
+    host = offloaded(spec)
+    per_rank["total"] = sum(per_rank[store] for store in STORES if store not in host)
+    device = {store: 0 if store in host else per_rank[store] for store in STORES}
+    model = device["weights"] + device["master_weights"] + device["buffers"]
+    phases = {"model": model, "gradients": model + device["gradients"],
+              "backward_pass": model + device["gradients"] + device["activations"] + extras,
+              "optimizer_step": model + device["gradients"] + device["optimizer"]}
+    highest = max(phases, key=phases.get)
+    return {
+        "model": name, "shape_only": meta.shape_only, "parameters": params, "world_size": world,
+        "engine": spec.engine, "config": spec.source, "preset": spec.precision.preset,
+        "micro_batch_size": spec.train.micro_batch_size, "seq_len": spec.train.seq_len,
+        "bytes_per_param": per_param, "shards": shards, "per_rank_bytes": per_rank,
+        "offloaded_to_host": sorted(host),
+        "activations_bytes": {"none": activations["none"], "full_checkpointing": activations["full"]},
+        "phases_bytes": phases, "highest_phase": highest, "fp8_extras_counted": extras_how,
+        "fp8_coverage": coverage,
+    }
+
+
+def human(n: float) -> str:
+    unit = "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            break
+        n /= 1024
+    return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+
+
+def render_table(result: dict[str, Any], markdown: bool = False) -> str:
+    r = result
+    head = (f"fp8dist estimate: {r['model']}{' (shape only)' if r['shape_only'] else ''}, "
+            f"{r['parameters'] / 1e6:,.2f}M parameters, {r['engine']} on {r['world_size']} rank(s), "
+            f"micro batch {r['micro_batch_size']} x {r['seq_len']} tokens, config {r['config']}")
+    pr, ph = r["per_rank_bytes"], r["phases_bytes"]
+    host = set(r["offloaded_to_host"])
+    store_rows = [(store.replace("_", " ") + (" (host)" if store in host else ""), human(pr[store]))
+                  for store in STORES] + [("total on the device", human(pr["total"]))]
+    phase_names = {"model": "Model", "gradients": "Gradients", "backward_pass": "Backward pass",
+                   "optimizer_step": "Optimizer step"}
+    cells = [human(ph[k]) for k in phase_names] + [human(ph[r["highest_phase"]])]
+    cov = r["fp8_coverage"]
+    coverage = (f"FP8 coverage: {cov['fp8_share']:.1%} of GEMM FLOPs ({cov['converted']} of {cov['linears']} Linears "
+                f"converted)" if cov["backend"] != "none" else "FP8 coverage: none (no FP8 backend)")
+    left = "; ".join(f"{item['fqn']} ({item['reason']})" for item in cov["left_out"][:8])
+    more = f" and {len(cov['left_out']) - 8} more" if len(cov["left_out"]) > 8 else ""
+    if cov["too_small_to_gain"]:
+        more += (f"; {len(cov['too_small_to_gain'])} converted Linears are below torchao's size heuristics "
+                 "(too small to gain on H100)")
+    act = r["activations_bytes"]
+    notes = [coverage + (f"; left out: {left}" if left else "") + more,
+             f"activations per micro batch: {human(act['none'])} without checkpointing, "
+             f"{human(act['full_checkpointing'])} with full activation checkpointing",
+             f"fp8 extras: {r['fp8_extras_counted']}"]
+    if markdown:
+        lines = [f"**{head}**", "", "| store | per rank |", "|---|---|"]
+        lines += [f"| {name} | {value} |" for name, value in store_rows]
+        lines += ["", "| Model | Gradients | Backward pass | Optimizer step | Highest |", "|---|---|---|---|---|",
+                  "| " + " | ".join(cells) + " |", ""] + [f"- {note}" for note in notes]
+        return "\n".join(lines) + "\n"
+    width = max(len(name) for name, _ in store_rows)
+    lines = [head, ""] + [f"{name.ljust(width)}  {value}" for name, value in store_rows]
+    headers = ["Model", "Gradients", "Backward pass", "Optimizer step", "Highest"]
+    widths = [max(len(h), len(c)) for h, c in zip(headers, cells)]
+    lines += ["", "  ".join(h.ljust(w) for h, w in zip(headers, widths)),
+              "  ".join(c.ljust(w) for c, w in zip(cells, widths)), ""] + notes
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> int:
+    """The CLI command: the config is loaded (and refused) before torch is imported."""
+    import sys
+
+    spec = load_config(args.config, overrides=args.overrides)
+    result = estimate(args.model, spec, args.world_size)
+    sys.stdout.write(dump_json(result) if args.format == "json" else render_table(result, markdown=args.format == "markdown"))
+    return ExitCode.OK

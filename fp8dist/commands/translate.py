@@ -1,0 +1,59 @@
+"""`fp8dist translate CONFIG --to deepspeed|fsdp2|accelerate [-o FILE] [KEY=VALUE ...]`: stdout holds only the
+document (the DeepSpeed JSON, the FSDP2 plan, or the Accelerate config file); `-o` writes it atomically."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from fp8dist.commands.output import dump_json, emit, write_atomic
+from fp8dist.config.load import load_config
+from fp8dist.errors import ExitCode, Fp8distError
+from fp8dist.formats.accelerate.translate import accelerate_file, render
+from fp8dist.translate.deepspeed import to_deepspeed
+from fp8dist.translate.fsdp2 import to_fsdp2
+
+# target -> (translator, its version flag, the translator's keyword for it)
+TARGETS = {"deepspeed": (to_deepspeed, "--deepspeed-version", "deepspeed_version"),
+           "fsdp2": (to_fsdp2, "--torchao-version", "torchao_version")}
+
+
+def run(args) -> int:
+    spec = load_config(args.config, overrides=args.overrides)
+    if args.to == "accelerate":
+        return _accelerate(args, spec)
+    given = {"deepspeed": args.deepspeed_version, "fsdp2": args.torchao_version}
+    for target, (_, flag, _) in TARGETS.items():
+        if given[target] and args.to != target:
+            raise Fp8distError(f"{flag} applies to --to {target} only")
+    translator, _, keyword = TARGETS[args.to]
+    emit(dump_json(translator(spec, **{keyword: given[args.to]})), args.output)
+    return ExitCode.OK
+
+
+def _accelerate(args, spec) -> int:
+    """The Accelerate config file (YAML; JSON when -o names a .json file). The DeepSpeed config is embedded as JSON
+    text on stdout; with -o it is written beside the file as <name>.deepspeed.json and named by its absolute path
+    (accelerate 1.15 HfDeepSpeedConfig reads both)."""
+    document, plan = accelerate_file(spec, args.deepspeed_version, args.torchao_version)
+    beside = None
+    if args.output:
+        target = Path(args.output)
+        if target.is_dir() or not target.parent.exists():
+            write_atomic(args.output, "")  # raises the -o error; nothing is written
+        if "deepspeed_config" in document:
+            beside = target.with_name(target.name.rsplit(".", 1)[0] + ".deepspeed.json")
+            document["deepspeed_config"]["deepspeed_config_file"] = str(beside.resolve())
+    text = dump_json(document) if args.output and args.output.endswith(".json") else render(document, plan, spec,
+                                                                                             args.config)
+    if not args.output:
+        sys.stdout.write(text)
+        return ExitCode.OK
+    if beside is not None:
+        write_atomic(str(beside), dump_json(plan["deepspeed"]["config"]))
+    try:
+        write_atomic(args.output, text)
+    except BaseException:
+        if beside is not None:
+            beside.unlink(missing_ok=True)
+        raise
+    return ExitCode.OK

@@ -1,0 +1,32 @@
+"""`fp8dist validate CONFIG... [KEY=VALUE ...]`: the resolved config, or every error at once."""
+from __future__ import annotations
+
+import sys
+
+from fp8dist.commands.output import dump_json
+from fp8dist.config.load import load_config
+from fp8dist.errors import ExitCode, Fp8distError
+
+
+def run(args) -> int:
+    if len(args.config) > 1 and args.overrides:
+        raise Fp8distError("KEY=VALUE overrides apply to one config; pass a single CONFIG with them")
+    failed = 0
+    for path in args.config:
+        try:
+            spec = load_config(path, overrides=args.overrides)
+        except Fp8distError as exc:
+            print(exc, file=sys.stderr)
+            failed += 1
+            continue
+        if len(args.config) == 1:
+            sys.stdout.write(dump_json(spec.to_dict()) if args.format == "json" else as_yaml(spec.to_dict()))
+        else:
+            print(f"ok  {path}")
+    return ExitCode.ERROR if failed else ExitCode.OK
+
+
+def as_yaml(document) -> str:
+    import yaml
+
+    return yaml.safe_dump(document, sort_keys=False, default_flow_style=None)

@@ -1,0 +1,42 @@
+"""DeepSpeed checkpoints through its own engine.save_checkpoint / load_checkpoint."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from fp8dist.engines.checkpoint import EngineCheckpointing
+from fp8dist.errors import Fp8distError
+
+
+class Checkpointing(EngineCheckpointing):
+    """Every rank writes its optimizer partition (the engine keeps its LR scheduler and loss scaler in them), under
+    the tag `deepspeed`. ZeRO partitions are tied to the world size that wrote them (DeepSpeed refuses another one
+    without its universal-checkpoint conversion), so this is not reshardable."""
+
+    engine = "deepspeed"
+    reshardable = False
+    TAG = "deepspeed"
+
+    def __init__(self, run, model_name: str = "", scheduler=None):
+        ds = run.model
+        # the engine's own scheduler is in DeepSpeed's files already
+        super().__init__(ds.module, model_name, None if scheduler is ds.lr_scheduler else scheduler)
+        self.run, self.ds = run, ds
+
+    def shape(self, param) -> list[int]:
+        return list(getattr(param, "ds_shape", param.shape))  # ZeRO-3 parameters are empty outside forward
+
+    def write(self, directory: Path) -> None:
+        self.ds.save_checkpoint(str(directory), tag=self.TAG, client_state={}, save_latest=False)
+        self.run.saved_checkpoint = True
+
+    def read(self, directory: Path) -> None:
+        if self.ds.zero_optimization_stage() == 3 and self.run.saved_checkpoint:
+            # deepspeed 0.19 runtime/engine.py load_checkpoint docstring: under ZeRO-3 an engine cannot load
+            # right after it saved
+            raise Fp8distError("DeepSpeed ZeRO-3 cannot load a checkpoint into an engine that has saved one"
+                               "\n  fix: build a new engine with fp8dist.engines.deepspeed.initialize, then resume")
+        path, _ = self.ds.load_checkpoint(str(directory), tag=self.TAG, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+        if path is None:
+            raise Fp8distError(f"{directory}: DeepSpeed found no checkpoint under tag {self.TAG!r}"
+                               f"\n  fix: delete {directory} to resume from the checkpoint before it")

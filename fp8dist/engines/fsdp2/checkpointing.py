@@ -1,0 +1,47 @@
+"""FSDP2 checkpoints through torch.distributed.checkpoint."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from fp8dist.engines.checkpoint import EngineCheckpointing
+
+
+class Checkpointing(EngineCheckpointing):
+    """Every rank writes its own shards of the model and optimizer state (get_state_dict / set_state_dict), and any
+    number of ranks can read them back (DCP reshards). torchao's float8 weight wrappers are pickled by DCP and
+    loadable because torchao registers them as safe globals (torchao 0.18 float8/fsdp_utils.py; torchtitan#651
+    before it did). After a load the float8 scales precomputed for the all-gather are recomputed from the loaded
+    weights, as after an optimizer step, so the next forward is the one the uninterrupted run would have made."""
+
+    engine = "fsdp2"
+    reshardable = True
+
+    def __init__(self, run, model_name: str = "", scheduler=None):
+        super().__init__(run.model, model_name, scheduler)
+        self.run = run
+
+    def _state(self) -> dict:
+        model_state, optim_state = get_state_dict(self.run.model, self.run.optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def write(self, directory: Path) -> None:
+        dcp.save(self._state(), checkpoint_id=directory / "dcp")
+
+    def read(self, directory: Path) -> None:
+        state = self._state()
+        dcp.load(state, checkpoint_id=directory / "dcp")
+        set_state_dict(self.run.model, self.run.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        self.run.backend.after_optimizer_step(self.run.model)
+
+    def rank_state(self) -> dict:
+        scaler = self.run.scaler.state_dict() if self.run.scaler is not None else None
+        return {**super().rank_state(), "loss_scaler": scaler}
+
+    def load_rank_state(self, state: dict) -> None:
+        super().load_rank_state(state)
+        if self.run.scaler is not None and state.get("loss_scaler") is not None:
+            self.run.scaler.load_state_dict(state["loss_scaler"])

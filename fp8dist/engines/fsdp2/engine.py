@@ -1,0 +1,200 @@
+"""FSDP2 engine: execute the plan of fp8dist.translate.fsdp2 on a real model.
+
+The order of model transforms, written once here (torchtitan parallelize_llama, Accelerate fsdp2_prepare_model;
+research/scaling.md 1.5): upcast to the master dtype (FSDP2 wants one original dtype per group) -> FP8
+conversion -> activation checkpointing -> torch.compile per block, in place -> fully_shard each block, then the
+root, on the mesh of `parallel.sharding` -> (meta-built models) materialise the shards and load the weights ->
+the optimizer. Compiling blocks in place before sharding (torchtitan apply_compile: "per-TransformerBlock compile
+... before FSDP") keeps the root an FSDPModule, so gradient accumulation still skips the reduce-scatter of all but
+the last micro-batch. The optimizer gets a step post-hook for the backend (torchao float8 scale precompute); fp16
+compute gets the loss scaler (engines/loss_scaling.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+import fp8dist.engines.activation_checkpointing as activation_checkpointing
+from fp8dist.backends.base import get_backend
+from fp8dist.config.spec import Spec
+from fp8dist.config.vocabulary import check_world_size, fsdp2_layout
+from fp8dist.dtypes import torch_dtype
+from fp8dist.engines.advice import advise_small_gemms
+from fp8dist.engines.base import Engine, FirstStepAudit, forward_loss
+from fp8dist.engines.blocks import wrap_units
+from fp8dist.engines.fsdp2.checkpointing import Checkpointing
+from fp8dist.engines.inspector import Inspector
+from fp8dist.engines.loss_scaling import DynamicLossScaler, StepOutcome
+from fp8dist.engines.optim import build_optimizer
+from fp8dist.errors import Fp8distError
+from fp8dist.machine import device_info
+from fp8dist.translate.fsdp2 import to_fsdp2
+
+
+class FSDP2Run(Engine):
+    """What `prepare` made: the sharded model, its optimizer, and what was decided on the way."""
+
+    name = "fsdp2"
+
+    def __init__(self, model, optimizer, backend, plan: dict, spec: Spec, decisions: list, wrapped: list[str],
+                 scaler: DynamicLossScaler | None, *, audit: str | None = None,
+                 first_step_audit: FirstStepAudit | None = None):
+        super().__init__(spec, backend, decisions, audit=audit, first_step_audit=first_step_audit)
+        self.model, self.optimizer, self.plan, self.wrapped = model, optimizer, plan, wrapped
+        self.scaler = scaler  # fp16 compute only
+        self.clip = spec.train.gradient_clipping
+        self.last_step: StepOutcome | None = None  # how the fp16 loss scale moved on the last step
+
+    def accumulate(self, batches: list[dict]) -> float:
+        """Forward and backward over `batches` (reduce-scatter on the last micro-batch only); the loss is scaled
+        where fp16 compute needs it. Returns the mean loss."""
+        total = 0.0
+        for i, batch in enumerate(batches):
+            self.model.set_requires_gradient_sync(i == len(batches) - 1)
+            with self.backend.forward_context():
+                loss = forward_loss(self.model, batch) / len(batches)
+            (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
+            total += loss.detach().float().item()
+        return total
+
+    def apply_gradients(self) -> bool:
+        """Unscale (fp16), clip and step; False when the step was skipped because some rank saw a non-finite
+        gradient (all ranks skip together; `last_step` says how the scale moved)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.scaler is not None:
+            overflow = self.scaler.found_inf_anywhere(params)
+            self.last_step = self.scaler.update(overflow)
+            if overflow:
+                self.optimizer.zero_grad(set_to_none=True)
+                return False
+            self.scaler.unscale_(params)
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return True
+
+    @property
+    def skipped_note(self) -> str | None:
+        step = self.last_step
+        if step is None or not step.skipped:
+            return None
+        return (f"skipped on every rank (non-finite gradients; loss scale {step.scale_before:g} -> "
+                f"{step.scale_after:g})")
+
+    def checkpointing(self, model_name: str = "", scheduler=None) -> Checkpointing:
+        return Checkpointing(self, model_name, scheduler)
+
+    def inspector(self) -> Inspector:
+        return Inspector("fsdp2", self.model, self.optimizer, self.decisions)
+
+    @property
+    def input_device(self) -> str:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_mesh(spec: Spec, world: int, device_type: str):
+    """The mesh of `parallel.sharding`: 1-D over all ranks (full, grad_op), or a named 2-D mesh
+    (replicate, shard) for hybrid (shard = shard_size) and replicate (shard = 1). FSDP2 wants 2-D meshes
+    named (torch 2.13 _fsdp_init.py _validate_mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    layout = fsdp2_layout(spec.to_dict())
+    shard = world if layout["shard_size"] == "world" else layout["shard_size"]
+    check_world_size(spec, world)
+    if layout["strategy"] in ("full", "grad_op"):
+        return init_device_mesh(device_type, (world,))
+    return init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def _dtype(name):
+    return None if name is None else torch_dtype(name)
+
+
+def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None = None, materialize=None,
+            plan: dict | None = None, first_step_audit: FirstStepAudit | None = None) -> FSDP2Run:
+    """Make `model` an FSDP2 model with the precision of `spec`, and build its optimizer.
+
+    `mesh`: a DeviceMesh (default: the one `parallel.sharding` describes, over the default process group).
+    `optimizer`: a callable params -> optimizer (called on the sharded parameters); default: the config's.
+    `audit`: what the audit of the first `train_step` does (warn | raise | off); default: audit.first_step.
+    `materialize`: for a model built on the meta device (fp8dist.runtime.loading.ShardOnRead), allocates the
+    local shards and loads the weights once the model is sharded.
+    `plan`: the run's translation (fp8dist.translate.fsdp2.to_fsdp2), when the caller made it already.
+    `first_step_audit`: the audit of the first step (default: fp8dist.audit's, fp8dist.engines.base).
+    """
+    if not dist.is_initialized():
+        raise Fp8distError("fp8dist.engines.fsdp2.prepare needs torch.distributed initialised "
+                           "(launch with torchrun; see launch/train.py)")
+    plan = plan or to_fsdp2(spec)
+    backend = get_backend(spec, plan)
+    backend.check_environment(device_info())
+
+    if plan["upcast_before_shard"]:
+        master = _dtype(plan["upcast_before_shard"])
+        for param in model.parameters():
+            if param.is_floating_point() and param.dtype != master:
+                param.data = param.data.to(master)
+    decisions = backend.convert_module(model)
+    advise_small_gemms(spec, model)
+    units = activation_checkpointing.apply(model, wrap_units(model, spec), plan["activation_checkpointing"])
+    if plan["compile"]:
+        for unit in [unit for _, unit in units] or [model]:
+            unit.compile()  # in place: the module object (and so the FSDP unit) stays the same
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    mesh = mesh or device_mesh(spec, dist.get_world_size(), device_type)
+    mp = plan["mixed_precision_policy"]
+    policy = dict(param_dtype=_dtype(mp["param_dtype"]), reduce_dtype=_dtype(mp["reduce_dtype"]),
+                  cast_forward_inputs=mp["cast_forward_inputs"])
+    # output_dtype applies to the model's outputs, so only the root gets it: a block returning it would hand
+    # the next block (or a root-owned norm / lm_head) inputs in another dtype than its weights.
+    block_policy = MixedPrecisionPolicy(**policy)
+    root_policy = MixedPrecisionPolicy(**policy, output_dtype=_dtype(mp["output_dtype"]))
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan["offload_policy"] else OffloadPolicy()
+    reshard = plan["sharding"]["reshard_after_forward"]
+    for _, unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=block_policy, reshard_after_forward=reshard, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=root_policy, reshard_after_forward=reshard, offload_policy=offload)
+    if materialize is not None:  # offloaded shards live on the CPU (torchtitan enable_cpu_offload)
+        materialize.materialize(model, "cpu" if plan["offload_policy"] else device_type)
+
+    float8 = plan.get("float8") or {}
+    if dist.get_backend() == "gloo" and float8.get("float8_linear_config", {}).get("enable_fsdp_float8_all_gather"):
+        # imported only here: it builds on torch's private FSDP2 collectives (tests/unit: no import otherwise)
+        from fp8dist.engines.fsdp2.collectives import ByteViewAllGather
+
+        for module in model.modules():  # elsewhere the default collective carries float8
+            if isinstance(module, FSDPModule):
+                module.set_custom_all_gather(ByteViewAllGather())
+
+    optimizer = (optimizer or (lambda params: build_optimizer(params, spec)))(model.parameters())
+    optimizer.register_step_post_hook(lambda *_: backend.after_optimizer_step(model))
+    scaler = DynamicLossScaler(spec.precision.loss_scaling) if plan["loss_scaling"] else None  # ranks agree on a skip
+    model.fp8dist_decisions = decisions  # for an inspector that recognises the model (fp8dist.audit.watch)
+    return FSDP2Run(model, optimizer, backend, plan, spec, decisions, [name for name, _ in units], scaler,
+                    audit=audit, first_step_audit=first_step_audit)
+
+
+def setup(model, spec: Spec, **kwargs) -> FSDP2Run:
+    """The registry's entry (fp8dist.engines.registry)."""
+    return prepare(model, spec, **kwargs)
+
+
+# The functions of the public API before the engine interface (README; the run's methods do the work).
+def accumulate_gradients(run: FSDP2Run, batches: list[dict]) -> float:
+    return run.accumulate(batches)
+
+
+def apply_gradients(run: FSDP2Run, clip: float | None = None) -> bool:
+    if clip is not None:
+        run.clip = clip
+    return run.apply_gradients()
+
+
+def train_step(run: FSDP2Run, batches: list[dict], clip: float | None = None) -> float:
+    """One optimizer step over `batches`; the first one under the dtype audit (see Engine.train_step)."""
+    if clip is not None:
+        run.clip = clip
+    return run.train_step(batches)

@@ -1,0 +1,56 @@
+"""The engines, keyed by the config's `engine`. Importing this module imports no torch.
+
+- `facts_for(spec)`: what fp8dist knows about the engine before anything runs (engines/<name>/facts.py: its
+  translation, the dtypes it keeps, how it shards and offloads), which the audit, estimate and the runtime ask;
+- `setup(model, spec, ...)`: the prepared run (an fp8dist.engines.base.Engine);
+- `inspector_for(model, optimizer)`: the engine recognised from a prepared run's objects alone, whoever prepared
+  them (fp8dist, the user, Accelerate or HF Trainer).
+
+A new engine is one package (fp8dist/engines/<name>/ with `facts`, `setup` and, if torch's own checks below do
+not recognise its objects, `recognize`), one entry in ENGINES, and its value in the schema's `engine` enum.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+from fp8dist.config.spec import Spec
+from fp8dist.engines import deepspeed, fsdp2
+from fp8dist.engines.base import Engine
+from fp8dist.errors import Fp8distError
+
+ENGINES: dict[str, ModuleType] = {"fsdp2": fsdp2, "deepspeed": deepspeed}
+
+
+def facts_for(spec: Spec) -> ModuleType:
+    return ENGINES[spec.engine].facts
+
+
+def setup(model, spec: Spec, **kwargs) -> Engine:
+    """The engine `spec.engine` names, prepared around `model` (see each engine's `setup` for the keywords)."""
+    return ENGINES[spec.engine].setup(model, spec, **kwargs)
+
+
+def inspector_for(model, optimizer):
+    """The engine that prepared `model` (and `optimizer`), recognised from the objects themselves."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    from fp8dist.engines.inspector import Inspector, unwrap_optimizer
+
+    optimizer = unwrap_optimizer(optimizer)
+    for package in ENGINES.values():
+        recognize = getattr(package, "recognize", None)
+        found = recognize(model, optimizer) if recognize is not None else None
+        if found is not None:
+            return found
+    if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
+        raise Fp8distError(f"fp8dist.audit.watch needs the optimizer that steps the model, got "
+                           f"{type(optimizer).__name__}: pass the optimizer your loop calls .step() on")
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return Inspector("ddp", model.module, optimizer)
+    modules = list(model.modules())
+    if any(isinstance(m, FSDPModule) for m in modules):
+        return Inspector("fsdp2", model, optimizer)
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in modules):
+        return Inspector("fsdp1", model, optimizer)
+    return Inspector("none", model, optimizer)

@@ -1,0 +1,245 @@
+"""An Accelerate config file (`accelerate config` / seed 004's fsdp_config.yaml) -> an fp8dist config.
+
+Read as accelerate 1.15 runs it (compat.ACCELERATE_KNOWN): FSDP (1 or 2) becomes engine fsdp2 with the
+precision Accelerate's FSDP2 gives (mixed_precision X: MixedPrecisionPolicy(X, X, X) on weights upcast to fp32;
+`no`: the weights as loaded); DEEPSPEED becomes engine deepspeed from the deepspeed_config_file (a path, inline
+JSON or base64, as HfDeepSpeedConfig reads it) or from Accelerate's own DeepSpeed keys (the config
+DeepSpeedPlugin builds from them); fp8_config the FP8 backend with the values `accelerate launch` really exports
+(commands/launch.py defaults; keys it exports under names no recipe reads are resolved to those defaults).
+The fsdp_config and fp8_config readers (sections.py) are shared with the Axolotl importer.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+from fp8dist.errors import Issue
+from fp8dist.formats.common import (Imported, ImportProblem, Notes, integer, mapping, read_beside, read_json_text,
+                               set_path, truthy)
+from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
+from fp8dist.formats.accelerate.sections import fp8_section, fsdp_settings, note_accelerate_refusals
+from fp8dist.formats.accelerate.translate import LOAD_DTYPE_MARK
+
+_MARK = re.compile("^" + re.escape(LOAD_DTYPE_MARK) + r"(fp32|bf16|fp16)\b", re.MULTILINE)
+_DDP = {"NO", "MULTI_GPU", "MULTI_CPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
+        "MULTI_HPU", "MULTI_NEURON"}
+_LAUNCH_KEYS = {"compute_environment", "num_processes", "num_machines", "machine_rank", "gpu_ids", "main_process_ip",
+                "main_process_port", "rdzv_backend", "same_network", "main_training_function", "enable_cpu_affinity",
+                "downcast_bf16", "tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands",
+                "tpu_vm", "tpu_env", "use_cpu", "debug", "mpirun_config", "megatron_lm_config"}
+
+
+def convert(document: dict[str, Any], text: str, source: str) -> Imported:
+    notes, issues = Notes(), []
+    doc = dict(document)
+    mark = _MARK.search(text)
+    load_dtype = mark.group(1) if mark else None
+    dist = str(doc.pop("distributed_type", "NO")).upper()
+    raw_mixed = doc.pop("mixed_precision", None)
+    mixed = "no" if raw_mixed in (None, False) else str(raw_mixed).lower()
+    if mixed not in ("no", "bf16", "fp16", "fp8"):
+        issues.append(Issue("mixed_precision", "not one of Accelerate's modes", raw_mixed, "use no, bf16, fp16 or fp8"))
+        raise ImportProblem(issues, source, "accelerate")
+    fp8_config = mapping(doc.pop("fp8_config", None), "fp8_config")
+    if mixed != "fp8" and fp8_config:
+        notes.dropped("fp8_config", fp8_config, "acts only with mixed_precision: fp8 (accelerate launch exports it then)")
+    if dist == "DEEPSPEED":
+        out = _deepspeed(mapping(doc.pop("deepspeed_config", None), "deepspeed_config"), raw_mixed, mixed, notes,
+                         issues, source)
+    elif dist == "FSDP" or dist in _DDP:
+        out = _fsdp(doc, dist, mixed, load_dtype, notes, issues, source)
+    else:
+        raise ImportProblem([Issue("distributed_type", "fp8dist runs FSDP2 or DeepSpeed; this Accelerate mode has no "
+                                   "fp8dist equivalent", dist, "use FSDP or DEEPSPEED")], source, "accelerate")
+    if mixed == "fp8" and out is not None:
+        fp8 = fp8_section(fp8_config, out["engine"], notes, issues, "fp8_config.")
+        if fp8 is not None and not (fp8["backend"] == "msamp" and "fp8" in out.get("precision", {})):
+            out.setdefault("precision", {})["fp8"] = fp8
+    dynamo = mapping(doc.pop("dynamo_config", None), "dynamo_config")
+    if out is not None:
+        _dynamo(dynamo, out, notes)
+    parallelism = mapping(doc.pop("parallelism_config", None), "parallelism_config")
+    if out is not None and parallelism:
+        _parallelism(parallelism, out, notes, issues)
+    for key, value in doc.items():
+        if key in ("fsdp_config", "deepspeed_config") and not value:
+            continue
+        why = "a launch setting, not a precision one" if key in _LAUNCH_KEYS else "not read for this distributed_type"
+        notes.dropped(key, value, why)
+    if issues:
+        raise ImportProblem(issues, source, "accelerate")
+    note_accelerate_refusals(out, notes, "this file")
+    return Imported("accelerate", out, notes)
+
+
+# -- FSDP ----------------------------------------------------------------------------------------------------
+def _fsdp(doc: dict[str, Any], dist: str, mixed: str, load_dtype: str | None, notes: Notes, issues: list[Issue],
+          source: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"engine": "fsdp2"}
+    fsdp = mapping(doc.pop("fsdp_config", None), "fsdp_config")
+    if dist == "FSDP":
+        gpus = _gpus_per_node(doc)
+        parallel, fsdp2 = fsdp_settings(fsdp, None, notes, issues, "fsdp_config.", gpus)
+    else:
+        parallel, fsdp2 = {"sharding": "replicate"}, {}
+        notes.resolved("distributed_type", "parallel.sharding=replicate", f"{dist} is data parallel (DDP), which "
+                       "fp8dist runs as FSDP2 with nothing sharded")
+        if fsdp:
+            notes.dropped("fsdp_config", fsdp, f"not read with distributed_type {dist}")
+    if load_dtype is None:
+        load_dtype = "fp32" if dist in _DDP else "bf16"
+        notes.resolved("precision.load_dtype", load_dtype, "an Accelerate config has no loading dtype (your script's "
+                       f"from_pretrained torch_dtype); {load_dtype} assumed: set it to what your script loads")
+    compute = {"fp8": "bf16"}.get(mixed, mixed)
+    if mixed == "no":
+        precision = {"load_dtype": load_dtype, "mixed_precision": "none", "master_weights": "none",
+                     "reduce_dtype": load_dtype}
+    elif dist in _DDP:
+        precision = {"load_dtype": load_dtype, "mixed_precision": compute, "master_weights": "none",
+                     "reduce_dtype": load_dtype}
+        notes.resolved("mixed_precision", f"{compute} compute on {load_dtype} weights",
+                       "DDP autocasts the forward and reduces gradients in the weights' dtype")
+    else:
+        precision = {"load_dtype": load_dtype, "mixed_precision": compute, "master_weights": "fp32",
+                     "reduce_dtype": compute}
+        notes.resolved("mixed_precision", f"{compute} compute, fp32 masters, {compute} reduction",
+                       f"Accelerate's FSDP policy for {mixed} is MixedPrecisionPolicy({compute}, {compute}, "
+                       f"{compute}) and it upcasts the weights to fp32 (utils/fsdp_utils.py fsdp2_prepare_model)")
+    if compute == "fp16":
+        notes.resolved("mixed_precision", "fp8dist's loss scaler", "Accelerate would scale fp16 losses with torch's "
+                       "GradScaler (no hysteresis); fp8dist's FSDP2 runtime uses DeepSpeed's schedule")
+    out["precision"] = precision
+    if parallel:
+        out["parallel"] = parallel
+    if fsdp2:
+        out["fsdp2"] = fsdp2
+    return out
+
+
+def _gpus_per_node(doc: Mapping[str, Any]) -> int | None:
+    processes, machines = doc.get("num_processes"), doc.get("num_machines", 1)
+    if isinstance(processes, int) and processes > 0 and isinstance(machines, int) and machines > 0:
+        return processes // machines
+    return None
+
+
+# -- DeepSpeed -----------------------------------------------------------------------------------------------
+_DS_NOT_KEPT = {"deepspeed_hostfile", "deepspeed_exclusion_filter", "deepspeed_inclusion_filter",
+                "deepspeed_multinode_launcher", "deepspeed_moe_layer_cls_names"}
+
+
+def _deepspeed(config: dict[str, Any], raw_mixed: Any, mixed: str, notes: Notes, issues: list[Issue],
+               source: str) -> dict[str, Any] | None:
+    config = dict(config)
+    file = config.pop("deepspeed_config_file", None)
+    zero3_init = config.pop("zero3_init_flag", None)
+    for key in sorted(set(config) & _DS_NOT_KEPT):
+        notes.dropped(f"deepspeed_config.{key}", config.pop(key), "a launch setting, not a precision one")
+    if file not in (None, "none"):
+        if raw_mixed is not None:
+            notes.dropped("mixed_precision", raw_mixed, "accelerate launch refuses it next to a deepspeed_config_file "
+                          "(the DeepSpeed config's sections decide); used only to fill \"auto\"")
+        for key, value in config.items():
+            notes.dropped(f"deepspeed_config.{key}", value, "accelerate launch refuses it next to a "
+                          "deepspeed_config_file")
+        ds, where = _deepspeed_file(str(file), source)
+        ctx = AutoContext(mixed_precision=mixed if raw_mixed is not None else None)
+        prefix = f"deepspeed_config_file ({where}): "
+    else:
+        ds = _plugin_config(config, mixed, notes)
+        ctx, prefix = AutoContext(mixed_precision=mixed), "deepspeed_config (as DeepSpeedPlugin builds it): "
+    try:
+        out = convert_config(ds, source, notes, ctx, prefix)
+    except ImportProblem as exc:
+        issues.extend(exc.issues)
+        return None
+    stage = (ds.get("zero_optimization") or {}).get("stage", 0)
+    if stage == 3:
+        flag = zero3_init if zero3_init is not None else True
+        if zero3_init is None:
+            notes.resolved("deepspeed_config.zero3_init_flag", True, "left out: Accelerate builds ZeRO-3 models inside "
+                           "deepspeed.zero.Init (utils/dataclasses.py DeepSpeedPlugin)")
+        if truthy(flag):
+            set_path(out, "parallel.cpu_ram_efficient_loading", True)
+    elif zero3_init is not None:
+        notes.dropped("deepspeed_config.zero3_init_flag", zero3_init, "acts only with ZeRO-3")
+    return out
+
+
+def _deepspeed_file(value: str, source: str) -> tuple[Any, str]:
+    """HfDeepSpeedConfig's reading order (accelerate 1.15 utils/deepspeed.py): a path, JSON text, base64 JSON."""
+    if value.lstrip().startswith("{"):
+        return read_json_text(value, f"{source}: deepspeed_config_file"), "inline JSON"
+    if not Path(value).exists() and not (Path(source).parent / value).exists():
+        try:
+            decoded = base64.urlsafe_b64decode(value.encode()).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError, ValueError):
+            decoded = None
+        if decoded and decoded.lstrip().startswith("{"):
+            return read_json_text(decoded, f"{source}: deepspeed_config_file"), "base64 JSON"
+    document, where = read_beside(value, Path(source).parent, "deepspeed_config.deepspeed_config_file", source)
+    if not isinstance(document, Mapping):
+        raise ImportProblem([Issue("deepspeed_config.deepspeed_config_file", "the DeepSpeed config must be a JSON "
+                                   "object", where, "point it at a DeepSpeed JSON config")], source)
+    return document, where
+
+
+def _plugin_config(config: dict[str, Any], mixed: str, notes: Notes) -> dict[str, Any]:
+    """The DeepSpeed config DeepSpeedPlugin builds from Accelerate's own keys, then set_mixed_precision
+    (accelerate 1.15 utils/dataclasses.py; launcher defaults from commands/launch.py)."""
+    stage = config.pop("zero_stage", None)
+    if stage is None:
+        stage = 2
+        notes.resolved("deepspeed_config.zero_stage", 2, "left out: DeepSpeedPlugin's default")
+    zero: dict[str, Any] = {"stage": integer(stage, "deepspeed_config.zero_stage")}
+    for name in ("optimizer", "param"):
+        device = str(config.pop(f"offload_{name}_device", "none") or "none").lower()
+        path = config.pop(f"offload_{name}_nvme_path", None)
+        zero[f"offload_{name}"] = {"device": device, **({"nvme_path": path} if device == "nvme" else {})}
+    save16 = config.pop("zero3_save_16bit_model", None)
+    if save16 is not None:
+        zero["stage3_gather_16bit_weights_on_model_save"] = bool(truthy(save16))
+    ds: dict[str, Any] = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                          "gradient_accumulation_steps": config.pop("gradient_accumulation_steps", "auto"),
+                          "zero_optimization": zero}
+    clip = config.pop("gradient_clipping", None)
+    ds["gradient_clipping"] = clip if clip is not None else "auto"
+    if mixed == "fp16":
+        ds["fp16"] = {"enabled": True, "auto_cast": True}
+    elif mixed in ("bf16", "fp8"):
+        ds["bf16"] = {"enabled": True}
+    for key, value in config.items():
+        notes.dropped(f"deepspeed_config.{key}", value, "no fp8dist meaning")
+    return ds
+
+
+# -- FP8, compile, parallelism --------------------------------------------------------------------------------
+def _dynamo(config: Mapping[str, Any], out: dict[str, Any], notes: Notes) -> None:
+    config = dict(config)
+    backend = str(config.pop("dynamo_backend", "NO")).upper()
+    if backend == "NO":
+        return
+    out["compile"] = True
+    if backend != "INDUCTOR":
+        notes.resolved("dynamo_config.dynamo_backend", "compile: true (inductor)", f"fp8dist compiles with inductor, "
+                       f"not {backend}")
+    for key, value in config.items():
+        notes.dropped(f"dynamo_config.{key}", value, "fp8dist compiles each block (FSDP2) or the engine (DeepSpeed) "
+                      "with torch.compile's defaults")
+
+
+def _parallelism(config: Mapping[str, Any], out: dict[str, Any], notes: Notes, issues: list[Issue]) -> None:
+    sizes = {key.replace("parallelism_config_", ""): value for key, value in config.items()}
+    for name in ("tp_size", "cp_size", "sp_size"):
+        if integer(sizes.get(name, 1) or 1, f"parallelism_config.parallelism_config_{name}") > 1:
+            issues.append(Issue(f"parallelism_config.parallelism_config_{name}", "fp8dist has no tensor, context or "
+                                "sequence parallelism", sizes.get(name), "set it to 1"))
+    shard = integer(sizes.pop("dp_shard_size", 1) or 1, "parallelism_config.parallelism_config_dp_shard_size")
+    replicate = integer(sizes.pop("dp_replicate_size", 1) or 1, "parallelism_config.parallelism_config_dp_replicate_size")
+    if replicate > 1 and shard > 1 and out["engine"] == "fsdp2":
+        out.setdefault("parallel", {}).update(sharding="hybrid", shard_size=shard)
+    for key, value in sizes.items():
+        notes.dropped(f"parallelism_config.{key}", value, "no fp8dist meaning")

@@ -1,0 +1,209 @@
+"""Sections two importers share: an Accelerate / Axolotl `fsdp_config`, Accelerate's `fp8_config` (read as
+`accelerate launch` 1.15 exports it), and the settings fp8dist keeps although Accelerate would refuse them."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import fp8dist.compat as compat
+from fp8dist.config.vocabulary import SHARDING_ALIASES
+from fp8dist.errors import Issue
+from fp8dist.formats.common import Notes, integer, mapping, truthy
+
+# FSDP1 ShardingStrategy by number (torch.distributed.fsdp.ShardingStrategy, as accelerate accepts digits).
+_STRATEGY_NUMBERS = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
+                     "5": "_HYBRID_SHARD_ZERO2"}
+_FSDP_NOT_KEPT = {
+    "backward_prefetch": "FSDP1 only; FSDP2 prefetches by itself",
+    "forward_prefetch": "FSDP1 only (FSDP2 refuses it in Accelerate)",
+    "use_orig_params": "FSDP1 only; FSDP2 always uses the original parameters",
+    "sync_module_states": "FSDP1 only; fp8dist's RAM-efficient loading reads each rank's shards instead",
+    "state_dict_type": "a checkpoint format, not a precision setting",
+    "limit_all_gathers": "FSDP1 only",
+    "ignored_modules": "fp8dist shards every parameter",
+    "min_num_params": "size-based wrapping has no fp8dist equivalent (fp8dist shards blocks)",
+    "activation_checkpointing_offload": "fp8dist keeps checkpointed inputs on the device",
+    "transformer_cls_names_to_wrap": "",
+}
+
+
+def note_accelerate_refusals(out: dict[str, Any], notes: Notes, what: str) -> None:
+    """Settings fp8dist keeps although Accelerate itself would refuse them at Accelerator()."""
+    fp8 = (out.get("precision") or {}).get("fp8") or {}
+    if (out["engine"] == "fsdp2" and fp8.get("backend") == "torchao"
+            and (out.get("parallel") or {}).get("cpu_ram_efficient_loading")):
+        notes.resolved("parallel.cpu_ram_efficient_loading", True, f"kept, although Accelerate 1.15 refuses torchao "
+                       f"FP8 with FSDP2 and RAM-efficient loading (accelerator.py), so {what} fails at Accelerator(); "
+                       "fp8dist's FSDP2 runtime runs it, each rank reading its own shards")
+
+
+def fsdp_settings(config: Mapping[str, Any], version: int | None, notes: Notes, issues: list[Issue], prefix: str,
+                  gpus_per_node: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(parallel, fsdp2) sections for an Accelerate / Axolotl fsdp_config (keys with or without `fsdp_`)."""
+    items = {}
+    for key, value in mapping(config, prefix.rstrip(".")).items():
+        items[key[5:] if key.startswith("fsdp_") else key] = (key, value)
+    if "version" in items:
+        key, value = items.pop("version")
+        version = integer(value, f"{prefix}{key}")
+        if version not in (1, 2):
+            issues.append(Issue(f"{prefix}{key}", "FSDP versions are 1 and 2", value, "write 1 or 2"))
+            version = 2
+    if version is None:
+        version = 1
+        notes.resolved(f"{prefix}fsdp_version", 1, "left out: Accelerate's default FSDP1 (commands/launch.py)")
+    if version == 1:
+        notes.resolved(f"{prefix}fsdp_version", "FSDP2", "fp8dist runs FSDP2; the FSDP1 keys are read for their "
+                       "FSDP2 meaning")
+    parallel: dict[str, Any] = {}
+    strategy = None
+    if "sharding_strategy" in items:
+        strategy = items.pop("sharding_strategy")
+    reshard = items.pop("reshard_after_forward", None)
+    if version == 2 and reshard is not None:
+        value = truthy(reshard[1])
+        if value is None:
+            issues.append(Issue(f"{prefix}{reshard[0]}", "FSDP2 takes true or false", reshard[1], "write true or false"))
+        else:
+            parallel["sharding"] = "full" if value else "grad_op"
+        if strategy is not None:
+            notes.dropped(f"{prefix}{strategy[0]}", strategy[1], "FSDP1 only; fsdp_reshard_after_forward decides")
+    else:
+        chosen = strategy or reshard
+        name = str(chosen[1]).upper() if chosen else "FULL_SHARD"
+        name = _STRATEGY_NUMBERS.get(name, name)
+        if name == "_HYBRID_SHARD_ZERO2":
+            notes.resolved(f"{prefix}{chosen[0]}", "hybrid", "fp8dist's hybrid reshards parameters after forward "
+                           "(HYBRID_SHARD); the ZeRO-2 variant keeps them")
+            name = "HYBRID_SHARD"
+        if name not in SHARDING_ALIASES:
+            key = chosen[0] if chosen else "fsdp_sharding_strategy"
+            issues.append(Issue(f"{prefix}{key}", "not an FSDP sharding strategy", chosen[1] if chosen else None,
+                                f"use one of {', '.join(SHARDING_ALIASES)}"))
+        else:
+            parallel["sharding"] = SHARDING_ALIASES[name]
+    if parallel.get("sharding") == "hybrid":
+        if gpus_per_node:
+            parallel["shard_size"] = gpus_per_node
+            notes.resolved("parallel.shard_size", gpus_per_node, "HYBRID_SHARD shards within a node: num_processes / "
+                           "num_machines")
+        else:
+            issues.append(Issue(f"{prefix}sharding_strategy", "HYBRID_SHARD shards within each node, and the file "
+                                "does not say how many processes a node runs", "HYBRID_SHARD",
+                                "add num_processes and num_machines to the file, or import and set "
+                                "parallel.shard_size by hand"))
+    if "offload_params" in items:
+        if truthy(items.pop("offload_params")[1]):
+            parallel["offload"] = "params"
+    if "cpu_ram_efficient_loading" in items:
+        parallel["cpu_ram_efficient_loading"] = bool(truthy(items.pop("cpu_ram_efficient_loading")[1]))
+    if "activation_checkpointing" in items:
+        if truthy(items.pop("activation_checkpointing")[1]):
+            parallel["activation_checkpointing"] = "full"
+    fsdp2: dict[str, Any] = {}
+    policy = items.pop("auto_wrap_policy", None)
+    classes = items.pop("transformer_layer_cls_to_wrap", None) or items.pop("transformer_cls_names_to_wrap", None)
+    policy_name = str(policy[1]).upper() if policy else "NO_WRAP"
+    if policy_name == "TRANSFORMER_BASED_WRAP":
+        if classes and classes[1]:
+            names = classes[1].split(",") if isinstance(classes[1], str) else list(classes[1])
+            fsdp2["wrap"] = [name.strip() for name in names if str(name).strip()]
+    else:
+        if classes:
+            notes.dropped(f"{prefix}{classes[0]}", classes[1], "read only with TRANSFORMER_BASED_WRAP")
+        notes.resolved(f"{prefix}{policy[0] if policy else 'fsdp_auto_wrap_policy'}", "fsdp2.wrap=auto",
+                       f"{policy_name} has no fp8dist equivalent: fp8dist shards each block (the model's "
+                       "_no_split_modules), then the root")
+    for short, (key, value) in items.items():
+        notes.dropped(f"{prefix}{key}", value, _FSDP_NOT_KEPT.get(short) or "no fp8dist meaning")
+    return parallel, fsdp2
+
+
+def fp8_section(config: Mapping[str, Any], engine: str, notes: Notes, issues: list[Issue],
+                prefix: str) -> dict[str, Any] | None:
+    """precision.fp8 for Accelerate's fp8 mode, from fp8_config as `accelerate launch` exports it."""
+    items: dict[str, tuple[str, Any]] = {}
+    for key, value in config.items():
+        short = key[4:] if key.startswith("fp8_") and key != "fp8_format" else key
+        items[short] = (key, value)
+    raw = items.pop("backend", (None, None))[1]
+    if raw is None:
+        backend = "torchao"
+        notes.resolved(f"{prefix}backend", "torchao", "left out: Accelerate picks torchao when installed, then "
+                       "Transformer Engine, then MS-AMP (accelerator.py)")
+    else:
+        backend = {"AO": "torchao", "TORCHAO": "torchao", "TE": "te", "MSAMP": "msamp"}.get(str(raw).upper())
+        if backend is None:
+            issues.append(Issue(f"{prefix}backend", "not an Accelerate FP8 backend", raw, "use AO, TE or MSAMP"))
+            return None
+        if str(raw) != compat.ACCELERATE_FP8_BACKEND[backend]:
+            notes.resolved(f"{prefix}backend", compat.ACCELERATE_FP8_BACKEND[backend], "Accelerator builds "
+                           "FP8BackendType from the exported value, which takes the upper-case name only")
+
+    def take(name: str) -> Any:
+        if name in items:
+            return items.pop(name)[1]
+        for written, read in compat.ACCELERATE_UNREAD_FP8_KEYS.items():
+            if read == name and written in items:
+                key, value = items.pop(written)
+                notes.resolved(f"{prefix}{key}", compat.ACCELERATE_LAUNCH_FP8_DEFAULTS[name],
+                               f"accelerate launch exports it as ACCELERATE_FP8_{written.upper()}, which no recipe "
+                               f"reads: the run used the launcher's {name}={compat.ACCELERATE_LAUNCH_FP8_DEFAULTS[name]} "
+                               f"(the written {value!r} never acted)")
+        return compat.ACCELERATE_LAUNCH_FP8_DEFAULTS.get(name)
+
+    if backend == "torchao":
+        all_gather = bool(truthy(take("enable_fsdp_float8_all_gather")))
+        pad = bool(truthy(take("pad_inner_dim")))
+        if pad:
+            notes.resolved(f"{prefix}pad_inner_dim", False, "Accelerate's torchao filter skips every Linear whose "
+                           "dims are not multiples of 16, so padding never acts (utils/ao.py)")
+        if all_gather and engine != "fsdp2":
+            notes.resolved(f"{prefix}enable_fsdp_float8_all_gather", False, "acts only under FSDP2")
+            all_gather = False
+        fp8 = {"backend": "torchao", "modules": {"exclude": [], "skip_first_last": True},
+               "torchao": {"recipe_name": "tensorwise", "enable_fsdp_float8_all_gather": all_gather,
+                           "force_recompute_fp8_weight_in_bwd": False, "pad_inner_dim": False}}
+        notes.resolved(f"{prefix}(module filter)", "modules: {exclude: [], skip_first_last: true}", "Accelerate "
+                       "keeps the first and the last nn.Linear in high precision (utils/ao.py convert_model_to_fp8_ao)")
+    elif backend == "te":
+        mxfp8 = bool(truthy(take("use_mxfp8_block_scaling")))
+        te: dict[str, Any] = {"recipe": "mxfp8" if mxfp8 else "delayed"}
+        # Accelerate passes only the fields that differ from TERecipeKwargs' defaults (KwargsHandler.to_kwargs): a
+        # value equal to its default (or a key the launcher exports under an unread name) leaves TE's default.
+        for name, accelerate_default in (("fp8_format", "HYBRID"), ("margin", 0), ("amax_history_len", 1024),
+                                         ("amax_compute_algo", "most_recent")):
+            written = name in items
+            value = take(name)
+            if not written:
+                continue
+            if name == "fp8_format":
+                value = str(value).upper()
+                if value == "E5M2":
+                    issues.append(Issue(f"{prefix}{name}", "Transformer Engine rejects E5M2-only training", value,
+                                        "use HYBRID or E4M3"))
+                    continue
+            if value == accelerate_default and (name == "amax_compute_algo" or (mxfp8 and name == "fp8_format")):
+                notes.resolved(f"{prefix}{name}", "Transformer Engine's default", f"{value} is TERecipeKwargs' "
+                               "default, which Accelerate leaves out of the recipe (KwargsHandler.to_kwargs)")
+                continue
+            if mxfp8 and name in ("amax_history_len", "amax_compute_algo"):
+                notes.dropped(f"{prefix}{name}", value, "not a field of MXFP8BlockScaling (Accelerate raises on it)")
+                continue
+            te[name] = int(value) if name in ("margin", "amax_history_len") else value
+        for name in ("interval", "override_linear_precision", "use_autocast_during_eval"):
+            if name in items:
+                key, value = items.pop(name)
+                why = {"interval": "removed from Transformer Engine 2.2 (compat.TE_REMOVED_FIELDS)",
+                       "override_linear_precision": "removed from Transformer Engine 2.0",
+                       "use_autocast_during_eval": "fp8dist does not run evaluation"}[name]
+                notes.dropped(f"{prefix}{key}", value, why)
+        fp8 = {"backend": "te", "te": te, "modules": {"exclude": [], "skip_first_last": False}}
+    else:
+        level = str(take("opt_level"))
+        if level not in compat.ACCELERATE_MSAMP_OPT_LEVELS:
+            notes.resolved(f"{prefix}opt_level", level, "kept, although Accelerate refuses it (MSAMPRecipeKwargs and "
+                           "DeepSpeedPlugin accept O1 and O2), so this file fails in Accelerate")
+        fp8 = {"backend": "msamp", "msamp": {"opt_level": level}}
+    for short, (key, value) in items.items():
+        notes.dropped(f"{prefix}{key}", value, f"not read for the {backend} backend")
+    return fp8

@@ -1,0 +1,396 @@
+"""Spec -> Accelerate: a config file for `accelerate launch --config_file`, or the plan the Python helpers
+(fp8dist.integrations) build real objects from. Pure: no torch, no accelerate import.
+
+Everything here follows accelerate 1.15 (compat.ACCELERATE_KNOWN):
+- the file's keys are ClusterConfig's (commands/config/config_args.py); `fsdp_config`, `fp8_config` and
+  `dynamo_config` entries become `fsdp_*` / `fp8_*` / `dynamo_*` launcher arguments and then environment
+  variables (commands/launch.py _validate_launch_command, utils/launch.py prepare_multi_gpu_env, setup_fp8_env);
+- FullyShardedDataParallelPlugin, DeepSpeedPlugin, AORecipeKwargs, TERecipeKwargs, MSAMPRecipeKwargs read those
+  variables (utils/dataclasses.py); Accelerator and fsdp2_prepare_model decide the rest (accelerator.py,
+  utils/fsdp_utils.py).
+
+What Accelerate cannot express is an error naming the fp8dist key (docs/accelerate.md lists them), never a
+silent drop. The DeepSpeed config is fp8dist's own translation (to_deepspeed), carried whole.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import fp8dist.compat as compat
+from fp8dist.config.spec import Spec
+from fp8dist.errors import ConfigError, Fp8distError, Issue
+from fp8dist.translate.deepspeed import to_deepspeed
+from fp8dist.translate.fsdp2 import float8_plan
+
+# file: a config file for `accelerate launch`; python: Accelerator(**accelerator_kwargs(...));
+# trainer: transformers.TrainingArguments(**training_arguments_kwargs(...)).
+MODES = ("file", "python", "trainer")
+_HOW = {"file": "an Accelerate config file", "python": "Accelerate's Accelerator",
+        "trainer": "transformers.TrainingArguments (through Accelerate)"}
+_HELPER = "fp8dist.integrations.accelerator_kwargs(CONFIG) in your script"
+
+
+class NotExpressible(ConfigError):
+    """The config asks for something Accelerate (in this mode) cannot do; every such key, why, and the fix."""
+
+    def __init__(self, issues: list[Issue], source: str | None, mode: str):
+        self.issues, self.source = list(issues), source
+        lines = [f"cannot translate {source or 'the config'} for {_HOW[mode]} "
+                 f"(accelerate {compat.fmt(compat.ACCELERATE_KNOWN[:2])}): {len(self.issues)} problem(s)"]
+        lines += [f"  - {issue.render()}" for issue in self.issues]
+        Fp8distError.__init__(self, "\n".join(lines))
+
+
+def accelerate_mixed_precision(spec: Spec) -> str:
+    """Accelerate's `mixed_precision` for the config: fp8 for an FP8 backend, else the compute dtype or `no`."""
+    if spec.fp8.enabled:
+        return "fp8"
+    return {"none": "no"}.get(spec.precision.mixed_precision, spec.precision.mixed_precision)
+
+
+def accelerate_plan(spec: Spec, mode: str = "file", *, deepspeed_version: str | None = None,
+                    torchao_version: str | None = None) -> dict[str, Any]:
+    """What Accelerate must be given for `spec`, as plain data; every key it cannot express is an Issue."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: one of {MODES}")
+    issues: list[Issue] = []
+    mixed = accelerate_mixed_precision(spec)
+    plan: dict[str, Any] = {"engine": spec.engine, "mixed_precision": mixed, "load_dtype": spec.precision.load_dtype,
+                            "fsdp": None, "deepspeed": None, "fp8": None, "notes": []}
+    _check_fp8_compute(spec, mode, issues)
+    if spec.engine == "fsdp2":
+        plan["fsdp"] = _fsdp_plan(spec, mode, mixed, issues, plan["notes"])
+    else:
+        plan["deepspeed"] = _deepspeed_plan(spec, mode, deepspeed_version, issues, plan["notes"])
+    if spec.fp8.enabled:
+        plan["fp8"] = _fp8_plan(spec, mode, torchao_version, issues)
+    plan["compile"] = ({"backend": "inductor", "regional": spec.engine == "fsdp2"} if spec.compile else None)
+    if issues:
+        raise NotExpressible(issues, spec.source, mode)
+    return plan
+
+
+# -- precision -----------------------------------------------------------------------------------------------
+def _check_fp8_compute(spec: Spec, mode: str, issues: list[Issue]) -> None:
+    p = spec.precision
+    if not spec.fp8.enabled:
+        return
+    if mode == "trainer":
+        issues.append(Issue("precision.fp8.backend", "transformers.TrainingArguments has no FP8 setting: it reads FP8 "
+                            "only from ACCELERATE_MIXED_PRECISION=fp8 and turns it off again when bf16 or fp16 is set "
+                            "(transformers 5 training_args.py, section 'Mixed Precision')", spec.fp8.backend,
+                            "launch with the file of `fp8dist translate CONFIG --to accelerate`, or build the "
+                            f"Accelerator with {_HELPER}"))
+    if p.mixed_precision != compat.ACCELERATE_FP8_COMPUTE_DTYPE:
+        issues.append(Issue("precision.mixed_precision", "Accelerate's fp8 mode computes every non-FP8 op in bf16 "
+                            "(FSDP2: MixedPrecisionPolicy of bf16; DeepSpeed: a bf16 section, and an fp16 section is "
+                            "refused; accelerate 1.15 utils/dataclasses.py set_mixed_precision)", p.mixed_precision,
+                            "set precision.mixed_precision=bf16 (with master_weights=fp32)"))
+
+
+def _fsdp_plan(spec: Spec, mode: str, mixed: str, issues: list[Issue], notes: list[str]) -> dict[str, Any]:
+    p, par, f = spec.precision, spec.parallel, spec.fsdp2
+    compute = None if mixed == "no" else (compat.ACCELERATE_FP8_COMPUTE_DTYPE if mixed == "fp8" else mixed)
+    # fsdp2_prepare_model upcasts every trainable parameter to fp32 whenever mixed_precision is set.
+    stored = "fp32" if mixed != "no" else p.load_dtype
+    if p.weight_dtype != stored:
+        key = "precision.master_weights" if p.master_weights != "none" else "precision.load_dtype"
+        value = p.master_weights if p.master_weights != "none" else p.load_dtype
+        issues.append(Issue(key, f"Accelerate's FSDP2 keeps the weights the optimizer steps in {stored}: with "
+                            "mixed_precision set it upcasts every trainable parameter to fp32, without it they stay "
+                            "in the loading dtype (accelerate 1.15 utils/fsdp_utils.py fsdp2_prepare_model); this "
+                            f"config steps {p.weight_dtype}", value,
+                            "use master_weights=fp32 with mixed precision, or master_weights=none without it"))
+    if p.compute_dtype == "fp16":
+        ls = p.loss_scaling
+        issues.append(Issue("precision.loss_scaling", "Accelerate scales fp16 losses under FSDP2 with torch's GradScaler, "
+                            "which has neither hysteresis nor a minimum scale and grows every 2000 steps by default "
+                            "(accelerate 1.15 accelerator.py get_fsdp2_grad_scaler); fp8dist's schedule (DeepSpeed's) "
+                            "cannot be given to it", {"hysteresis": ls.hysteresis, "min_loss_scale": ls.min_loss_scale,
+                                                      "loss_scale_window": ls.loss_scale_window},
+                            "use bf16, or engine=deepspeed (its fp16 section takes these knobs), or fp8dist's own "
+                            "FSDP2 runtime (launch/train.py)"))
+    policy_in_file = mode != "python"
+    if policy_in_file:
+        want = compute if compute else p.load_dtype
+        if p.reduce_dtype != want:
+            how = (f"mixed_precision {mixed} gives FSDP2 one dtype for parameters, reduction and outputs ({want})"
+                   if compute else "without mixed_precision FSDP2 reduces in the parameters' dtype "
+                   f"(the loading dtype, {p.load_dtype})")
+            issues.append(Issue("precision.reduce_dtype", f"{_HOW[mode]} cannot set a reduce dtype: {how} "
+                                "(accelerate 1.15 utils/dataclasses.py FullyShardedDataParallelPlugin.set_mixed_precision)",
+                                p.reduce_dtype, f"set precision.reduce_dtype={want}, or build the Accelerator with "
+                                f"{_HELPER} (it passes a MixedPrecisionPolicy)"))
+        if not f.cast_forward_inputs:
+            issues.append(Issue("fsdp2.cast_forward_inputs", f"{_HOW[mode]} cannot set MixedPrecisionPolicy."
+                                "cast_forward_inputs (it keeps torch's default, true)", False,
+                                f"remove the key, or build the Accelerator with {_HELPER}"))
+    if f.output_dtype is not None and f.output_dtype != compute:
+        issues.append(Issue("fsdp2.output_dtype", "Accelerate gives every FSDP2 unit the same MixedPrecisionPolicy, "
+                            "so an output dtype for the root alone cannot be set (accelerate 1.15 utils/fsdp_utils.py "
+                            "fsdp2_prepare_model)", f.output_dtype,
+                            "remove fsdp2.output_dtype (outputs stay in the compute dtype)"))
+    sharding = "full" if par.sharding == "auto" else par.sharding
+    parallelism = None
+    if sharding == "replicate":
+        issues.append(Issue("parallel.sharding", "Accelerate's FSDP2 has no unsharded layout: a ParallelismConfig with "
+                            "dp_shard_size 1 is refused (accelerate 1.15 parallelism_config.py)", "replicate",
+                            "use parallel.sharding=full or grad_op, or fp8dist's own runtime (launch/torchrun.sh)"))
+    elif sharding == "hybrid":
+        if mode == "file":
+            issues.append(Issue("parallel.sharding", "an Accelerate config file writes HSDP as parallelism_config "
+                                "dp_replicate_size x dp_shard_size, which must equal the number of processes, and an "
+                                "fp8dist config does not fix the world size", "hybrid",
+                                f"build the Accelerator with {_HELPER} (it reads WORLD_SIZE), or add "
+                                f"parallelism_config_dp_shard_size: {par.shard_size} and "
+                                "parallelism_config_dp_replicate_size: WORLD/"
+                                f"{par.shard_size} under parallelism_config yourself"))
+        parallelism = {"dp_shard_size": par.shard_size, "dp_replicate_size": f"world_size / {par.shard_size}"}
+    if par.activation_checkpointing == "selective":
+        issues.append(Issue("parallel.activation_checkpointing", "Accelerate's FSDP2 activation checkpointing wraps "
+                            "whole blocks (torch checkpoint_wrapper, full recompute); it has no op-level policy "
+                            "(accelerate 1.15 accelerator.py)", "selective",
+                            "use parallel.activation_checkpointing=full, or fp8dist's own runtime"))
+    if par.cpu_ram_efficient_loading and spec.fp8.backend == "torchao":
+        issues.append(Issue("parallel.cpu_ram_efficient_loading", "Accelerate refuses torchao FP8 with FSDP2 and "
+                            "cpu_ram_efficient_loading (accelerate 1.15 accelerator.py: 'torchao with FSDP2 and "
+                            "cpu_ram_efficient_loading is not supported')", True,
+                            "set parallel.cpu_ram_efficient_loading=false for Accelerate, or keep it and run "
+                            "fp8dist's own FSDP2 runtime (launch/torchrun.sh), which loads each rank's shards"))
+    if par.cpu_ram_efficient_loading:
+        notes.append("RAM-efficient loading in Accelerate: rank 0 reads the checkpoint and broadcasts the shards "
+                     "(fsdp2_load_full_state_dict); fp8dist's runtime reads each rank's own rows")
+    if f.wrap == "auto":
+        notes.append("wrap auto: Accelerate's TRANSFORMER_BASED_WRAP without class names shards the model's "
+                     "_no_split_modules (Hugging Face models); fp8dist also falls back to the first nn.ModuleList's "
+                     "children, Accelerate does not")
+    notes.append("Accelerate 1.15 also gives the input embedding and [final norm, lm_head] FSDP2 units of their own")
+    if mixed != "no":
+        notes.append(f"Accelerate runs the forward under torch.autocast({compute}) on top of the FSDP2 policy "
+                     "and returns fp32 outputs (convert_outputs_to_fp32)")
+    return {"version": 2, "reshard_after_forward": sharding != "grad_op", "offload_params": par.offload == "params",
+            "wrap": None if f.wrap == "auto" else list(f.wrap),
+            "activation_checkpointing": par.activation_checkpointing != "none",
+            "cpu_ram_efficient_loading": par.cpu_ram_efficient_loading, "parallelism": parallelism,
+            "policy": {"param_dtype": compute, "reduce_dtype": p.reduce_dtype,
+                       "output_dtype": f.output_dtype or compute, "cast_forward_inputs": f.cast_forward_inputs}}
+
+
+def _deepspeed_plan(spec: Spec, mode: str, deepspeed_version: str | None, issues: list[Issue],
+                    notes: list[str]) -> dict[str, Any] | None:
+    config = None
+    try:
+        config = to_deepspeed(spec, deepspeed_version)
+    except ConfigError as exc:
+        issues.extend(exc.issues)
+    par = spec.parallel
+    if par.activation_checkpointing != "none" and (mode != "trainer" or par.activation_checkpointing == "selective"):
+        how = ("TrainingArguments(activation_checkpointing=True) recomputes whole blocks only"
+               if mode == "trainer" else "Accelerate has no activation checkpointing for DeepSpeed")
+        issues.append(Issue("parallel.activation_checkpointing", f"{how} (accelerate 1.15 accelerator.py "
+                            "_prepare_deepspeed)", par.activation_checkpointing,
+                            "call model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
+                            "False}) in your script and set parallel.activation_checkpointing=none here, or use "
+                            "transformers.TrainingArguments (training_arguments_kwargs) with full"))
+    if spec.fp8.enabled and mode == "file":
+        issues.append(Issue("precision.fp8.backend", "an Accelerate config file turns FP8 on only with mixed_precision: "
+                            "fp8, and `accelerate launch` refuses mixed_precision next to a deepspeed_config_file "
+                            "(accelerate 1.15 commands/launch.py marks it in ACCELERATE_CONFIG_DS_FIELDS; "
+                            "DeepSpeedPlugin._deepspeed_config_checks raises), while Accelerate's own DeepSpeed keys "
+                            "cannot carry communication_data_type or the master-weight dtype", spec.fp8.backend,
+                            f"build the Accelerator with {_HELPER} (mixed_precision='fp8' with the DeepSpeed dict), "
+                            "or run fp8dist's runtime: deepspeed launch/train.py --fp8dist-config CONFIG"))
+    if spec.fp8.enabled and spec.precision.master_weights == "none":
+        issues.append(Issue("precision.master_weights", "Accelerate's fp8 mode adds a bf16 section to the DeepSpeed "
+                            "config, next to the torch_autocast section fp8dist writes for weights without masters "
+                            "(accelerate 1.15 utils/dataclasses.py DeepSpeedPlugin.set_mixed_precision)", "none",
+                            "set precision.master_weights=fp32"))
+    if spec.deepspeed.zero_stage == 3 and not par.cpu_ram_efficient_loading:
+        notes.append("zero3_init_flag false: Accelerate would otherwise build a ZeRO-3 model inside "
+                     "deepspeed.zero.Init (fp8dist does that only with parallel.cpu_ram_efficient_loading)")
+    return {"config": config, "zero3_init_flag": bool(par.cpu_ram_efficient_loading)}
+
+
+# -- FP8 -----------------------------------------------------------------------------------------------------
+def _fp8_plan(spec: Spec, mode: str, torchao_version: str | None, issues: list[Issue]) -> dict[str, Any]:
+    backend = spec.fp8.backend
+    if backend == "torchao":
+        return _torchao_plan(spec, mode, torchao_version, issues)
+    if backend == "te":
+        return _te_plan(spec, issues)
+    return {"backend": "msamp", "accelerate_backend": compat.ACCELERATE_FP8_BACKEND["msamp"],
+            "opt_level": spec.fp8.msamp.opt_level, "use_te": spec.fp8.msamp.use_te}
+
+
+def _torchao_plan(spec: Spec, mode: str, torchao_version: str | None, issues: list[Issue]) -> dict[str, Any]:
+    ao, modules = spec.fp8.torchao, spec.fp8.modules
+    plan = float8_plan(spec, torchao_version)
+    linear = plan["float8_linear_config"]
+    recompute = plan["force_recompute_fp8_weight_in_bwd"]["value"]
+    if mode == "file":
+        why = ("a config file gives AORecipeKwargs only pad_inner_dim and enable_fsdp_float8_all_gather and builds "
+               "the rest of Float8LinearConfig() (tensorwise) itself (accelerate 1.15 utils/dataclasses.py "
+               "AORecipeKwargs)")
+        for key, value, default in (("recipe_name", ao.recipe_name, "tensorwise"), ("emulate", ao.emulate, False)):
+            if value != default:
+                issues.append(Issue(f"precision.fp8.torchao.{key}", why, value,
+                                    f"set it to {json.dumps(default)} for the file, or build the Accelerator with "
+                                    f"{_HELPER} (it passes a full Float8LinearConfig)"))
+        if recompute:
+            issues.append(Issue("precision.fp8.torchao.force_recompute_fp8_weight_in_bwd", f"{why}; the torchao "
+                                f"targeted here ({plan['torchao_version']}) needs it set",
+                                ao.force_recompute_fp8_weight_in_bwd, f"build the Accelerator with {_HELPER}"))
+    if mode == "file" or modules.skip_first_last:
+        # Accelerate's own filter: every Linear except the first and the last, dims divisible by 16.
+        if modules.exclude or not modules.skip_first_last:
+            key = "precision.fp8.modules.exclude" if modules.exclude else "precision.fp8.modules.skip_first_last"
+            issues.append(Issue(key, "Accelerate's torchao filter keeps exactly the first and the last nn.Linear in high "
+                                "precision (and those whose dims are not multiples of 16); a config file cannot pass "
+                                "another, and fp8dist can pass its own only without skip_first_last (accelerate 1.15 "
+                                "utils/ao.py convert_model_to_fp8_ao)",
+                                list(modules.exclude) if modules.exclude else modules.skip_first_last,
+                                "set precision.fp8.modules={exclude: [], skip_first_last: true} (Accelerate's filter)"
+                                + ("" if mode == "file" else ", or skip_first_last=false with any exclude list")))
+        if ao.pad_inner_dim:
+            issues.append(Issue("precision.fp8.torchao.pad_inner_dim", "Accelerate's torchao filter skips every Linear "
+                                "whose dims are not multiples of 16, so padding never converts them (accelerate 1.15 "
+                                "utils/ao.py filter_linear_layers)", True,
+                                "set pad_inner_dim=false, or modules.skip_first_last=false with "
+                                f"{_HELPER} (fp8dist's own filter)"))
+    if (spec.engine == "fsdp2" and linear["enable_fsdp_float8_all_gather"] and spec.precision.load_dtype != "fp32"
+            and accelerate_mixed_precision(spec) != "no"):
+        # Verified on torch 2.13 / torchao 0.18: `param.data = param.data.to(fp32)` on a
+        # WeightWithDynamicFloat8CastTensor changes the wrapper's dtype, not its inner tensor, and fully_shard then
+        # fails with "FSDP expects uniform original parameter dtype". fp8dist's runtime upcasts before converting.
+        issues.append(Issue("precision.load_dtype", "Accelerate converts to float8 before its FSDP2 upcast to fp32 "
+                            "masters (accelerate 1.15 utils/fsdp_utils.py fsdp2_prepare_model: param.data = "
+                            "param.data.to(float32)), which leaves torchao's float8 all-gather weights in the load "
+                            "dtype: FSDP2 then stops with 'FSDP expects uniform original parameter dtype'",
+                            spec.precision.load_dtype,
+                            "set precision.load_dtype=fp32 (load the model in fp32: nothing left to upcast), or "
+                            "enable_fsdp_float8_all_gather=false, or run fp8dist's own FSDP2 runtime"))
+    if linear["enable_fsdp_float8_all_gather"] and not ao.precompute_float8_dynamic_scale_for_fsdp:
+        issues.append(Issue("precision.fp8.torchao.precompute_float8_dynamic_scale_for_fsdp", "Accelerate always "
+                            "registers torchao's scale precompute after each optimizer step with float8 all-gather "
+                            "(accelerate 1.15 accelerator.py _prepare_ao)", False, "remove the key (true)"))
+    return {"backend": "torchao", "accelerate_backend": compat.ACCELERATE_FP8_BACKEND["torchao"],
+            "float8_linear_config": linear, "force_recompute_fp8_weight_in_bwd": recompute,
+            "module_filter": {"accelerate_default": modules.skip_first_last, "exclude": list(modules.exclude),
+                              "dims_multiple_of": None if ao.pad_inner_dim else compat.ACCELERATE_AO_DIM_MULTIPLE}}
+
+
+def _te_plan(spec: Spec, issues: list[Issue]) -> dict[str, Any]:
+    te, modules = spec.fp8.te, spec.fp8.modules
+    if te.recipe not in compat.ACCELERATE_TE_RECIPES:
+        issues.append(Issue("precision.fp8.te.recipe", "Accelerate builds only DelayedScaling or MXFP8BlockScaling "
+                            "(accelerate 1.15 utils/transformer_engine.py apply_fp8_autowrap)", te.recipe,
+                            "use recipe delayed or mxfp8, or fp8dist's own runtime"))
+    for field in ("reduce_amax", "fp8_dpa", "fp8_mha", "use_power_2_scales", "enable_2d_quantization"):
+        if getattr(te, field) is not None:
+            issues.append(Issue(f"precision.fp8.te.{field}", "TERecipeKwargs has no such field, so Accelerate's recipe "
+                                "keeps Transformer Engine's default (accelerate 1.15 utils/dataclasses.py)",
+                                getattr(te, field), f"remove precision.fp8.te.{field}"))
+    if modules.exclude or modules.skip_first_last:
+        issues.append(Issue("precision.fp8.modules.exclude" if modules.exclude else "precision.fp8.modules.skip_first_last",
+                            "Accelerate swaps every nn.Linear whose dims are multiples of 16 for te.Linear, lm_head "
+                            "included (accelerate 1.15 utils/transformer_engine.py convert_model)",
+                            list(modules.exclude) if modules.exclude else True,
+                            "set precision.fp8.modules={exclude: [], skip_first_last: false}"))
+    if not te.swap_layernorm:
+        issues.append(Issue("precision.fp8.te.swap_layernorm", "Accelerate always swaps nn.LayerNorm for te.LayerNorm "
+                            "(accelerate 1.15 utils/transformer_engine.py convert_model)", False, "remove the key (true)"))
+    # Accelerate passes TE only the fields that differ from TERecipeKwargs' own defaults (KwargsHandler.to_kwargs,
+    # defaults taken with a clean environment), so a value equal to Accelerate's default never reaches TE and
+    # TE's default applies: amax_compute_algo most_recent and, for MXFP8, fp8_format HYBRID cannot be asked for.
+    if te.amax_compute_algo == "most_recent":
+        issues.append(Issue("precision.fp8.te.amax_compute_algo", "most_recent is TERecipeKwargs' default, which "
+                            "Accelerate leaves out of the recipe, so Transformer Engine's own default (max) applies "
+                            "(accelerate 1.15 utils/dataclasses.py KwargsHandler.to_kwargs)", "most_recent",
+                            "use max (TE's default), or fp8dist's own runtime"))
+    if te.recipe == "mxfp8" and te.fp8_format == "HYBRID":
+        issues.append(Issue("precision.fp8.te.fp8_format", "HYBRID is TERecipeKwargs' default, which Accelerate leaves "
+                            "out, so MXFP8BlockScaling keeps its own E4M3 (KwargsHandler.to_kwargs)", "HYBRID",
+                            "use E4M3 or leave it null"))
+    recipe = {name: getattr(te, name) for name in ("fp8_format", "margin", "amax_history_len", "amax_compute_algo")
+              if getattr(te, name) is not None}
+    return {"backend": "te", "accelerate_backend": compat.ACCELERATE_FP8_BACKEND["te"], "recipe": recipe,
+            "use_mxfp8_block_scaling": te.recipe == "mxfp8"}
+
+
+# -- the config file -----------------------------------------------------------------------------------------
+def to_accelerate(spec: Spec, deepspeed_version: str | None = None, torchao_version: str | None = None) -> dict[str, Any]:
+    """The ClusterConfig document (accelerate 1.15 commands/config/config_args.py) for `accelerate launch`."""
+    return accelerate_file(spec, deepspeed_version, torchao_version)[0]
+
+
+def accelerate_file(spec: Spec, deepspeed_version: str | None = None,
+                    torchao_version: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the ClusterConfig document, the plan it came from)."""
+    plan = accelerate_plan(spec, "file", deepspeed_version=deepspeed_version, torchao_version=torchao_version)
+    doc: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE", "debug": False,
+                           "distributed_type": "FSDP" if plan["fsdp"] else "DEEPSPEED"}
+    if plan["fsdp"]:
+        fs = plan["fsdp"]
+        doc["mixed_precision"] = plan["mixed_precision"]
+        fsdp = {"fsdp_version": 2, "fsdp_reshard_after_forward": fs["reshard_after_forward"],
+                "fsdp_offload_params": fs["offload_params"], "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
+        if fs["wrap"]:
+            fsdp["fsdp_transformer_layer_cls_to_wrap"] = ",".join(fs["wrap"])
+        fsdp["fsdp_activation_checkpointing"] = fs["activation_checkpointing"]
+        fsdp["fsdp_cpu_ram_efficient_loading"] = fs["cpu_ram_efficient_loading"]
+        # The launcher refuses RAM-efficient loading without sync_module_states, FSDP2 included (utils/launch.py
+        # prepare_multi_gpu_env); FSDP2 itself ignores the key.
+        fsdp["fsdp_sync_module_states"] = fs["cpu_ram_efficient_loading"]
+        doc["fsdp_config"] = fsdp
+    else:
+        # mixed_precision is left out: accelerate launch refuses it next to deepspeed_config_file; the bf16/fp16
+        # section of the DeepSpeed config decides (state.py AcceleratorState.mixed_precision).
+        doc["deepspeed_config"] = {"deepspeed_config_file": json.dumps(plan["deepspeed"]["config"], separators=(",", ":")),
+                                   "zero3_init_flag": plan["deepspeed"]["zero3_init_flag"]}
+    if plan["fp8"]:
+        doc["fp8_config"] = _fp8_config(plan["fp8"])
+    if plan["compile"]:
+        doc["dynamo_config"] = {"dynamo_backend": "INDUCTOR",
+                                "dynamo_use_regional_compilation": plan["compile"]["regional"]}
+    doc.update({"machine_rank": 0, "main_training_function": "main", "num_machines": 1, "rdzv_backend": "static",
+                "same_network": True, "use_cpu": False})
+    return doc, plan
+
+
+def _fp8_config(fp8: dict[str, Any]) -> dict[str, Any]:
+    """fp8_config entries under the names the recipe kwargs read (each becomes ACCELERATE_FP8_<KEY>)."""
+    out: dict[str, Any] = {"backend": fp8["accelerate_backend"]}
+    if fp8["backend"] == "torchao":
+        linear = fp8["float8_linear_config"]
+        out.update(enable_fsdp_float8_all_gather=linear["enable_fsdp_float8_all_gather"],
+                   pad_inner_dim=linear["pad_inner_dim"])
+    elif fp8["backend"] == "te":
+        out.update(fp8["recipe"], use_mxfp8_block_scaling=fp8["use_mxfp8_block_scaling"])
+    else:
+        out["opt_level"] = fp8["opt_level"]
+    return out
+
+
+LOAD_DTYPE_MARK = "# fp8dist: precision.load_dtype="
+
+
+def render(document: dict[str, Any], plan: dict[str, Any], spec: Spec, source: str) -> str:
+    """The file: a comment header (what it needs from the launch and the script), then the YAML."""
+    import yaml
+
+    o, t = spec.optimizer, spec.train
+    batch = ("" if spec.engine == "deepspeed" else
+             f", micro batch {t.micro_batch_size} x accumulation {t.gradient_accumulation_steps}, clipping "
+             f"{t.gradient_clipping}")
+    lines = [f"# Accelerate {compat.fmt(compat.ACCELERATE_KNOWN[:2])} config translated by fp8dist from {source}.",
+             "# accelerate launch --config_file THIS --num_processes N your_script.py   (fp8dist configs do not fix N)",
+             f"{LOAD_DTYPE_MARK}{spec.precision.load_dtype}   (the torch_dtype your script loads the model in; "
+             "an Accelerate file has no place for it)",
+             f"# your script builds the optimizer: {o.name} lr={o.lr} weight_decay={o.weight_decay}{batch}"]
+    installed = compat.installed_version("accelerate")
+    same, reason = compat.accelerate_matches(compat.parse_version(installed) if installed else None)
+    if not same:
+        lines.append(f"# note: {reason}")
+    lines += [f"# note: {note}" for note in plan["notes"]]
+    return "\n".join(lines) + "\n" + yaml.safe_dump(document, sort_keys=False, default_flow_style=False, width=4096)

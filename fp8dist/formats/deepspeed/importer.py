@@ -1,0 +1,308 @@
+"""A DeepSpeed config (JSON) -> an fp8dist config with engine deepspeed.
+
+Precision sections (bf16 / fp16 / torch_autocast, communication_data_type, data_types, msamp) become
+`precision`; zero_optimization's stage and offload the `parallel` vocabulary (fp8dist/config/vocabulary.py);
+batch and clipping keys `train`; the optimizer section `optimizer`; every other DeepSpeed key goes to
+`deepspeed.extra` unchanged. `"auto"` is what only Accelerate / HF Trainer fill in: it is resolved to what they
+would use (AutoContext: the launching tool's own setting where the caller knows it, else Accelerate 1.15's
+default), said in a note; DeepSpeed alone would drop it inside a typed section (DeepSpeedConfigModel) or crash on
+a top-level scalar.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import fp8dist.compat as compat
+from fp8dist.config.vocabulary import DEEPSPEED_OFFLOAD, ZERO_STAGE
+from fp8dist.errors import Issue
+from fp8dist.formats.common import Imported, ImportProblem, Notes, dtype_name, mapping, set_path, truthy
+
+SHARDING_OF_STAGE = {stage: name for name, stage in ZERO_STAGE.items() if name != "hybrid"}
+OFFLOAD_OF_DEVICES = {devices: name for name, devices in DEEPSPEED_OFFLOAD.items()}
+# Keys the fp8dist translation writes itself (fp8dist/translate/deepspeed.py): never copied into extra.
+_GENERATED = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping", "steps_per_print",
+              "communication_data_type", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"}
+_OPTIMIZERS = {"adamw": "adamw", "adam": "adam", "fusedadam": "adam", "sgd": "sgd"}
+
+
+@dataclass
+class AutoContext:
+    """What fills "auto": the launching tool's settings where known (None: Accelerate 1.15's default)."""
+
+    who: str = "Accelerate 1.15"
+    mixed_precision: str | None = None  # no | bf16 | fp16 | fp8
+    micro_batch_size: int | None = None
+    gradient_accumulation_steps: int | None = None
+    gradient_clipping: float | None = None
+    lr: float | None = None
+    weight_decay: float | None = None
+    betas: list | None = None
+    eps: float | None = None
+
+
+def convert(document: dict[str, Any], text: str, source: str) -> Imported:
+    notes = Notes()
+    return Imported("deepspeed", convert_config(document, source, notes, AutoContext()), notes)
+
+
+def convert_config(config: Mapping[str, Any], source: str, notes: Notes, ctx: AutoContext,
+                   prefix: str = "") -> dict[str, Any]:
+    """The fp8dist document for DeepSpeed config `config`; notes name keys as `prefix + key`."""
+    importer = _Importer(copy.deepcopy(dict(config)), source, notes, ctx, prefix)
+    return importer.run()
+
+
+class _Importer:
+    def __init__(self, config: dict[str, Any], source: str, notes: Notes, ctx: AutoContext, prefix: str):
+        self.config, self.source, self.notes, self.ctx, self.prefix = config, source, notes, ctx, prefix
+        self.doc: dict[str, Any] = {"engine": "deepspeed"}
+        self.extra: dict[str, Any] = {}
+        self.issues: list[Issue] = []
+
+    def key(self, dotted: str) -> str:
+        return f"{self.prefix}{dotted}"
+
+    def run(self) -> dict[str, Any]:
+        self._precision()
+        self._zero()
+        self._train()
+        self._optimizer()
+        for key, value in self.config.items():  # whatever is left is DeepSpeed's own: extra
+            if key in ("scheduler", "amp"):
+                why = ("fp8dist has no learning-rate schedule; your script's scheduler is used" if key == "scheduler"
+                       else "Apex AMP, removed from DeepSpeed 0.19.8; precision comes from precision.*")
+                self.notes.dropped(self.key(key), value, why)
+            elif key in _GENERATED:
+                self.notes.dropped(self.key(key), value, "fp8dist writes this key itself from the config")
+            else:
+                self._keep(key, value)
+        if self.extra:
+            set_path(self.doc, "deepspeed.extra", self.extra)
+        if self.issues:
+            raise ImportProblem(self.issues, self.source, "deepspeed")
+        return self.doc
+
+    def _keep(self, dotted: str, value: Any) -> None:
+        """A raw DeepSpeed key into deepspeed.extra, with every "auto" inside it resolved or left out."""
+        if isinstance(value, dict):
+            for sub, inner in value.items():
+                self._keep(f"{dotted}.{sub}", inner)
+            return
+        if value == "auto":
+            if dotted in compat.ACCELERATE_DS_HIDDEN_SIZE_AUTO:
+                default = compat.DS_ZERO_DEFAULTS[dotted.split(".")[-1]]
+                self.notes.auto(self.key(dotted), compat.ACCELERATE_DS_HIDDEN_SIZE_AUTO[dotted],
+                                f"{self.ctx.who} fills it from the model at prepare; not kept, so DeepSpeed's default "
+                                f"{default} applies: write a number in deepspeed.extra to keep it")
+            elif dotted == "zero_optimization.stage3_gather_16bit_weights_on_model_save":
+                self.notes.auto(self.key(dotted), False, f"{self.ctx.who}'s fill (accelerator.py _prepare_deepspeed)")
+                set_path(self.extra, dotted, False)
+            else:
+                self.notes.dropped(self.key(dotted), value, "\"auto\" that fp8dist cannot resolve; DeepSpeed's default applies")
+            return
+        set_path(self.extra, dotted, value)
+
+    # -- precision ------------------------------------------------------------------------------------------
+    def _enabled(self, name: str, block: Any) -> bool:
+        if block is None:
+            return False
+        value = block.get("enabled", False)
+        if value == "auto":
+            mixed = self.ctx.mixed_precision
+            resolved = (mixed == name) or (name == "bf16" and mixed == "fp8")
+            self.notes.auto(self.key(f"{name}.enabled"), resolved,
+                            f"{self.ctx.who} fills it from its mixed_precision ({mixed or 'no'}"
+                            f"{'' if mixed else ', its default'}); DeepSpeed alone would read false")
+            return resolved
+        return bool(truthy(value))
+
+    def _precision(self) -> str | None:
+        c, precision = self.config, {}
+        if "bfloat16" in c and "bf16" not in c:
+            c["bf16"] = c.pop("bfloat16")
+        bf16, fp16, autocast = (mapping(c[k], self.key(k)) if k in c else None
+                                for k in ("bf16", "fp16", "torch_autocast"))
+        for key in ("bf16", "fp16", "torch_autocast"):
+            c.pop(key, None)
+        on = [name for name, block in (("bf16", bf16), ("fp16", fp16)) if self._enabled(name, block)]
+        autocast_on = isinstance(autocast, dict) and bool(truthy(autocast.get("enabled", False)))
+        if len(on) > 1 or (on and autocast_on):
+            self.issues.append(Issue(self.key("bf16"), "more than one 16-bit mode is enabled "
+                                     f"({', '.join(on + (['torch_autocast'] if autocast_on else []))}); fp8dist writes one",
+                                     fix="enable only one of bf16, fp16, torch_autocast"))
+            return None
+        section = on[0] if on else None
+        comm_raw = c.pop("communication_data_type", None)
+        comm = dtype_name(comm_raw)
+        if comm_raw is not None and comm is None:
+            self.issues.append(Issue(self.key("communication_data_type"), "not a dtype fp8dist knows", comm_raw,
+                                     "use fp32, bf16 or fp16"))
+        if section == "bf16":
+            precision.update(mixed_precision="bf16", load_dtype="bf16")
+            precision["master_weights"] = "bf16" if truthy(bf16.get("bf16_master_weights_and_grads")) else "fp32"
+            if truthy(bf16.get("bf16_optimizer_states")):
+                set_path(self.doc, "optimizer.state_dtype", "bf16")
+            self._rest("bf16", bf16, ("enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states"))
+        elif section == "fp16":
+            precision.update(mixed_precision="fp16", load_dtype="fp32")
+            precision["master_weights"] = "fp16" if truthy(fp16.get("fp16_master_weights_and_grads")) else "fp32"
+            scaling = {k: fp16[k] for k in compat.DS_FP16_DEFAULTS if k in fp16 and fp16[k] != "auto"}
+            for k in compat.DS_FP16_DEFAULTS:
+                if fp16.get(k) == "auto":
+                    self.notes.auto(self.key(f"fp16.{k}"), compat.DS_FP16_DEFAULTS[k], "DeepSpeed's default")
+            if scaling:
+                precision["loss_scaling"] = scaling
+            self._rest("fp16", fp16, ("enabled", "fp16_master_weights_and_grads", *compat.DS_FP16_DEFAULTS))
+        elif autocast_on:
+            dtype = dtype_name(autocast.get("dtype"))
+            if dtype is None or dtype == "fp32":
+                dtype = "fp16"
+                self.notes.resolved(self.key("torch_autocast.dtype"), dtype, "left out: DeepSpeed autocasts to fp16 "
+                                    "on CUDA (runtime/torch_autocast.py)")
+            load = comm or "fp32"
+            precision.update(mixed_precision=dtype, master_weights="none", load_dtype=load)
+            if autocast.get("lower_precision_safe_modules") != []:
+                self.notes.dropped(self.key("torch_autocast.lower_precision_safe_modules"),
+                                   autocast.get("lower_precision_safe_modules", "DeepSpeed's default list"),
+                                   f"fp8dist reduces every gradient in the weights' dtype ({load}) and writes []; "
+                                   "DeepSpeed's list would reduce those modules' gradients in the autocast dtype")
+        else:
+            load = comm or "fp32"
+            precision.update(mixed_precision="none", master_weights="none", load_dtype=load)
+            if isinstance(autocast, dict) and autocast:
+                self.notes.dropped(self.key("torch_autocast"), autocast, "not enabled")
+        for name, block in (("bf16", bf16), ("fp16", fp16)):
+            if block is not None and name != section and isinstance(block, dict) and len(block) > 1:
+                self.notes.dropped(self.key(name), block, "the section is not enabled")
+        if comm is None:
+            comm = compat.deepspeed_default_communication(section)
+            if section or precision["mixed_precision"] != "none":
+                self.notes.resolved(self.key("communication_data_type"), comm, "left out: DeepSpeed reduces in the "
+                                    "16-bit section's dtype, else fp32 (runtime/engine.py communication_data_type)")
+        precision["reduce_dtype"] = comm
+        data_types = mapping(c.pop("data_types", None), self.key("data_types"))
+        if data_types:
+            accum = dtype_name(data_types.pop("grad_accum_dtype", None))
+            if accum:
+                set_path(self.doc, "deepspeed.grad_accum_dtype", accum)
+            for key, value in data_types.items():
+                self._keep(f"data_types.{key}", value)
+        msamp = mapping(c.pop("msamp", None), self.key("msamp"))
+        if truthy(msamp.get("enabled", False)):
+            precision["fp8"] = {"backend": "msamp", "msamp": {"opt_level": msamp.get("opt_level", "O1"),
+                                                              "use_te": bool(truthy(msamp.get("use_te", False)))}}
+            if "opt_level" not in msamp:
+                self.notes.resolved(self.key("msamp.opt_level"), "O1", "left out: MS-AMP's default")
+        self.doc["precision"] = precision
+        return section
+
+    def _rest(self, name: str, block: dict[str, Any], known: tuple) -> None:
+        for key, value in block.items():
+            if key not in known:
+                self._keep(f"{name}.{key}", value)
+
+    # -- ZeRO -----------------------------------------------------------------------------------------------
+    def _zero(self) -> None:
+        zero = mapping(self.config.pop("zero_optimization", None), self.key("zero_optimization"))
+        stage = zero.pop("stage", 0)
+        if stage not in (0, 1, 2, 3):
+            self.issues.append(Issue(self.key("zero_optimization.stage"), "not a ZeRO stage", stage, "use 0, 1, 2 or 3"))
+            return
+        hpz = zero.pop("zero_hpz_partition_size", 1)
+        if stage == 3 and isinstance(hpz, int) and hpz > 1:
+            set_path(self.doc, "parallel.sharding", "hybrid")
+            set_path(self.doc, "parallel.shard_size", hpz)
+        elif stage in SHARDING_OF_STAGE:
+            set_path(self.doc, "parallel.sharding", SHARDING_OF_STAGE[stage])
+        else:
+            set_path(self.doc, "deepspeed.zero_stage", stage)  # ZeRO-1 has no engine-agnostic name
+        devices = []
+        for name in ("offload_optimizer", "offload_param"):
+            block = mapping(zero.pop(name, None), self.key(f"zero_optimization.{name}"))
+            device = str(block.pop("device", "none")).lower()
+            nvme = block.pop("nvme_path", None)
+            devices.append(device)
+            if device == "nvme":
+                set_path(self.doc, "deepspeed.nvme_path", nvme)
+            if device == "none":
+                if block:
+                    self.notes.dropped(self.key(f"zero_optimization.{name}"), block, "no offload device")
+                continue
+            for key, value in block.items():
+                self._keep(f"zero_optimization.{name}.{key}", value)
+        devices = tuple(devices)
+        if devices in OFFLOAD_OF_DEVICES:
+            if devices != ("none", "none"):
+                set_path(self.doc, "parallel.offload", OFFLOAD_OF_DEVICES[devices])
+        else:
+            set_path(self.doc, "deepspeed.offload_optimizer", devices[0])
+            set_path(self.doc, "deepspeed.offload_param", devices[1])
+        for key, value in zero.items():
+            self._keep(f"zero_optimization.{key}", value)
+
+    # -- batch, clipping, optimizer -------------------------------------------------------------------------
+    def _value(self, key: str, known: Any, fallback: Any, why: str) -> Any:
+        value = self.config.pop(key, None)
+        if value != "auto":
+            return value
+        resolved = known if known is not None else fallback
+        self.notes.auto(self.key(key), resolved, why if known is None else f"{self.ctx.who}'s own setting")
+        return resolved
+
+    def _train(self) -> None:
+        ctx, train = self.ctx, {}
+        micro = self._value("train_micro_batch_size_per_gpu", ctx.micro_batch_size, 2,
+                            f"{ctx.who} uses the DataLoader's batch_size; fp8dist's default 2 kept: set "
+                            "train.micro_batch_size to it")
+        accum = self._value("gradient_accumulation_steps", ctx.gradient_accumulation_steps,
+                            compat.ACCELERATE_DS_AUTO["gradient_accumulation_steps"],
+                            f"{ctx.who}'s gradient_accumulation_steps default")
+        clip = self._value("gradient_clipping", ctx.gradient_clipping, compat.ACCELERATE_DS_AUTO["gradient_clipping"],
+                           f"{ctx.who} fills 1.0 (accelerator.py _prepare_deepspeed)")
+        for key, value in (("micro_batch_size", micro), ("gradient_accumulation_steps", accum),
+                           ("gradient_clipping", clip)):
+            if value is not None:
+                train[key] = value
+        batch = self.config.pop("train_batch_size", None)
+        if batch is not None:
+            self.notes.dropped(self.key("train_batch_size"), batch, "derived: micro batch x accumulation x world size")
+        if train:
+            self.doc["train"] = train
+        steps = self.config.pop("steps_per_print", None)
+        if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1:
+            set_path(self.doc, "deepspeed.steps_per_print", steps)
+        elif steps is not None:
+            self.notes.dropped(self.key("steps_per_print"), steps, "not a positive integer")
+
+    def _optimizer(self) -> None:
+        if "optimizer" not in self.config:
+            return
+        block = mapping(self.config.pop("optimizer"), self.key("optimizer"))
+        kind = str(block.get("type", "")).lower()
+        if kind not in _OPTIMIZERS:
+            self.issues.append(Issue(self.key("optimizer.type"), "fp8dist builds AdamW, Adam or SGD (torch.optim) "
+                                     "itself; it has no equivalent of this DeepSpeed optimizer", block.get("type"),
+                                     "set the type to AdamW, Adam or SGD, or remove the optimizer section"))
+            return
+        ctx, out = self.ctx, {"name": _OPTIMIZERS[kind]}
+        self.notes.resolved(self.key("optimizer"), f"optimizer.name={out['name']}",
+                            "fp8dist builds it (a torch.optim client optimizer) instead of DeepSpeed")
+        params = mapping(block.get("params"), self.key("optimizer.params"))
+        fills = {"lr": (ctx.lr, compat.ACCELERATE_DS_AUTO["optimizer.params.lr"], "DummyOptim's lr"),
+                 "weight_decay": (ctx.weight_decay, compat.ACCELERATE_DS_AUTO["optimizer.params.weight_decay"],
+                                  "DummyOptim's weight_decay"),
+                 "betas": (ctx.betas, [0.9, 0.999], "torch's default"), "eps": (ctx.eps, 1e-8, "torch's default")}
+        for key, (known, fallback, why) in fills.items():
+            if key not in params:
+                continue
+            value = params.pop(key)
+            if value == "auto":
+                value = known if known is not None else fallback
+                self.notes.auto(self.key(f"optimizer.params.{key}"), value,
+                                f"{ctx.who}'s own setting" if known is not None else f"{ctx.who} fills {why}")
+            out[key] = list(value) if key == "betas" else value
+        for key, value in params.items():
+            self.notes.dropped(self.key(f"optimizer.params.{key}"), value, "no fp8dist optimizer setting")
+        self.doc["optimizer"] = {**self.doc.get("optimizer", {}), **out}

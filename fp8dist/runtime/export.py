@@ -1,0 +1,262 @@
+"""Export a checkpoint to Hugging Face format: `config.json` + safetensors that
+`AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads in a process that never imports fp8dist.
+
+The tensors are plain (torchao's float8 weight wrappers are stripped: safetensors cannot write them, "invalid
+python storage", scaling.md 4.2), named as the model's own state dict names them (activation checkpointing
+and torch.compile wrappers removed), in the export dtype (default: the run's `precision.load_dtype`; fp32
+masters stay in the resumable checkpoint: instructlab#477's "fp32 checkpoints from bf16 training"). Files are
+written into a scratch directory beside OUT_DIR and renamed at the end: an interrupted export leaves nothing
+that looks like a model.
+
+The source is read tensor by tensor, in groups of at most one output shard: FSDP2 checkpoints through
+torch.distributed.checkpoint (no process group needed), DeepSpeed ones through DeepSpeed's own
+zero_to_fp32 (the fp32 masters of ZeRO 1-3, lazily) or, without ZeRO, the module weights it saved.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import fp8dist.compat as compat
+from fp8dist.errors import Fp8distError
+import fp8dist.dtypes as dtypes
+
+MARKER = "fp8dist-export.json"  # says a directory is an fp8dist export, which a new export may replace
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class Exported:
+    directory: Path
+    dtype: str
+    files: tuple[str, ...]
+    tensors: int
+    bytes: int  # of the safetensors files
+
+
+def check_destination(out_dir: str | os.PathLike) -> None:
+    """OUT_DIR may be new (its parents are made), empty, or an earlier fp8dist export (which is replaced, known by
+    its fp8dist-export.json); anything else is refused: a Hugging Face model directory is never overwritten."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise Fp8distError(f"{out}: is a file\n  fix: name a new directory for the export")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise Fp8distError(f"{out}: exists and holds files that fp8dist did not export (no {MARKER})"
+                           "\n  fix: name a new or empty directory (an earlier fp8dist export there is replaced)")
+
+
+def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None = None,
+              shard_bytes: int = compat.HF_MAX_SHARD_BYTES) -> Exported:
+    """Write the model of `checkpoint` (one checkpoint, or a --checkpoint-dir: its newest complete one) to
+    `out_dir` in Hugging Face format, in `dtype` (fp32 | bf16 | fp16; default the run's load dtype)."""
+    from fp8dist.engines.checkpoint import HF_CONFIG_DIR, find_latest, read_manifest
+
+    path = find_latest(checkpoint)
+    if path is None:
+        raise Fp8distError(f"{checkpoint}: no complete checkpoint in it"
+                           "\n  fix: pass a checkpoint directory written by launch/train.py --checkpoint-dir")
+    manifest = read_manifest(path)
+    config_file = path / HF_CONFIG_DIR / "config.json"
+    if not config_file.is_file():
+        raise Fp8distError(f"{path}: the model ({manifest['model'].get('name') or '?'}) is not a Hugging Face "
+                           "model, so there is no config.json to export with it"
+                           "\n  fix: export Hugging Face models; for others read the checkpoint with "
+                           "torch.distributed.checkpoint (FSDP2) or DeepSpeed's zero_to_fp32.py")
+    asked = dtype
+    dtype = dtype or manifest["config"]["precision"]["load_dtype"]
+    if dtype not in ("fp32", "bf16", "fp16"):
+        raise Fp8distError(f"--dtype {dtype}: not an export dtype\n  fix: use fp32, bf16 or fp16")
+    check_destination(out_dir)
+
+    from safetensors.torch import save_file
+
+    from fp8dist.dtypes import torch_dtype
+
+    target = torch_dtype(dtype)
+    out = Path(out_dir)
+    out.absolute().parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.absolute().parent))
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger and progress prints: not our output
+            reader = _unless_unreadable(path, lambda: _reader(path, manifest))
+        narrower = sorted(d for d in getattr(reader, "stored", ()) if d.itemsize < target.itemsize)
+        if narrower:
+            stored = dtypes.name_of(narrower[0])
+            if asked:
+                raise Fp8distError(f"{path}: a DeepSpeed checkpoint without ZeRO keeps the weights in {stored}; "
+                                   f"a {dtype} export would be them upcast, not the fp32 masters"
+                                   f"\n  fix: --dtype {stored}, or train with deepspeed.zero_stage >= 1 to export "
+                                   "the masters")
+            dtype, target = stored, torch_dtype(stored)  # the default: the weights as they were saved
+        groups = list(_groups(reader.sizes(target), shard_bytes))
+        names = [WEIGHTS] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+                                                    for i in range(len(groups))]
+        weight_map, tensors = {}, 0
+        for name, group in zip(names, groups):
+            shard = _unless_unreadable(path, lambda: {key: _plain(value, target) for key, value in reader.read(group)})
+            save_file(shard, str(scratch / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+            tensors += len(shard)
+            del shard
+        total = sum((scratch / name).stat().st_size for name in names)
+        if len(names) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (scratch / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        config["dtype"] = dtypes.torch_name(dtype)
+        (scratch / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (scratch / MARKER).write_text(json.dumps({"checkpoint": str(path.absolute()), "step": manifest["step"],
+                                                  "dtype": dtype, "files": names}, indent=1) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(scratch, 0o777 & ~umask)  # mkdtemp makes it private; an export is an ordinary directory
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(scratch, out)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return Exported(out, dtype, tuple(names), tensors, total)
+
+
+def _unless_unreadable(path: Path, read):
+    """`read()`, with what the checkpoint's files or the libraries raise said as the checkpoint being unreadable
+    (torch.distributed.checkpoint's CheckpointException is a BaseException)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return read()
+    except Fp8distError:
+        raise
+    except ImportError as exc:
+        raise Fp8distError(f"{path}: reading it needs {exc.name or 'a library'}, which is not installed"
+                           "\n  fix: pip install -e '.[all]' (as for training)") from None
+    except (Exception, CheckpointException) as exc:
+        from fp8dist.engines.checkpoint import failure_text
+
+        raise Fp8distError(f"{path}: cannot read the checkpoint ({failure_text(exc)})"
+                           f"\n  fix: restore its files, or export the checkpoint before it") from None
+
+
+def _plain(value, dtype):
+    """A plain, contiguous CPU tensor in `dtype` (floating tensors only are cast). Copying into a new plain
+    tensor strips tensor subclasses (torchao's WeightWithDynamicFloat8CastTensor unwraps itself in copy_)."""
+    import torch
+
+    target = dtype if value.is_floating_point() else value.dtype
+    plain = torch.empty(tuple(value.shape), dtype=target)
+    plain.copy_(value)
+    return plain
+
+
+def _groups(sizes: dict[str, int], limit: int) -> Iterator[list[str]]:
+    group, used = [], 0
+    for key, size in sizes.items():
+        if group and used + size > limit:
+            yield group
+            group, used = [], 0
+        group.append(key)
+        used += size
+    if group:
+        yield group
+
+
+def _reader(path: Path, manifest: dict):
+    if manifest["engine"] == "fsdp2":
+        return _DCPReader(path, manifest)
+    return _DeepSpeedReader(path)
+
+
+class _DCPReader:
+    """Model tensors of an FSDP2 checkpoint, read with torch.distributed.checkpoint without a process group
+    (each group of keys is loaded into full-size plain tensors; DCP assembles the ranks' shards)."""
+
+    def __init__(self, path: Path, manifest: dict):
+        import torch.distributed.checkpoint as dcp
+
+        if manifest["config"]["precision"]["fp8"]["backend"] == "torchao":
+            import torchao.float8  # noqa: F401  registers its float8 wrapper as a safe global for torch.load
+        self.dcp, self.directory = dcp, path / "dcp"
+        metadata = dcp.FileSystemReader(str(self.directory)).read_metadata().state_dict_metadata
+        self.tensors = {key[len("model."):]: meta for key, meta in metadata.items()
+                        if key.startswith("model.") and hasattr(meta, "size")}
+
+    def sizes(self, dtype) -> dict[str, int]:
+        from fp8dist.engines.checkpoint import model_key
+
+        return {key: meta.size.numel() * _itemsize(meta.properties.dtype, dtype) for key, meta in self.tensors.items()
+                if model_key(key)}
+
+    def read(self, keys: list[str]):
+        import torch
+
+        from fp8dist.engines.checkpoint import model_key
+
+        state = {key: torch.empty(tuple(self.tensors[key].size), dtype=self.tensors[key].properties.dtype)
+                 for key in keys}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            self.dcp.load({"model": state}, checkpoint_id=str(self.directory), no_dist=True)
+        for key in keys:
+            yield model_key(key), state.pop(key)
+
+
+class _DeepSpeedReader:
+    """Model tensors of a DeepSpeed checkpoint: the fp32 masters that DeepSpeed's zero_to_fp32 assembles from
+    the ZeRO partitions (deepspeed 0.19 utils/zero_to_fp32.py get_fp32_state_dict_from_zero_checkpoint,
+    lazily), or without ZeRO the module weights of mp_rank_00_model_states.pt."""
+
+    stored: set = set()  # dtypes of the weights when they are not the fp32 masters
+
+    def __init__(self, path: Path):
+        import torch
+
+        from fp8dist.engines.deepspeed import Checkpointing
+
+        self.directory, tag = path, Checkpointing.TAG
+        # one file without ZeRO-3, one per rank with it (runtime/engine.py _get_ckpt_name)
+        first = next(iter(sorted((path / tag).glob("*mp_rank_00_model_states.pt"))))
+        states = torch.load(first, map_location="cpu", weights_only=False)
+        if any(path.joinpath(tag).glob("*zero_pp_rank_*_optim_states.pt")) and states.get("ds_config", {}).get(
+                "zero_optimization", {}).get("stage", 0) > 0:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            self.state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag, lazy_mode=True)
+        else:  # ZeRO-0: the fp32 masters sit inside DeepSpeed's optimizer state; the module holds the weights
+            self.state = states["module"]
+            self.stored = {v.dtype for v in self.state.values() if v.is_floating_point()}
+
+    def sizes(self, dtype) -> dict[str, int]:
+        return {key: _numel(value) * _itemsize(getattr(value, "dtype", None), dtype)
+                for key, value in self.state.items()}
+
+    def read(self, keys: list[str]):
+        from fp8dist.engines.checkpoint import model_key
+
+        for key in keys:
+            value = self.state[key]
+            yield model_key(key), value.contiguous()  # a lazy GatheredTensor assembles itself here
+
+
+def _numel(value) -> int:
+    shape = value.shape
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return count
+
+
+def _itemsize(stored, target) -> int:
+    """Bytes per element once exported: floating tensors take the export dtype, others keep theirs."""
+    if stored is None or stored.is_floating_point:
+        return target.itemsize
+    return stored.itemsize

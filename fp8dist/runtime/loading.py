@@ -1,0 +1,228 @@
+"""RAM-efficient loading of a local Hugging Face model directory (`parallel.cpu_ram_efficient_loading`):
+no rank ever holds the full model.
+
+FSDP2 (research/scaling.md 1.5, verified on gloo): build on the meta device in the master dtype, with the
+buffers real (accelerate.init_empty_weights(include_buffers=False): RoPE's inv_freq is computed, not
+stored); `fsdp2.prepare` converts, wraps, compiles and shards it; then `ShardOnRead.materialize`
+allocates the local shards (`to_empty`), puts the buffers back and reads each rank's rows straight from
+the safetensors files with positional reads (`read_local_shards`). torch.distributed.checkpoint's
+HuggingFaceStorageReader reads the same slices but through safetensors' mmap, and measured here it
+doubled the peak host memory of a rank (benchmarks/loading_memory.py). It copies into the sharded
+parameters: they keep the master dtype and torchao's float8 all-gather wrapper. The other load
+path, `load_state_dict(assign=True)` on meta parameters, silently turns fp32 masters into the file's bf16
+and drops the wrapper (scaling.md 1.5), which is why it is not used.
+
+DeepSpeed: ZeRO-3 builds the model inside `deepspeed.zero.Init` (transformers does so while an
+HfDeepSpeedConfig is alive, transformers 5.23 modeling_utils get_init_context) and loads each parameter
+through GatheredParameters from rank 0's read; the config object is kept alive with the model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8dist.errors import Fp8distError
+import fp8dist.dtypes as dtypes
+from fp8dist.dtypes import torch_dtype
+from fp8dist.runtime.models import LoadedModel, causal_lm_batch, check_model_name, load_model
+from fp8dist.translate.deepspeed import to_deepspeed
+
+
+def _torch_dtype(code: str, file: Path, tensor: str):
+    """The torch dtype of a safetensors header's dtype code (fp8dist.dtypes)."""
+    entry = dtypes.from_safetensors(code)
+    if entry is None or not hasattr(torch, entry.torch):
+        raise Fp8distError(f"{file}: {tensor} is stored as {code}, which fp8dist cannot read shard by shard "
+                           f"(known: {', '.join(dtypes.safetensors_codes())}); set parallel.cpu_ram_efficient_loading=false")
+    return getattr(torch, entry.torch)
+
+
+@dataclass
+class ShardOnRead:
+    """Materialises a meta-built, sharded model from a Hugging Face directory, each rank reading its shards."""
+
+    path: Path
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def file_formats(self) -> dict[str, int]:
+        """Elements per storage format in the safetensors files (read from their headers, no tensor loaded)."""
+        from safetensors import safe_open
+
+        from fp8dist.backends.storage import short
+
+        counts: dict[str, int] = {}
+        for path in sorted(self.path.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():
+                    piece = handle.get_slice(key)
+                    numel = 1
+                    for dim in piece.get_shape():
+                        numel *= dim
+                    dtype = short(_torch_dtype(piece.get_dtype(), path, key))
+                    counts[dtype] = counts.get(dtype, 0) + numel
+        return counts
+
+    def keep_buffers(self, model: torch.nn.Module) -> None:
+        """The real buffers of the meta-built model (to_empty would leave them uninitialised)."""
+        self.buffers = {name: buf.detach().clone() for name, buf in model.named_buffers() if not buf.is_meta}
+
+    def materialize(self, model: torch.nn.Module, device: str) -> None:
+        self.keep_buffers(model)
+        tied = _tie_groups(model)
+        model.to_empty(device=device)
+        _retie(model, tied)
+        for name, saved in self.buffers.items():
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner) if owner else model
+            module._buffers[attr] = saved.to(device)
+        read_local_shards(model, self.path)
+
+
+def _header_index(path: Path) -> dict[str, tuple[Path, int, str, list[int]]]:
+    """tensor name -> (file, absolute byte offset of its data, safetensors dtype, shape), from the headers of
+    every *.safetensors file: 8 bytes little-endian header length, the JSON header, then the data (the
+    safetensors format, huggingface/safetensors README)."""
+    import json
+    import struct
+
+    index = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with open(file, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                index[name] = (file, 8 + length + entry["data_offsets"][0], entry["dtype"], entry["shape"])
+    return index
+
+
+def read_local_shards(model: torch.nn.Module, path: Path) -> None:
+    """Each rank reads, with plain positional reads (no mmap: no page of another rank's rows is touched), only
+    the rows of its own shard of every parameter and persistent buffer, and copies them into the sharded
+    tensors (casting to the master dtype; torchao's float8 wrapper is kept, `copy_` preserves it). FSDP2
+    shards on dim 0 (Shard(0); Replicate on a hybrid mesh's other dim), so a shard is one contiguous byte
+    range. Names missing from the files are tied weights, which share the loaded parameter."""
+    import os
+
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    index = _header_index(path)
+    missing = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name not in index:
+            missing.append(name)
+            continue
+        file, start, dtype_name, shape = index[name]
+        if list(tensor.shape) != shape:
+            raise Fp8distError(f"{file}: {name} has shape {shape} in the file and {list(tensor.shape)} in the model "
+                               "built from config.json; the directory's files do not belong to its config")
+        local, rows, first = tensor, shape[0] if shape else 1, 0
+        if isinstance(tensor, DTensor):
+            local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
+                                                                        tensor.placements)
+            if any(offset[1:]) or list(local_shape[1:]) != shape[1:]:
+                raise Fp8distError(f"{name}: sharded on a dim other than 0 ({tensor.placements}); shard-on-read "
+                                   "reads row blocks only")
+            local, rows, first = tensor.to_local(), local_shape[0], offset[0]
+        dtype = _torch_dtype(dtype_name, file, name)
+        row_bytes = dtype.itemsize
+        for dim in shape[1:]:
+            row_bytes *= dim
+        with open(file, "rb") as handle:
+            data = os.pread(handle.fileno(), rows * row_bytes, start + first * row_bytes)
+        if len(data) != rows * row_bytes:
+            raise Fp8distError(f"{file}: {name} ends past the end of the file (truncated?)")
+        if local.numel():
+            with torch.no_grad():
+                local.copy_(torch.frombuffer(bytearray(data), dtype=dtype).view(local.shape))
+    present = {n for n, _ in model.named_parameters()}
+    unloaded = [n for n in missing if n in present and not _shares_a_loaded_parameter(model, n, index)]
+    if unloaded:
+        raise Fp8distError(f"{path}: no weights for {', '.join(unloaded[:5])}"
+                           f"{' ...' if len(unloaded) > 5 else ''}; the files do not belong to this model")
+
+
+def _shares_a_loaded_parameter(model: torch.nn.Module, name: str, index: dict) -> bool:
+    param = model.get_parameter(name)
+    return any(other in index for other, p in model.named_parameters(remove_duplicate=False) if p is param)
+
+
+def _tie_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Names that share one parameter (tied embeddings), first the one FSDP2 registered it under."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _retie(model: torch.nn.Module, groups: list[list[str]]) -> None:
+    """`to_empty` gives every module its own new parameter, which unties them; point the others back at the
+    first, the one FSDP2's parameter tracks (torch 2.13 _fsdp_param.py reset_sharded_param reads the module
+    it was first found on)."""
+    for first, *others in groups:
+        shared = model.get_parameter(first)
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            (model.get_submodule(owner) if owner else model).register_parameter(attr, shared)
+
+
+def _hf_config(path: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def load_empty(path: Path, master_dtype: str) -> LoadedModel:
+    """FSDP2: the model built on meta in the master dtype (buffers real), with the loader to call after
+    sharding (`LoadedModel.materialize`)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config = _hf_config(path)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(master_dtype))
+    # init_empty_weights re-creates every parameter it sees registered, which undoes the tie transformers made
+    # while building (accelerate 1.15 big_modeling.py register_empty_parameter): tie again, outside it.
+    model.tie_weights()
+    return LoadedModel(model, causal_lm_batch(config.vocab_size), str(path), materialize=ShardOnRead(path))
+
+
+def load_zero3(path: Path, spec, ds_config: dict[str, Any]) -> LoadedModel:
+    """DeepSpeed ZeRO-3: built partitioned inside zero.Init and loaded through GatheredParameters."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    keepalive = HfDeepSpeedConfig(ds_config)  # while alive, from_pretrained builds under zero.Init
+    config = _hf_config(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                     dtype=torch_dtype(spec.precision.load_dtype))
+    except Exception as exc:
+        raise Fp8distError(f"cannot load the Hugging Face model in {path} under zero.Init: {type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    return LoadedModel(model, causal_lm_batch(config.vocab_size), str(path), keepalive=keepalive)
+
+
+def check_efficient_loading(name: str, spec) -> None:
+    """RAM-efficient loading reads files: MODEL must be a local Hugging Face directory (said before launch)."""
+    check_model_name(name)
+    if spec.parallel.cpu_ram_efficient_loading and not Path(name).is_dir():
+        raise Fp8distError(f"parallel.cpu_ram_efficient_loading reads a local Hugging Face model directory; MODEL "
+                           f"{name!r} is built in memory\n  fix: save it first (model.save_pretrained(DIR)) and "
+                           "pass --model DIR, or set parallel.cpu_ram_efficient_loading=false")
+
+
+def load_for_run(name: str, spec, plan: dict | None = None) -> LoadedModel:
+    """MODEL as the run needs it (`fp8dist.load_model`): RAM-efficiently where `parallel.cpu_ram_efficient_loading`
+    says so (a local Hugging Face directory only), else fully on every rank (fp8dist.runtime.models.load_model).
+    `plan`: the run's DeepSpeed translation, when the caller made it already (ZeRO-3 builds under zero.Init)."""
+    if not spec.parallel.cpu_ram_efficient_loading:
+        return load_model(name, spec.precision.load_dtype, seed=spec.train.seed)
+    check_efficient_loading(name, spec)
+    if spec.engine == "deepspeed":
+        return load_zero3(Path(name), spec, plan or to_deepspeed(spec))
+    return load_empty(Path(name), spec.precision.weight_dtype)

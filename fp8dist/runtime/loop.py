@@ -1,0 +1,179 @@
+"""The run loop, written once: process group, preflight, loading, engine setup, the first-step audit, steps,
+checkpoints, resume and export. launch/train.py runs all of it (`run`); the audit's ranks (fp8dist.audit.worker)
+and `fp8dist compare` start a Session and step it.
+
+    session = start(spec, loaded)              # the engine the config names, around the loaded model
+    loss, note = session.step(0)               # one optimizer step on the run's batches of step 0
+    train(session, Plan(steps=8, checkpoint_dir="ckpt"), on_step=..., say=...)
+
+The first-step audit is the engines' (fp8dist.engines.base.Engine.train_step); a caller above the audit layer may
+hand in its own (`first_step_audit=`), this module never imports the audit.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import fp8dist.engines.checkpoint as checkpoint
+from fp8dist.config.spec import Spec
+from fp8dist.config.vocabulary import check_world_size
+from fp8dist.engines import registry
+from fp8dist.engines.advice import advise
+from fp8dist.engines.base import Engine, FirstStepAudit
+from fp8dist.engines.registry import facts_for
+from fp8dist.errors import Fp8distError
+from fp8dist.runtime import process_group
+from fp8dist.runtime.data import SYNTHETIC_BATCHES, batches_for
+from fp8dist.runtime.loading import check_efficient_loading, load_for_run
+from fp8dist.runtime.models import LoadedModel
+from fp8dist.runtime.preflight import preflight
+
+
+@dataclass
+class Session:
+    """A prepared run on this rank: the engine, and the batches of each step."""
+
+    spec: Spec
+    loaded: LoadedModel
+    engine: Engine
+    make_batch: Callable[[int, int, int], dict]
+    pool: int | None = SYNTHETIC_BATCHES  # synthetic data cycles this many batches per rank; None: fresh ones
+
+    def batches(self, index: int) -> list[dict]:
+        """The micro-batches of optimizer step `index` on this rank, on the engine's input device."""
+        device = self.engine.input_device
+        return [{k: v.to(device) for k, v in batch.items()}
+                for batch in batches_for(self.make_batch, self.spec, index, process_group.rank(), pool=self.pool)]
+
+    def step(self, index: int) -> tuple[float, str | None]:
+        """One optimizer step on the batches of step `index`: (mean loss, why it was skipped or None)."""
+        loss = self.engine.train_step(self.batches(index))
+        return loss, self.engine.skipped_note
+
+
+def start(spec: Spec, loaded: LoadedModel, *, plan: dict | None = None, audit: str | None = None,
+          first_step_audit: FirstStepAudit | None = None, make_batch=None, pool: int | None = SYNTHETIC_BATCHES,
+          ) -> Session:
+    """The engine `spec.engine` names around `loaded` (the process group is up). `audit`: the first-step audit's
+    mode (default audit.first_step); `make_batch`/`pool`: the data (default: the model's synthetic batches)."""
+    if torch.cuda.is_available() and loaded.materialize is None and spec.engine == "fsdp2":
+        loaded.model.to("cuda")  # a meta-built model is allocated on the device by the engine
+    engine = registry.setup(loaded.model, spec, optimizer=loaded.make_optimizer, audit=audit, plan=plan,
+                            first_step_audit=first_step_audit, materialize=loaded.materialize)
+    return Session(spec, loaded, engine, make_batch or loaded.make_batch, pool)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `train` does beyond stepping (launch/train.py's flags)."""
+
+    steps: int  # the step the run ends at (with resume, counted from step 0)
+    model_name: str = ""
+    checkpoint_dir: str | None = None
+    save_every: int | None = None
+    resume: bool = False
+    export_hf: str | None = None
+
+
+def train(session: Session, plan: Plan, on_step: Callable[[int, float, str | None], None],
+          say: Callable[[str], None]) -> tuple[Path, bool] | None:
+    """Resume, step to `plan.steps`, checkpoint. With `export_hf`, returns (the checkpoint to export from, whether
+    it is a scratch one to delete afterwards)."""
+    engine, spec = session.engine, session.spec
+    if plan.export_hf and checkpoint.checkpointing_for(engine).hf_config() is None:  # said before training
+        raise Fp8distError(f"--export-hf: the model {plan.model_name} is not a Hugging Face model (no `config` with "
+                           "to_json_file), so there is no config.json to export\n  fix: drop --export-hf and keep "
+                           "--checkpoint-dir, or train a transformers model")
+    first, latest = 0, None  # latest: this run's newest checkpoint (step, path)
+    if plan.checkpoint_dir:
+        checkpoint.check_run_directory(plan.checkpoint_dir, plan.resume)
+    if plan.resume:
+        resumed = checkpoint.resume(engine, plan.checkpoint_dir, model_name=plan.model_name)
+        if resumed is None:
+            say(f"no complete checkpoint in {plan.checkpoint_dir}: starting from step 0")
+        else:
+            first, latest = resumed.step, (resumed.step, resumed.path)
+            say(f"resumed from {resumed.path} (step {resumed.step})")
+            for note in resumed.notes:
+                say(f"note: {note}")
+            if first >= plan.steps:
+                say(f"the checkpoint is at step {first}, --steps is {plan.steps}: no step to run")
+    for index in range(first, plan.steps):
+        loss, note = session.step(index)
+        on_step(index, loss, note)
+        done = index + 1
+        if plan.checkpoint_dir and ((plan.save_every and done % plan.save_every == 0) or done == plan.steps):
+            latest = (done, checkpoint.save(engine, plan.checkpoint_dir, done, spec=spec, model_name=plan.model_name))
+            say(f"saved {latest[1]}")
+    if not plan.export_hf:
+        return None
+    final = max(plan.steps, first)
+    if latest is not None and latest[0] == final:
+        return latest[1], False
+    # A run that keeps no checkpoint of its last step exports from a scratch one beside the export: the same files
+    # as `fp8dist export` makes later.
+    parent = os.path.dirname(os.path.abspath(plan.export_hf))
+    if process_group.rank() == 0:
+        os.makedirs(parent, exist_ok=True)
+    scratch = [tempfile.mkdtemp(prefix=".fp8dist-export-", dir=parent) if process_group.rank() == 0 else None]
+    dist.broadcast_object_list(scratch, src=0)
+    return checkpoint.save(engine, scratch[0], final, spec=spec, model_name=plan.model_name), True
+
+
+def export(source: Path, scratch: bool, destination: str, say: Callable[[str], None]) -> None:
+    """Rank 0, after the process group is gone (an export of a large model must not hold the others in a
+    collective that times out)."""
+    from fp8dist.runtime.export import export_hf
+
+    try:
+        exported = export_hf(source, destination)
+        say(f"exported {exported.directory} ({exported.dtype}, {exported.tensors} tensors, {exported.bytes} bytes)")
+    finally:
+        if scratch:
+            shutil.rmtree(source.parent, ignore_errors=True)
+
+
+STEP_LINE = re.compile(r"^step \d+ loss ([-\d.naif]+)$", flags=re.M)
+
+
+def step_line(index: int, loss: float) -> str:
+    """What launch/train.py prints (rank 0) after optimizer step `index` (from 0)."""
+    return f"step {index + 1} loss {loss:.4f}"
+
+
+def losses(stdout: str) -> list[float]:
+    """The losses of launch/train.py's step lines, in order (what tests and benchmarks read)."""
+    return [float(x) for x in STEP_LINE.findall(stdout)]
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """A collective failed because another rank died or stopped answering (gloo raises a plain RuntimeError
+    naming its transport; NCCL and the store raise torch.distributed.DistError)."""
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(
+        sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "gloo", "Timed out")))
+
+
+def prepare_run(spec: Spec, model_name: str, *, export_hf: str | None = None) -> tuple[LoadedModel, dict]:
+    """Everything before the first step, in order: what can be refused before the process group (the backend's
+    library and hardware, the engine's own refusals, the export destination, the model name), the process group,
+    the world size a hybrid shard group needs (before any weight is loaded), the notes for this config, and the
+    model as the run loads it. Returns (the loaded model, the run's translation)."""
+    plan = preflight(spec)
+    if export_hf:
+        from fp8dist.runtime.export import check_destination
+
+        check_destination(export_hf)
+    check_efficient_loading(model_name, spec)
+    process_group.init(spec.train.process_group_timeout_s, deepspeed=facts_for(spec).USES_DEEPSPEED_PROCESS_GROUP)
+    check_world_size(spec, process_group.world_size())
+    advise(spec, process_group.world_size())
+    return load_for_run(model_name, spec, plan=plan if spec.engine == "deepspeed" else None), plan

@@ -1,0 +1,203 @@
+"""Models for the audit, the demos and the tests: built in (no download), a local Hugging Face
+directory, or `package.module:factory`. Each comes with a function that makes an input batch."""
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from fp8dist.dtypes import torch_dtype
+from fp8dist.errors import Fp8distError
+
+@dataclass
+class LoadedModel:
+    model: Any
+    make_batch: Callable[[int, int, int], dict]  # (batch, seq_len, seed) -> forward kwargs incl. labels
+    name: str
+    make_optimizer: Callable | None = None  # params -> optimizer; None: the one the config names
+    materialize: Any = None  # a meta-built model's loader, run after sharding (engines.loading.ShardOnRead)
+    keepalive: Any = None  # what must live as long as the model (DeepSpeed ZeRO-3: the HfDeepSpeedConfig)
+
+
+def _llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    # Every Linear dim is a multiple of 16 (FP8 GEMMs) and of 2 (float8 all-gather on 2 ranks).
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    base.update(overrides)
+    return LlamaConfig(**base)
+
+
+def tiny_llama_config():
+    return _llama_config()
+
+
+def small_llama_config():
+    """~3.7M parameters: big enough that a CPU step is dominated by GEMMs, not Python (benchmarks)."""
+    return _llama_config(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=4)
+
+
+def tiny_config(arch: str):
+    """Small configs for the architectures the tests exercise (built offline)."""
+    if arch == "llama":
+        return _llama_config()
+    if arch == "mistral":
+        from transformers import MistralConfig
+
+        return MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                             tie_word_embeddings=False)
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                           tie_word_embeddings=False)
+    if arch == "gpt2":
+        from transformers import GPT2Config
+
+        return GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256)
+    raise ValueError(f"no tiny config for {arch!r}")
+
+
+def causal_lm_batch(vocab_size: int) -> Callable[[int, int, int], dict]:
+    def make(batch: int, seq_len: int, seed: int) -> dict:
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, vocab_size, (batch, seq_len), generator=gen)
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    return make
+
+
+def _from_hf_config(config, dtype: str, seed: int) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
+
+
+BUILTIN = {"tiny-llama": tiny_llama_config, "small-llama": small_llama_config}
+
+
+def check_model_name(name: str) -> None:
+    """Refuse a MODEL that names nothing fp8dist can build or load (cheap: no torch import)."""
+    if name in BUILTIN or ":" in name:
+        return
+    if Path(name).is_dir():
+        config = Path(name) / "config.json"
+        if not config.exists():
+            raise Fp8distError(f"{name} has no config.json: not a Hugging Face model directory")
+        try:
+            json.loads(config.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise Fp8distError(f"{config}: not JSON ({exc})") from None
+        _check_safetensors(Path(name))
+        return
+    raise Fp8distError(f"unknown MODEL {name!r}: use a built-in name ({', '.join(BUILTIN)}), a local Hugging Face "
+                       "model directory, or package.module:factory")
+
+
+def _check_safetensors(directory: Path) -> None:
+    """Open every safetensors file's header, as loading will (no tensor is read): a truncated or garbage file
+    is said here, with safetensors' own error line, before any rank starts."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="numpy"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise Fp8distError(f"{path}: cannot be loaded: {str(exc).splitlines()[0]} (a truncated or corrupt "
+                               "safetensors file; save the model again or copy it completely)") from None
+
+
+def load_model(name: str, dtype: str, seed: int = 0) -> LoadedModel:
+    """Build or load MODEL in the load dtype. No network access ever."""
+    check_model_name(name)
+    if name in BUILTIN:
+        config = BUILTIN[name]()
+        return LoadedModel(_from_hf_config(config, dtype, seed), causal_lm_batch(config.vocab_size), name)
+    if Path(name).is_dir():
+        return _load_local_hf(Path(name), dtype)
+    return _load_factory(name, dtype, seed)
+
+
+def _load_local_hf(path: Path, dtype: str) -> LoadedModel:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch_dtype(dtype))
+    except Exception as exc:  # transformers and safetensors raise many kinds; each says its cause in one line
+        raise Fp8distError(f"cannot load the Hugging Face model in {path}: {type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    del torch
+    return LoadedModel(model, causal_lm_batch(config.vocab_size), str(path))
+
+
+def _load_factory(target: str, dtype: str, seed: int) -> LoadedModel:
+    """`package.module:factory`. The factory returns an nn.Module (cast to the load dtype), or a dict with
+    `model` and optionally `make_batch(batch, seq_len, seed)` and `make_optimizer(params)`. Without
+    `make_batch`, the input is inferred (`infer_batch`)."""
+    import torch
+
+    module_name, _, attr = target.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except Exception as exc:  # ImportError, AttributeError, or whatever the module raises on import
+        raise Fp8distError(f"cannot import MODEL factory {target!r}: {type(exc).__name__}: {exc}") from None
+    torch.manual_seed(seed)
+    try:
+        made = factory()
+    except Exception as exc:
+        raise Fp8distError(f"MODEL factory {target!r} raised {type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    made = made if isinstance(made, dict) else {"model": made}
+    model, make_batch = made.get("model"), made.get("make_batch")
+    if not isinstance(model, torch.nn.Module):
+        raise Fp8distError(f"MODEL factory {target!r} returned {type(model).__name__}, not an nn.Module")
+    model = model.to(torch_dtype(dtype))
+    if make_batch is None:
+        make_batch = infer_batch(model)
+        if make_batch is None:
+            raise Fp8distError(f"MODEL factory {target!r}: cannot tell the input of {type(model).__name__} (its "
+                               "first module is neither an nn.Embedding nor an nn.Linear); return "
+                               "{'model': ..., 'make_batch': (batch, seq_len, seed) -> forward kwargs}")
+    return LoadedModel(model, make_batch, target, made.get("make_optimizer"))
+
+
+def infer_batch(model) -> Callable[[int, int, int], dict] | None:
+    """An input for a model that came without one: token-id batches for a Hugging Face model
+    (`config.vocab_size`) or a model whose first module is an nn.Embedding; a float tensor
+    (batch, seq_len, in_features) in the weights' dtype when it is an nn.Linear; else None.
+    The tensor goes to the forward's first parameter, and `labels` too when the forward takes them."""
+    import inspect
+
+    import torch
+
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None:
+        return causal_lm_batch(vocab)
+    first = next((m for m in model.modules() if m is not model and not list(m.children())), None)
+    params = list(inspect.signature(model.forward).parameters)
+    if first is None or not params:
+        return None
+    name, takes_labels = params[0], "labels" in params
+
+    def make(batch: int, seq_len: int, seed: int) -> dict:
+        gen = torch.Generator().manual_seed(seed)
+        if isinstance(first, torch.nn.Embedding):
+            x = torch.randint(0, first.num_embeddings, (batch, seq_len), generator=gen)
+            return {name: x, **({"labels": x.clone()} if takes_labels else {})}
+        x = torch.randn(batch, seq_len, first.in_features, generator=gen).to(first.weight.dtype)
+        return {name: x}
+
+    return make if isinstance(first, (torch.nn.Embedding, torch.nn.Linear)) else None

@@ -1,0 +1,121 @@
+"""`fp8dist estimate`: meta-device model, parameter counts, per-rank stores, seed 004's cells, bad input.
+(Agreement with the audit's measured bytes: tests/distributed/test_estimate_vs_audit.py.)"""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fp8dist.config.load import load_config
+from fp8dist.commands.estimate import build_meta_model, estimate
+from fp8dist.runtime.models import tiny_config
+from tests.conftest import ROOT, run_cli
+
+# Published parameter counts of the public checkpoints whose shapes are built in.
+PUBLISHED = {"llama-3-8b": 8_030_261_248, "llama-3-70b": 70_553_706_496, "bert-base-cased": 108_310_272}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_builtin_shapes_have_the_published_parameter_counts(name):
+    meta = build_meta_model(name, "bf16")
+    assert meta.shape_only and sum(p.numel() for p in meta.model.parameters()) == PUBLISHED[name]
+    assert all(p.device.type == "meta" for p in meta.model.parameters())
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "gpt2"])
+def test_unseen_hf_configs_count_like_the_real_model(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    real = AutoModelForCausalLM.from_config(tiny_config(arch))
+    real.config.save_pretrained(tmp_path)  # config.json only: no weights are needed
+    spec = load_config(ROOT / "configs" / "fsdp2-bf16.yaml")
+    for model in (str(tmp_path), str(tmp_path / "config.json")):
+        assert estimate(model, spec, 2)["parameters"] == sum(p.numel() for p in real.parameters())
+
+
+def test_seed_004_bert_cells_reproduce():
+    """Seed 004 (Accelerate's estimate-memory, bert-base-cased fp32): Model 413.18 MB, Optimizer step 1.61 GB.
+    Its Model cell is parameters plus buffers (two int64 buffers of 512), in MiB; its Backward pass (826.36) is
+    model + gradients without activations, which fp8dist adds (README, `fp8dist estimate`)."""
+    result = estimate("bert-base-cased", load_config(ROOT / "configs" / "fp32.yaml"), 1)
+    phases = result["phases_bytes"]
+    assert round(phases["model"] / 2**20, 2) == 413.18
+    assert round(phases["optimizer_step"] / 2**30, 2) == 1.61
+    # Seed 004 doubles the model cell buffers included (826.36); gradients exist for parameters only.
+    assert phases["gradients"] / 2**20 == pytest.approx(826.36, abs=0.02)
+    assert phases["backward_pass"] == phases["gradients"] + result["per_rank_bytes"]["activations"]
+
+
+def test_stores_follow_the_engine_sharding():
+    fsdp = estimate("tiny-llama", load_config(ROOT / "configs" / "fsdp2-bf16.yaml"), 4)
+    n = fsdp["parameters"]
+    assert fsdp["per_rank_bytes"]["weights"] == pytest.approx(n * 4 / 4, abs=1)  # fp32 shards
+    assert fsdp["per_rank_bytes"]["master_weights"] == 0
+    zero1 = estimate("tiny-llama", load_config(ROOT / "configs" / "deepspeed-bf16-zero1.yaml"), 4)["per_rank_bytes"]
+    zero3 = estimate("tiny-llama", load_config(ROOT / "configs" / "deepspeed-bf16-zero3.yaml"), 4)["per_rank_bytes"]
+    assert zero1["weights"] == n * 2 and zero3["weights"] == pytest.approx(n * 2 / 4, abs=1)
+    assert zero1["gradients"] == n * 2 and zero3["gradients"] == pytest.approx(n * 2 / 4, abs=1)
+    assert zero1["optimizer"] == pytest.approx(n * 8 / 4, abs=1)
+
+
+def test_offloaded_stores_leave_the_device_total():
+    spec = load_config({"engine": "deepspeed", "deepspeed": {"offload_optimizer": "cpu"}})
+    result = estimate("tiny-llama", spec, 2)
+    pr = result["per_rank_bytes"]
+    assert result["offloaded_to_host"] == ["master_weights", "optimizer"]
+    assert pr["total"] == sum(pr[k] for k in ("weights", "gradients", "buffers", "fp8_extras", "activations"))
+
+
+def test_activation_checkpointing_saves_activations():
+    result = estimate("llama-3-8b", load_config(ROOT / "configs" / "fsdp2-bf16.yaml"), 8)
+    act = result["activations_bytes"]
+    assert 0 < act["full_checkpointing"] < act["none"] / 3
+
+
+def test_fp8_coverage_follows_the_module_filter():
+    spec = load_config(ROOT / "configs" / "fsdp2-torchao-float8.yaml")
+    coverage = estimate("llama-3-8b", spec, 8)["fp8_coverage"]
+    assert coverage["converted"] == coverage["linears"] - 1  # lm_head excluded
+    assert any(item["fqn"] == "lm_head" and "excluded" in item["reason"] for item in coverage["left_out"])
+    assert 0.7 < coverage["fp8_share"] < 1.0  # lm_head and attention's own matmuls stay in bf16
+    small = estimate("tiny-llama", spec, 2)["fp8_coverage"]
+    assert small["too_small_to_gain"] and small["converted"] + len(small["left_out"]) == small["linears"]
+    assert estimate("tiny-llama", load_config(ROOT / "configs" / "fsdp2-bf16.yaml"), 2)["fp8_coverage"]["fp8_share"] == 0
+
+
+def test_json_contract_and_formats():
+    result = run_cli("estimate", "tiny-llama", "--config", "configs/fsdp2-torchao-float8.yaml", "--world-size", "2",
+                     "--format", "json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(result.stdout)
+    assert isinstance(data["parameters"], int) and data["world_size"] == 2
+    assert set(data["per_rank_bytes"]) >= {"weights", "master_weights", "gradients", "optimizer", "fp8_extras",
+                                            "activations", "total"}
+    assert data["per_rank_bytes"]["fp8_extras"] > 0
+    table = run_cli("estimate", "llama-3-8b", "--world-size", "64")
+    assert table.returncode == 0 and "shape only" in table.stdout and "Optimizer step" in table.stdout
+    md = run_cli("estimate", "bert-base-cased", "--config", "configs/fp32.yaml", "--format", "markdown")
+    assert md.returncode == 0 and "| Model | Gradients | Backward pass | Optimizer step | Highest |" in md.stdout
+
+
+def test_estimate_imports_no_torch_before_the_config_is_valid(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("precision: {load_dtype: fp64}\n")
+    code = ("import sys; from fp8dist.cli import main; rc = main(['estimate', 'tiny-llama', '--config', %r]); "
+            "print('TORCH=' + str('torch' in sys.modules), file=sys.stderr); raise SystemExit(rc)" % str(bad))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2 and "precision.load_dtype" in result.stderr and "TORCH=False" in result.stderr
+
+
+@pytest.mark.parametrize("setup,args,says", [
+    (None, ["no-such-model"], "unknown MODEL"),
+    ("{not json", ["{dir}"], "not a JSON config"),
+    ('{"hidden_size": 8}', ["{dir}/config.json"], "needs a `model_type` key"),
+    (None, ["tiny-llama", "--world-size", "0"], "--world-size must be at least 1"),
+])
+def test_bad_input_exits_2(tmp_path, setup, args, says):
+    if setup is not None:
+        (tmp_path / "config.json").write_text(setup)
+    result = run_cli("estimate", *[a.replace("{dir}", str(tmp_path)) for a in args])
+    assert result.returncode == 2 and says in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,114 @@
+"""The checkpoint directory protocol (fp8dist.engines.checkpoint) on real directories: what counts as complete,
+what is pruned, what is refused; and the export's destination rules. The engines' writing and reading run
+for real in tests/distributed/test_checkpoints.py."""
+import json
+
+import pytest
+
+from fp8dist.engines.checkpoint import MANIFEST, check_run_directory, find_latest, model_key, prune, read_manifest
+from fp8dist.errors import Fp8distError
+from fp8dist.runtime.export import MARKER, check_destination
+
+
+def make(directory, step, complete=True, files=None):
+    path = directory / (f"step-{step:08d}" if complete else f".step-{step:08d}.partial")
+    path.mkdir(parents=True)
+    files = files or {"dcp/shard": b"x" * 10}
+    for name, data in files.items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_bytes(data)
+    if complete:
+        (path / MANIFEST).write_text(json.dumps({"fp8dist_checkpoint": 1, "step": step,
+                                                 "files": {k: len(v) for k, v in files.items()}}))
+    return path
+
+
+def test_the_newest_complete_checkpoint_wins(tmp_path):
+    make(tmp_path, 2)
+    make(tmp_path, 10)
+    make(tmp_path, 12, complete=False)  # a save a crash interrupted
+    assert find_latest(tmp_path) == tmp_path / "step-00000010"
+    assert find_latest(tmp_path / "step-00000002") == tmp_path / "step-00000002"  # one checkpoint named directly
+
+
+def test_nothing_yet_is_not_an_error(tmp_path):
+    assert find_latest(tmp_path / "missing") is None
+    assert find_latest(tmp_path) is None
+    make(tmp_path, 4, complete=False)
+    assert find_latest(tmp_path) is None
+
+
+def test_a_directory_of_other_things_is_refused(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(Fp8distError, match="not an fp8dist checkpoint directory .it holds model.safetensors"):
+        find_latest(tmp_path)
+    with pytest.raises(Fp8distError, match="is a file, not a checkpoint directory"):
+        find_latest(tmp_path / "model.safetensors")
+
+
+def test_a_truncated_or_missing_file_is_named(tmp_path):
+    path = make(tmp_path, 2, files={"dcp/a": b"1234", "rank-00000.pt": b"56"})
+    assert read_manifest(path)["step"] == 2
+    (path / "dcp" / "a").write_bytes(b"12")
+    with pytest.raises(Fp8distError, match=r"dcp/a: truncated or changed since the save \(2 bytes, the manifest "
+                                           r"says 4\)"):
+        read_manifest(path)
+    (path / "dcp" / "a").write_bytes(b"1234")
+    (path / "rank-00000.pt").unlink()
+    with pytest.raises(Fp8distError, match="rank-00000.pt: missing from the checkpoint"):
+        read_manifest(path)
+    (path / MANIFEST).write_text("{not json")
+    with pytest.raises(Fp8distError, match="unreadable checkpoint manifest"):
+        read_manifest(path)
+
+
+def test_prune_keeps_the_newest_and_drops_unfinished_saves(tmp_path):
+    for step in (2, 4, 6):
+        make(tmp_path, step)
+    make(tmp_path, 8, complete=False)
+    half_deleted = tmp_path / "step-00000001"  # a deletion a crash interrupted: no manifest left
+    half_deleted.mkdir()
+    prune(tmp_path, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004", "step-00000006"]
+    prune(tmp_path, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000006"]
+
+
+def test_model_keys_drop_wrapper_components():
+    assert model_key("model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert model_key("_orig_mod.lm_head.weight") == "lm_head.weight"
+
+
+def test_export_destination(tmp_path):
+    check_destination(tmp_path / "new" / "deeper")  # made when written
+    check_destination(tmp_path)  # empty
+    (tmp_path / "config.json").write_text("{}")  # a Hugging Face model directory (the --model, say): never replaced
+    with pytest.raises(Fp8distError, match=f"holds files that fp8dist did not export .no {MARKER}"):
+        check_destination(tmp_path)
+    (tmp_path / MARKER).write_text("{}")
+    check_destination(tmp_path)  # an earlier fp8dist export: replaced
+    with pytest.raises(Fp8distError, match="is a file"):
+        check_destination(tmp_path / "config.json")
+
+
+def test_the_run_directory_is_checked_before_the_first_step(tmp_path):
+    check_run_directory(tmp_path / "new" / "run", resuming=False)  # made
+    assert (tmp_path / "new" / "run").is_dir()
+    run = tmp_path / "run"
+    make(run, 2)
+    with pytest.raises(Fp8distError, match=r"(?s)holds checkpoints of an earlier run .newest step-00000002.*add --resume"):
+        check_run_directory(run, resuming=False)
+    check_run_directory(run, resuming=True)
+    with pytest.raises(Fp8distError, match="names one checkpoint, not the directory of a run"):
+        check_run_directory(run / "step-00000002", resuming=True)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(Fp8distError, match="is a file"):
+        check_run_directory(tmp_path / "file", resuming=False)
+
+
+def test_prune_never_deletes_the_checkpoint_just_written(tmp_path):
+    for step in (8, 10):
+        make(tmp_path, step)
+    just_written = make(tmp_path, 2)
+    prune(tmp_path, keep_last=1, keep=just_written)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000010"]
