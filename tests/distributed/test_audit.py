@@ -10,11 +10,11 @@ from tests.conftest import ROOT, run_cli
 pytestmark = pytest.mark.distributed
 
 
-def audit(model, config=None, nproc=2, fmt="json"):
+def audit(model, config=None, nproc=2, fmt="json", overrides=()):
     args = ["audit", model, "--nproc", nproc, "--format", fmt]
     if config:
         args += ["--config", ROOT / "configs" / f"{config}.yaml"]
-    return run_cli(*args, timeout=400)
+    return run_cli(*args, *overrides, timeout=400)
 
 
 def checks(result):
@@ -87,3 +87,16 @@ def test_audit_environment_errors_exit_2():
     assert "Traceback" not in result.stderr and result.stdout == ""
     result = run_cli("audit", "no-such-model")
     assert result.returncode == 2 and "unknown MODEL" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_overrides_reach_the_ranks():
+    """`KEY=VALUE` after the config changes the run the ranks make, not only the expected row: bf16 gradient
+    reduction is expected and observed on the wire, with half the bytes of the fp32 default."""
+    fp32, bf16 = audit("tiny-llama", "fsdp2-bf16"), audit("tiny-llama", "fsdp2-bf16",
+                                                           overrides=["precision.reduce_dtype=bf16"])
+    assert fp32.returncode == 0 and bf16.returncode == 0, fp32.stderr[-2000:] + bf16.stderr[-2000:]
+    (_, fp32_rows), (data, bf16_rows) = checks(fp32), checks(bf16)
+    assert fp32_rows["communication"]["observed"] == "fp32"
+    assert bf16_rows["communication"]["expected"] == bf16_rows["communication"]["observed"] == "bf16", bf16_rows
+    sent = {name: checks(r)[0]["communication_bytes"]["reduce_scatter"] for name, r in (("fp32", fp32), ("bf16", bf16))}
+    assert sent["bf16"]["bf16"]["bytes"] * 2 == sent["fp32"]["fp32"]["bytes"], sent

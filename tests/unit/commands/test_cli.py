@@ -84,3 +84,31 @@ def test_env_reports_backends_and_reasons():
     if not info["device"]["cuda_available"]:
         assert info["backends"]["transformer_engine"]["usable"] is False
         assert "emulate" in info["backends"]["torchao_float8"]["reason"]
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["estimate", "tiny-llama", "--config", "configs/fsdp2-bf16.yaml", "train.seq_len=zero"], "train.seq_len"),
+    (["audit", "tiny-llama", "--config", "configs/fsdp2-bf16.yaml", "precision.load_dtyp=bf16"], "did you mean"),
+    (["compare", "--config", "configs/fsdp2-torchao-float8.yaml", "--baseline", "configs/fsdp2-bf16.yaml",
+      "engine=ddp"], "engine"),
+])
+def test_audit_estimate_and_compare_take_overrides_and_refuse_bad_ones_before_launching(argv, says):
+    """The same KEY=VALUE overrides as validate/translate; a bad one is exit 2 naming the key, before any rank is
+    launched (estimate: before torch is imported, as the light commands)."""
+    code = ("import sys; from fp8dist.cli import main; rc = main(%r); "
+            "print('TORCH=' + str('torch' in sys.modules), file=sys.stderr); raise SystemExit(rc)" % (argv,))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert says in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert argv[0] != "estimate" or "TORCH=False" in result.stderr, result.stderr
+
+
+def test_estimate_override_changes_the_estimate():
+    base = run_cli("estimate", "tiny-llama", "--config", "configs/fsdp2-bf16.yaml", "--format", "json")
+    longer = run_cli("estimate", "tiny-llama", "--config", "configs/fsdp2-bf16.yaml", "train.seq_len=256",
+                     "--format", "json")
+    assert base.returncode == longer.returncode == 0, base.stderr + longer.stderr
+    base, longer = json.loads(base.stdout), json.loads(longer.stdout)
+    assert longer["seq_len"] == 256 and base["seq_len"] == 64
+    assert longer["per_rank_bytes"]["activations"] > 3 * base["per_rank_bytes"]["activations"]
+    assert longer["per_rank_bytes"]["weights"] == base["per_rank_bytes"]["weights"]
