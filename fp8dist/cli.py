@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check configs; print the resolved config")
     p.add_argument("config", nargs="+", help="YAML config(s); KEY=VALUE overrides may follow a single config")
     p.add_argument("--format", choices=["yaml", "json"], default="yaml")
+    p.add_argument("--strict", action="store_true", help="exit 2 when the config holds keys that do nothing here "
+                   "(another engine's keys); without it they are said on stderr")
     p.set_defaults(func=_validate)
 
     p = sub.add_parser("translate", help="print the DeepSpeed JSON, the FSDP2 plan or an Accelerate config file")
@@ -94,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="write to this file (atomically) instead of stdout")
     p.add_argument("--deepspeed-version", help="target DeepSpeed version (default: installed, else newest known)")
     p.add_argument("--torchao-version", help="target torchao version for --to fsdp2 (default: installed, else newest known)")
+    p.add_argument("--strict", action="store_true", help="exit 2, writing nothing, when the config holds keys that do "
+                   "nothing here or settings the target file cannot carry (said on stderr without it)")
     p.set_defaults(func=_translate)
 
     p = sub.add_parser("import", help="an Accelerate config, Axolotl YAML or DeepSpeed JSON as an fp8dist config")

@@ -366,6 +366,13 @@ def accelerate_matches(version: Version | None) -> tuple[bool, str]:
 # huggingface_hub parse_size_to_int reads "GB"); fp8dist.runtime.export writes safetensors shards of at most this.
 HF_MAX_SHARD_BYTES = 50 * 10**9
 
+# --- Axolotl defaults an import resolves to ---------------------------------------------------
+# What Axolotl uses for a left-out key (axolotl src/axolotl/utils/schemas/training.py HyperparametersConfig:
+# micro_batch_size 1, gradient_accumulation_steps 1; schemas/config.py sequence_len 512; bf16 `auto`), and what
+# the HF Trainer's TrainingArguments uses for max_grad_norm (transformers 5 training_args.py: 1.0).
+AXOLOTL_DEFAULTS = {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "sequence_len": 512, "bf16": "auto",
+                    "max_grad_norm": 1.0}
+
 # --- DeepSpeed defaults an import resolves to -------------------------------------------------
 # When a DeepSpeed config leaves a key out (or writes "auto" inside a typed section, which
 # DeepSpeedConfigModel replaces by the default), DeepSpeed 0.19.8 uses these (runtime/precision_config.py,

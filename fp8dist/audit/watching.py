@@ -134,16 +134,25 @@ class Watch:
     # -- leaving: what the step did ------------------------------------------------------------------------
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._stack.close()
-        if exc_type is not None:
-            return False  # the block's own error goes on; nothing is reported for a step that did not finish
-        self._observe_step()
-        self.report = build(self.spec, self.name or model_name(self.inspector.module), self.observed,
-                            self.nproc, outside={} if "loading" in self.observed else {
-                                "loading": "the watch starts with the model already loaded"})
+        try:
+            if exc_type is not None:
+                return False  # the block's own error goes on; nothing is reported for a step that did not finish
+            self._observe_step()
+            self.report = build(self.spec, self.name or model_name(self.inspector.module), self.observed,
+                                self.nproc, outside={} if "loading" in self.observed else {
+                                    "loading": "the watch starts with the model already loaded"})
+        finally:
+            self._release()
         self._agree()
         if self.on_mismatch != "defer":
             self.conclude(self.on_mismatch, self.verbose)
         return False
+
+    def _release(self) -> None:
+        """Keep only the report: the model, the optimizer, the engine's inspector and the recorders go, so that a
+        Watch the loop keeps (its `audit` variable) holds nothing of the run alive, down to its process group, once
+        the loop lets go of it (a process that ends with destroy_process_group)."""
+        self.model = self.optimizer = self.inspector = self.matmuls = self.wire = self._stack = None
 
     def _observe_step(self) -> None:
         out = self.observed

@@ -9,7 +9,8 @@ from fp8dist.commands.output import dump_json, emit, write_atomic
 from fp8dist.config.load import load_config
 from fp8dist.errors import ExitCode, Fp8distError
 from fp8dist.formats.accelerate.translate import accelerate_file, render
-from fp8dist.translate.deepspeed import to_deepspeed
+from fp8dist.commands.validate import said
+from fp8dist.translate.deepspeed import left_to_runtime, to_deepspeed
 from fp8dist.translate.fsdp2 import to_fsdp2
 
 # target -> (translator, its version flag, the translator's keyword for it)
@@ -19,6 +20,11 @@ TARGETS = {"deepspeed": (to_deepspeed, "--deepspeed-version", "deepspeed_version
 
 def run(args) -> int:
     spec = load_config(args.config, overrides=args.overrides)
+    notes = list(spec.notes) + (left_to_runtime(spec) if args.to == "deepspeed" else [])
+    if notes and said(notes, f"{args.config}: ", args.strict):
+        raise Fp8distError(f"{len(notes)} setting(s) of {args.config} would not be in the {args.to} file (above); "
+                           "nothing written\n  fix: remove them, or translate without --strict (they are said, and "
+                           "fp8dist's runtime still applies what it applies)")
     if args.to == "accelerate":
         return _accelerate(args, spec)
     given = {"deepspeed": args.deepspeed_version, "fsdp2": args.torchao_version}

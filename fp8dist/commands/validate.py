@@ -19,11 +19,22 @@ def run(args) -> int:
             print(exc, file=sys.stderr)
             failed += 1
             continue
+        if spec.notes and said(spec.notes, f"{path}: ", args.strict):
+            failed += 1
+            continue
         if len(args.config) == 1:
             sys.stdout.write(dump_json(spec.to_dict()) if args.format == "json" else as_yaml(spec.to_dict()))
         else:
             print(f"ok  {path}")
     return ExitCode.ERROR if failed else ExitCode.OK
+
+
+def said(notes, prefix: str, strict: bool) -> bool:
+    """Print the notes on stderr, one line each; True when --strict makes them refusals."""
+    word = "refused (--strict)" if strict else "note"
+    for note in notes:
+        print(f"{prefix}{word}: {note}", file=sys.stderr)
+    return strict
 
 
 def as_yaml(document) -> str:

@@ -228,7 +228,8 @@ def load_config(config: str | Path | Mapping[str, Any] | Any = None,
         source, document = "<omegaconf>", OmegaConf.to_container(config, resolve=False)
     if overrides or _has_interpolation(document):
         document = apply_overrides(document, overrides, source)
-    return Spec.from_dict(resolve(document, source), source=source)
+    resolved = resolve(document, source)
+    return Spec.from_dict(resolved, source=source, notes=tuple(rules.notes(resolved, document)))
 
 
 def _has_interpolation(node: Any) -> bool:

@@ -35,13 +35,14 @@ def state_dtype_of(state_dtype: str, backend: str, msamp_opt_level: str, weight_
     return weight_dtype
 
 
-def float8_all_gather_of(value, recipe_name: str, engine: str, backend: str) -> bool:
+def float8_all_gather_of(value, recipe_name: str, engine: str, backend: str, sharding: str = "full") -> bool:
     """precision.fp8.torchao.enable_fsdp_float8_all_gather with `auto` resolved: on for torchao tensorwise under
-    FSDP2 (the only recipe torchao all-gathers in float8: Float8LinearConfig.__post_init__, torchao 0.18)."""
+    FSDP2 (the only recipe torchao all-gathers in float8: Float8LinearConfig.__post_init__, torchao 0.18) when it
+    shards (replicate gathers nothing)."""
     if backend != "torchao":
         return False
     if value == "auto":
-        return recipe_name == "tensorwise" and engine == "fsdp2"
+        return recipe_name == "tensorwise" and engine == "fsdp2" and sharding != "replicate"
     return bool(value)
 
 
@@ -196,15 +197,19 @@ class Spec:
     fsdp2: FSDP2Spec
     deepspeed: DeepSpeedSpec
     source: str = field(default="<config>", compare=False)
+    # What the config says that does nothing on this engine (fp8dist.config.rules.notes): said by validate,
+    # translate and the runtimes, refused by `--strict`.
+    notes: tuple[str, ...] = field(default=(), compare=False)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "<config>") -> "Spec":
+    def from_dict(cls, data: dict[str, Any], source: str = "<config>", notes: tuple[str, ...] = ()) -> "Spec":
         spec = _build(cls, data)
-        return dataclasses.replace(spec, source=source)
+        return dataclasses.replace(spec, source=source, notes=tuple(notes))
 
     def to_dict(self) -> dict[str, Any]:
         out = _to_plain(dataclasses.asdict(self))
         out.pop("source", None)
+        out.pop("notes", None)
         return out
 
     @property
@@ -221,7 +226,7 @@ class Spec:
     def float8_all_gather(self) -> bool:
         """Whether FSDP2 all-gathers the converted weights in float8 (float8_all_gather_of)."""
         return float8_all_gather_of(self.fp8.torchao.enable_fsdp_float8_all_gather, self.fp8.torchao.recipe_name,
-                                    self.engine, self.fp8.backend)
+                                    self.engine, self.fp8.backend, self.parallel.sharding)
 
 
 def _build(cls, data: dict[str, Any]):

@@ -27,6 +27,9 @@ def advise(spec: Spec, world: int, rank: int | None = None, cuda: bool | None = 
 
         cuda = torch.cuda.is_available()
     keys = []
+    for note in spec.notes:  # keys of the engine not selected (fp8dist.config.rules.notes)
+        keys.append(note)
+        _say(note, note, rank)
     fp8, par = spec.fp8.enabled, spec.parallel
     if fp8 and cuda and not spec.compile:
         keys.append("fp8-without-compile")

@@ -20,27 +20,52 @@ from fp8dist.formats.deepspeed import importer as deepspeed
 IMPORTERS = {"accelerate": accelerate.convert, "axolotl": axolotl.convert, "deepspeed": deepspeed.convert}
 
 # -- kinds ----------------------------------------------------------------------------------------------
-_DEEPSPEED_KEYS = {"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "bf16", "fp16",
-                   "bfloat16", "torch_autocast", "communication_data_type", "gradient_clipping", "optimizer", "scheduler",
-                   "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "msamp", "amp"}
-_ACCELERATE_KEYS = {"compute_environment", "distributed_type"}
-_AXOLOTL_KEYS = {"base_model", "datasets", "micro_batch_size", "sequence_len", "fp8", "fsdp_version",
-                 "fp8_enable_fsdp_float8_all_gather", "adapter", "num_epochs", "output_dir", "torch_compile",
-                 "special_tokens", "load_in_8bit", "load_in_4bit", "lora_r", "flash_attention", "fsdp", "fsdp_config",
-                 "deepspeed", "gradient_checkpointing", "val_set_size", "chat_template", "learning_rate", "optimizer",
-                 "lr_scheduler", "bf16", "fp16", "tf32"}
+# Evidence of a kind: keys only that tool writes (a shared name counts where its shape tells the tools apart:
+# DeepSpeed's bf16 / fp16 / optimizer are sections, Axolotl's are flags and names; Axolotl's deepspeed is a path).
+def _is_section(value: Any) -> bool:
+    return isinstance(value, Mapping)
+
+
+EVIDENCE: dict[str, dict[str, Any]] = {
+    "accelerate": {key: None for key in (
+        "compute_environment", "distributed_type", "num_processes", "num_machines", "machine_rank",
+        "main_training_function", "mixed_precision", "deepspeed_config", "dynamo_config", "parallelism_config",
+        "fp8_config", "use_cpu", "rdzv_backend", "same_network", "gpu_ids", "main_process_ip", "main_process_port",
+        "downcast_bf16", "megatron_lm_config", "mpirun_config", "enable_cpu_affinity", "tpu_env", "tpu_use_cluster")},
+    "axolotl": {**{key: None for key in (
+        "base_model", "datasets", "micro_batch_size", "sequence_len", "num_epochs", "adapter", "lora_r", "lora_alpha",
+        "lora_target_modules", "load_in_4bit", "load_in_8bit", "special_tokens", "val_set_size", "chat_template",
+        "flash_attention", "fp8_enable_fsdp_float8_all_gather", "fsdp_version", "lr_scheduler", "learning_rate",
+        "max_grad_norm", "tf32", "wandb_project", "dataset_prepared_path", "sample_packing", "train_on_inputs")},
+        "fp8": lambda v: isinstance(v, bool), "deepspeed": lambda v: isinstance(v, str),
+        "bf16": lambda v: isinstance(v, bool) or v in ("auto", "full"), "fp16": lambda v: isinstance(v, bool),
+        "optimizer": lambda v: isinstance(v, str)},
+    "deepspeed": {**{key: None for key in (
+        "zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "steps_per_print",
+        "wall_clock_breakdown", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+        "communication_data_type", "msamp", "amp", "torch_autocast", "aio", "flops_profiler", "data_types",
+        "tensor_parallel", "pipeline", "gradient_clipping", "bfloat16")},
+        "bf16": _is_section, "fp16": _is_section, "optimizer": _is_section, "scheduler": _is_section},
+    "fp8dist": {"engine": lambda v: v in ("fsdp2", "deepspeed"), "precision": _is_section, "parallel": _is_section,
+                "train": _is_section, "audit": _is_section, "fsdp2": _is_section, "checkpoint": _is_section},
+}
+
+
+def evidence(document: Mapping[str, Any]) -> dict[str, list[str]]:
+    """kind -> the keys of `document` that only that kind writes."""
+    found: dict[str, list[str]] = {}
+    for kind, keys in EVIDENCE.items():
+        hits = [key for key, shape in keys.items() if key in document and (shape is None or shape(document[key]))]
+        if hits:
+            found[kind] = hits
+    return found
 
 
 def detect(document: Mapping[str, Any]) -> str | None:
-    """accelerate | axolotl | deepspeed | fp8dist, from the top-level keys; None when nothing matches."""
-    keys = set(document)
-    if keys & _ACCELERATE_KEYS:
-        return "accelerate"
-    if keys & {"precision", "engine"}:
-        return "fp8dist"
-    if keys & (_AXOLOTL_KEYS - _DEEPSPEED_KEYS):
-        return "axolotl"
-    return "deepspeed" if keys & _DEEPSPEED_KEYS else None
+    """The one kind the keys are evidence of (accelerate | axolotl | deepspeed | fp8dist), or None when they are
+    evidence of none; a file with evidence of two kinds is refused by `import_file`, asking for --from."""
+    found = evidence(document)
+    return next(iter(found)) if len(found) == 1 else None
 
 
 def import_file(path: str | Path, kind: str | None = None) -> str:
@@ -51,16 +76,20 @@ def import_file(path: str | Path, kind: str | None = None) -> str:
         what = "a list" if isinstance(document, list) else f"a {type(document).__name__}"
         raise ImportProblem([Issue("", f"the top level must be a mapping, not {what}",
                                    fix="pass an Accelerate config.yaml, an Axolotl YAML or a DeepSpeed JSON")], source)
-    found = detect(document)
     if kind is None:
-        if found == "fp8dist":
+        found = evidence(document)
+        if list(found) == ["fp8dist"]:
             raise ImportProblem([Issue("", "this is already an fp8dist config", fix=f"fp8dist validate {source}")],
                                 source)
-        if found is None:
-            raise ImportProblem([Issue("", "cannot tell which kind of file this is (no key of an Accelerate config, "
-                                       "an Axolotl config or a DeepSpeed config)", sorted(document)[:8],
+        if not found:
+            raise ImportProblem([Issue("", "cannot tell which kind of file this is (no key that only an Accelerate "
+                                       "config, an Axolotl config or a DeepSpeed config has)", sorted(map(str, document))[:8],
                                        "say it with --from accelerate|axolotl|deepspeed")], source)
-        kind = found
+        if len(found) > 1:
+            seen = "; ".join(f"{TITLE.get(k, 'fp8dist config')}: {', '.join(keys[:4])}" for k, keys in found.items())
+            raise ImportProblem([Issue("", f"its keys are those of more than one tool ({seen})",
+                                       fix="say which tool runs it with --from accelerate|axolotl|deepspeed")], source)
+        kind = next(iter(found))
     if kind not in KINDS:
         raise ImportProblem([Issue("--from", f"unknown kind; one of {', '.join(KINDS)}", kind)], source)
     imported = convert(kind, document, text, source)

@@ -61,6 +61,32 @@ def to_deepspeed(spec: Spec, deepspeed_version: str | None = None) -> dict[str, 
     return merge_extra(config, spec.deepspeed.extra, version, spec.source)
 
 
+_HOW = ("run `deepspeed launch/train.py --fp8dist-config CONFIG`, or call fp8dist.engines.deepspeed.initialize(model, "
+        "spec) in your script")
+
+
+def left_to_runtime(spec: Spec) -> list[str]:
+    """What the config asks for that the DeepSpeed JSON cannot carry, because fp8dist's runtime applies it around
+    deepspeed.initialize (fp8dist/engines/deepspeed/engine.py): one line each, with how to get it. A user who hands
+    the JSON alone to their own DeepSpeed script trains without these."""
+    out = []
+    if spec.fp8.backend in ("torchao", "te"):
+        what = "float8 conversion of the Linears (torchao)" if spec.fp8.backend == "torchao" else \
+            "swap to te.Linear and the te.autocast forward (Transformer Engine)"
+        out.append(f"precision.fp8.backend={spec.fp8.backend}: DeepSpeed has no FP8 setting; the {what} is done by "
+                   f"fp8dist's runtime, so the JSON alone trains without FP8 (only its bf16/fp16 section); {_HOW}")
+    if spec.parallel.activation_checkpointing != "none":
+        out.append(f"parallel.activation_checkpointing={spec.parallel.activation_checkpointing}: fp8dist's runtime wraps "
+                   "the blocks (DeepSpeed's activation_checkpointing section configures only its own checkpoint "
+                   f"function, which a model must call); {_HOW}")
+    if spec.parallel.cpu_ram_efficient_loading:
+        out.append("parallel.cpu_ram_efficient_loading: the model must be built inside deepspeed.zero.Init "
+                   "(fp8dist.load_model does it; the JSON cannot); " + _HOW)
+    if spec.compile:
+        out.append(f"compile: fp8dist's runtime calls engine.compile() after deepspeed.initialize; {_HOW}")
+    return out
+
+
 def _precision_sections(spec: Spec, version, origin, issues) -> dict[str, Any]:
     p = spec.precision
     if p.mixed_precision == "none":

@@ -28,13 +28,16 @@ KWARGS = ["deepspeed-bf16-zero1", "deepspeed-bf16-zero2", "deepspeed-bf16-zero3"
           "fsdp2-bf16-pure", "fsdp2-bf16", "fsdp2-grad-op", "fsdp2-hybrid", "fsdp2-offload", "fsdp2-torchao-rowwise"]
 # config -> the key Accelerate cannot express (accelerator_kwargs refuses it; docs/accelerate.md says why)
 REFUSED = {"deepspeed-zero3-efficient": "parallel.activation_checkpointing", "fp16-amp": "precision.loss_scaling",
-           "fsdp2-float8-efficient": "parallel.cpu_ram_efficient_loading", "fsdp2-replicate": "parallel.sharding",
+           "fsdp2-float8-efficient": "parallel.cpu_ram_efficient_loading", "fsdp2-replicate": "precision.master_weights",
            "fsdp2-torchao-float8": "precision.load_dtype"}
 GPU_ONLY = {"deepspeed-fp16", "deepspeed-te", "te", "msamp-o1", "msamp-o2", "msamp-o3"}
 VARIANTS = {  # a refused example with the refused key changed: what Accelerate can run of it
     "fsdp2-torchao-float8-fp32-load": "engine: fsdp2\nprecision:\n  preset: torchao-float8\n  load_dtype: fp32\n"
                                       "  fp8:\n    torchao:\n      emulate: true\n",
 }
+# fsdp2-replicate with the weights stepped as loaded: Accelerate's DDP (MULTI_GPU / MULTI_CPU here)
+DDP = {"fsdp2-replicate-as-loaded": "engine: fsdp2\nprecision:\n  preset: bf16-pure\n  mixed_precision: bf16\n"
+                                    "parallel:\n  sharding: replicate\n"}
 
 
 def test_every_example_config_has_its_frontend_group():
@@ -56,7 +59,7 @@ def test_what_accelerate_cannot_express_is_refused_naming_the_key(config, key):
 def through_kwargs(tmp_path_factory):
     root = tmp_path_factory.mktemp("variants")
     paths = [ROOT / "configs" / f"{name}.yaml" for name in KWARGS]
-    for name, text in VARIANTS.items():
+    for name, text in {**VARIANTS, **DDP}.items():
         (root / f"{name}.yaml").write_text(text)
         paths.append(root / f"{name}.yaml")
     result = torchrun(SCRIPT, "kwargs", *paths, timeout=900)
@@ -73,6 +76,17 @@ def test_accelerator_kwargs_run_the_dtypes_of_fp8dist_own_engine(config, through
     assert own["passed"] is True, own
     assert accelerate["observed"] == own["observed"], (accelerate, own)
     assert accelerate["passed"] is True
+
+
+@pytest.mark.parametrize("config", list(DDP))
+def test_a_replicated_config_runs_the_same_dtypes_under_accelerates_ddp(config, through_kwargs):
+    """translate --to accelerate writes replicated configs as Accelerate's DDP where the dtypes agree: every phase is
+    observed the same as fp8dist's own replicated FSDP2 run, the engine itself being the one difference named."""
+    accelerate, own = through_kwargs[f"kwargs:{config}"], through_kwargs[f"fp8dist:{config}"]
+    assert own["passed"] is True, own
+    assert accelerate["observed"]["engine"] == "ddp" and accelerate["distributed_type"] == "DistributedType.MULTI_CPU"
+    differ = {phase for phase in own["observed"] if accelerate["observed"].get(phase) != own["observed"][phase]}
+    assert differ == {"engine"}, json.dumps([accelerate["observed"], own["observed"]])
 
 
 def launch(config, tmp_path):

@@ -22,14 +22,70 @@ from fp8dist.formats.common import (Imported, ImportProblem, Notes, integer, map
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
 from fp8dist.formats.accelerate.sections import fp8_section, fsdp_settings, note_accelerate_refusals
 from fp8dist.formats.accelerate.translate import LOAD_DTYPE_MARK
+from fp8dist.formats.keys import KeyClass, Table, disabled, kept, no_effect, refused
 
 _MARK = re.compile("^" + re.escape(LOAD_DTYPE_MARK) + r"(fp32|bf16|fp16)\b", re.MULTILINE)
+# distributed_type values Accelerate runs as replicated data parallelism (accelerate 1.15 utils/dataclasses.py
+# DistributedType): fp8dist runs them as FSDP2 with nothing sharded. NO is one process.
 _DDP = {"NO", "MULTI_GPU", "MULTI_CPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
         "MULTI_HPU", "MULTI_NEURON"}
-_LAUNCH_KEYS = {"compute_environment", "num_processes", "num_machines", "machine_rank", "gpu_ids", "main_process_ip",
-                "main_process_port", "rdzv_backend", "same_network", "main_training_function", "enable_cpu_affinity",
-                "downcast_bf16", "tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands",
-                "tpu_vm", "tpu_env", "use_cpu", "debug", "mpirun_config", "megatron_lm_config"}
+_LAUNCH = "a launch setting (where and how many processes), not one of the run's numerics or layout"
+KEYS = Table("Accelerate", {
+    "distributed_type": kept("engine (FSDP: fsdp2; DEEPSPEED: deepspeed; NO / MULTI_*: fsdp2 with nothing sharded); "
+                             "required, as Accelerate requires it", example="MULTI_GPU"),
+    "mixed_precision": kept("precision (Accelerate's policy for the distributed_type)", example="bf16"),
+    "fsdp_config": kept("parallel / fsdp2 (with distributed_type FSDP)", example={"fsdp_version": 2}),
+    "deepspeed_config": kept("engine deepspeed: its JSON, or Accelerate's own DeepSpeed keys", example={"zero_stage": 2}),
+    "fp8_config": kept("precision.fp8 (with mixed_precision fp8)", example={"backend": "AO"}),
+    "dynamo_config": kept("compile", example={"dynamo_backend": "INDUCTOR"}),
+    "parallelism_config": kept("parallel.sharding hybrid from dp_shard x dp_replicate; tp/cp/sp sizes above 1 refused",
+                               example={"parallelism_config_dp_shard_size": 2}),
+    "megatron_lm_config": refused("Megatron-LM's tensor / pipeline parallelism", "use distributed_type FSDP or DEEPSPEED",
+                                  unless=disabled, otherwise="empty", example={"megatron_lm_tp_degree": 2}),
+    "downcast_bf16": no_effect("TPU only (XLA_DOWNCAST_BF16)", example="no"),
+    "use_cpu": no_effect("where the processes run, not their dtypes"),
+    "debug": no_effect("Accelerate's debug checks of collective shapes"),
+    **{key: no_effect(_LAUNCH, example="x") for key in (
+        "compute_environment", "num_processes", "num_machines", "machine_rank", "gpu_ids", "main_process_ip",
+        "main_process_port", "rdzv_backend", "same_network", "main_training_function", "enable_cpu_affinity",
+        "tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm", "tpu_env",
+        "mpirun_config", "ec2_instance_type", "iam_role_name", "profile", "region", "base_job_name",
+        "pytorch_version", "transformers_version", "py_version", "sagemaker_inputs_file", "sagemaker_metrics_file",
+        "additional_args", "num_cpu_threads_per_process", "dynamo_backend", "ipex_config", "mpirun_hostfile")},
+}, unknown_why="check that it changes neither the precision, nor the parallel layout, nor the batch")
+DEEPSPEED_KEYS = Table("Accelerate deepspeed_config", {
+    "deepspeed_config_file": kept("engine deepspeed, from that JSON (a path, inline JSON or base64)",
+                                  example="ds.json"),
+    "zero3_init_flag": kept("parallel.cpu_ram_efficient_loading (ZeRO-3 builds under zero.Init)"),
+    "zero_stage": kept("parallel.sharding / deepspeed.zero_stage", example=2),
+    "offload_optimizer_device": kept("parallel.offload / deepspeed.offload_optimizer", example="cpu"),
+    "offload_param_device": kept("parallel.offload / deepspeed.offload_param", example="cpu"),
+    "offload_optimizer_nvme_path": kept("deepspeed.nvme_path", example="/nvme"),
+    "offload_param_nvme_path": kept("deepspeed.nvme_path", example="/nvme"),
+    "gradient_accumulation_steps": kept("train.gradient_accumulation_steps", example=2),
+    "gradient_clipping": kept("train.gradient_clipping", example=1.0),
+    "zero3_save_16bit_model": kept("deepspeed.extra zero_optimization.stage3_gather_16bit_weights_on_model_save"),
+    **{key: no_effect(_LAUNCH, example="x") for key in (
+        "deepspeed_hostfile", "deepspeed_exclusion_filter", "deepspeed_inclusion_filter",
+        "deepspeed_multinode_launcher")},
+    "deepspeed_moe_layer_cls_names": no_effect("ZeRO-3 leaf modules for MoE layers: how parameters are gathered, not "
+                                               "their dtypes", example="MixtralSparseMoeBlock"),
+}, unknown_why="check that DeepSpeedPlugin (accelerate 1.15 utils/dataclasses.py) does not read it")
+
+
+def _distributed_type(doc: dict[str, Any], notes: Notes, source: str) -> str:
+    """distributed_type, which Accelerate requires (ClusterConfig has no default for it). YAML 1.1 (PyYAML, as
+    Accelerate reads the file) makes a bare `NO` false: that is the NO the file means."""
+    if "distributed_type" not in doc:
+        raise ImportProblem([Issue("distributed_type", "missing: Accelerate refuses a config file without it (and "
+                                   "whether the run is one process, replicated or sharded depends on it)",
+                                   fix="add distributed_type: NO, MULTI_GPU, FSDP or DEEPSPEED, as `accelerate "
+                                       "config` writes it")], source, "accelerate")
+    value = doc.pop("distributed_type")
+    if value is False:
+        notes.resolved("distributed_type", "NO", "a bare NO is false in YAML 1.1; Accelerate reads it as NO")
+        return "NO"
+    return str(value).upper()
 
 
 def convert(document: dict[str, Any], text: str, source: str) -> Imported:
@@ -37,7 +93,7 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
     doc = dict(document)
     mark = _MARK.search(text)
     load_dtype = mark.group(1) if mark else None
-    dist = str(doc.pop("distributed_type", "NO")).upper()
+    dist = _distributed_type(doc, notes, source)
     raw_mixed = doc.pop("mixed_precision", None)
     mixed = "no" if raw_mixed in (None, False) else str(raw_mixed).lower()
     if mixed not in ("no", "bf16", "fp16", "fp8"):
@@ -52,8 +108,9 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
     elif dist == "FSDP" or dist in _DDP:
         out = _fsdp(doc, dist, mixed, load_dtype, notes, issues, source)
     else:
-        raise ImportProblem([Issue("distributed_type", "fp8dist runs FSDP2 or DeepSpeed; this Accelerate mode has no "
-                                   "fp8dist equivalent", dist, "use FSDP or DEEPSPEED")], source, "accelerate")
+        raise ImportProblem([Issue("distributed_type", "fp8dist runs FSDP2 or DeepSpeed (or replicated data parallelism "
+                                   "as FSDP2 with nothing sharded); this Accelerate mode (Megatron-LM, TPU) has no fp8dist "
+                                   "equivalent", dist, "use FSDP, DEEPSPEED or MULTI_GPU")], source, "accelerate")
     if mixed == "fp8" and out is not None:
         fp8 = fp8_section(fp8_config, out["engine"], notes, issues, "fp8_config.")
         if fp8 is not None and not (fp8["backend"] == "msamp" and "fp8" in out.get("precision", {})):
@@ -65,10 +122,12 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
     if out is not None and parallelism:
         _parallelism(parallelism, out, notes, issues)
     for key, value in doc.items():
-        if key in ("fsdp_config", "deepspeed_config") and not value:
+        if key in ("fsdp_config", "deepspeed_config", "fp8_config") and not value:
             continue
-        why = "a launch setting, not a precision one" if key in _LAUNCH_KEYS else "not read for this distributed_type"
-        notes.dropped(key, value, why)
+        if key in ("fsdp_config", "deepspeed_config"):
+            notes.dropped(key, value, f"not read with distributed_type {dist}")
+            continue
+        KEYS.settle(key, value, notes, issues)
     if issues:
         raise ImportProblem(issues, source, "accelerate")
     note_accelerate_refusals(out, notes, "this file")
@@ -127,17 +186,13 @@ def _gpus_per_node(doc: Mapping[str, Any]) -> int | None:
 
 
 # -- DeepSpeed -----------------------------------------------------------------------------------------------
-_DS_NOT_KEPT = {"deepspeed_hostfile", "deepspeed_exclusion_filter", "deepspeed_inclusion_filter",
-                "deepspeed_multinode_launcher", "deepspeed_moe_layer_cls_names"}
-
-
 def _deepspeed(config: dict[str, Any], raw_mixed: Any, mixed: str, notes: Notes, issues: list[Issue],
                source: str) -> dict[str, Any] | None:
     config = dict(config)
     file = config.pop("deepspeed_config_file", None)
     zero3_init = config.pop("zero3_init_flag", None)
-    for key in sorted(set(config) & _DS_NOT_KEPT):
-        notes.dropped(f"deepspeed_config.{key}", config.pop(key), "a launch setting, not a precision one")
+    for key in [k for k in config if (rule := DEEPSPEED_KEYS.rule(k)) is not None and rule.cls is KeyClass.NO_EFFECT]:
+        DEEPSPEED_KEYS.settle(key, config.pop(key), notes, issues, shown=f"deepspeed_config.{key}")
     if file not in (None, "none"):
         if raw_mixed is not None:
             notes.dropped("mixed_precision", raw_mixed, "accelerate launch refuses it next to a deepspeed_config_file "
@@ -149,7 +204,7 @@ def _deepspeed(config: dict[str, Any], raw_mixed: Any, mixed: str, notes: Notes,
         ctx = AutoContext(mixed_precision=mixed if raw_mixed is not None else None)
         prefix = f"deepspeed_config_file ({where}): "
     else:
-        ds = _plugin_config(config, mixed, notes)
+        ds = _plugin_config(config, mixed, notes, issues)
         ctx, prefix = AutoContext(mixed_precision=mixed), "deepspeed_config (as DeepSpeedPlugin builds it): "
     try:
         out = convert_config(ds, source, notes, ctx, prefix)
@@ -187,7 +242,7 @@ def _deepspeed_file(value: str, source: str) -> tuple[Any, str]:
     return document, where
 
 
-def _plugin_config(config: dict[str, Any], mixed: str, notes: Notes) -> dict[str, Any]:
+def _plugin_config(config: dict[str, Any], mixed: str, notes: Notes, issues: list[Issue]) -> dict[str, Any]:
     """The DeepSpeed config DeepSpeedPlugin builds from Accelerate's own keys, then set_mixed_precision
     (accelerate 1.15 utils/dataclasses.py; launcher defaults from commands/launch.py)."""
     stage = config.pop("zero_stage", None)
@@ -212,7 +267,7 @@ def _plugin_config(config: dict[str, Any], mixed: str, notes: Notes) -> dict[str
     elif mixed in ("bf16", "fp8"):
         ds["bf16"] = {"enabled": True}
     for key, value in config.items():
-        notes.dropped(f"deepspeed_config.{key}", value, "no fp8dist meaning")
+        DEEPSPEED_KEYS.settle(key, value, notes, issues, shown=f"deepspeed_config.{key}")
     return ds
 
 

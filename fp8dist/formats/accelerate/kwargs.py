@@ -75,7 +75,9 @@ def accelerator_kwargs(config, *, world_size: int | None = None, deepspeed_versi
     plan = accelerate_plan(spec, "python", deepspeed_version=deepspeed_version, torchao_version=torchao_version)
     kwargs: dict[str, Any] = {}
     handlers: list[Any] = []
-    if plan["fsdp"]:
+    if plan["ddp"]:
+        kwargs["mixed_precision"] = plan["mixed_precision"]  # DDP: no plugin (accelerate's MULTI_GPU)
+    elif plan["fsdp"]:
         kwargs["mixed_precision"] = plan["mixed_precision"]
         kwargs["fsdp_plugin"] = fsdp_plugin(plan)
         if plan["fsdp"]["parallelism"]:

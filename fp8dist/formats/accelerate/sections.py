@@ -8,22 +8,39 @@ import fp8dist.compat as compat
 from fp8dist.config.vocabulary import SHARDING_ALIASES
 from fp8dist.errors import Issue
 from fp8dist.formats.common import Notes, integer, mapping, truthy
+from fp8dist.formats.keys import Table, disabled, kept, no_effect, refused
 
 # FSDP1 ShardingStrategy by number (torch.distributed.fsdp.ShardingStrategy, as accelerate accepts digits).
 _STRATEGY_NUMBERS = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
                      "5": "_HYBRID_SHARD_ZERO2"}
-_FSDP_NOT_KEPT = {
-    "backward_prefetch": "FSDP1 only; FSDP2 prefetches by itself",
-    "forward_prefetch": "FSDP1 only (FSDP2 refuses it in Accelerate)",
-    "use_orig_params": "FSDP1 only; FSDP2 always uses the original parameters",
-    "sync_module_states": "FSDP1 only; fp8dist's RAM-efficient loading reads each rank's shards instead",
-    "state_dict_type": "a checkpoint format, not a precision setting",
-    "limit_all_gathers": "FSDP1 only",
-    "ignored_modules": "fp8dist shards every parameter",
-    "min_num_params": "size-based wrapping has no fp8dist equivalent (fp8dist shards blocks)",
-    "activation_checkpointing_offload": "fp8dist keeps checkpointed inputs on the device",
-    "transformer_cls_names_to_wrap": "",
-}
+# The keys of an Accelerate / Axolotl fsdp_config, without their `fsdp_` prefix (accelerate 1.15
+# utils/dataclasses.py FullyShardedDataParallelPlugin, commands/config/cluster.py).
+FSDP_KEYS = Table("fsdp_config", {
+    "version": kept("FSDP2 (fp8dist runs FSDP2; FSDP1's keys are read for their FSDP2 meaning)", example=2),
+    "sharding_strategy": kept("parallel.sharding", example="FULL_SHARD"),
+    "reshard_after_forward": kept("parallel.sharding (FSDP2: true full, false grad_op)"),
+    "offload_params": kept("parallel.offload: params"),
+    "cpu_ram_efficient_loading": kept("parallel.cpu_ram_efficient_loading"),
+    "activation_checkpointing": kept("parallel.activation_checkpointing: full"),
+    "auto_wrap_policy": kept("fsdp2.wrap (TRANSFORMER_BASED_WRAP with class names; the others: fp8dist's blocks)",
+                             example="TRANSFORMER_BASED_WRAP"),
+    "transformer_layer_cls_to_wrap": kept("fsdp2.wrap", example="LlamaDecoderLayer"),
+    "transformer_cls_names_to_wrap": kept("fsdp2.wrap", example=["LlamaDecoderLayer"]),
+    "ignored_modules": refused("leaves those modules unsharded (replicated on every rank)", "remove it: fp8dist shards "
+                               "every parameter", unless=disabled, otherwise="none", example="lm_head"),
+    "backward_prefetch": no_effect("FSDP1 only; FSDP2 prefetches by itself", example="BACKWARD_PRE"),
+    "forward_prefetch": no_effect("FSDP1 only (FSDP2 refuses it in Accelerate)"),
+    "use_orig_params": no_effect("FSDP1 only; FSDP2 always uses the original parameters"),
+    "sync_module_states": no_effect("FSDP1 only; fp8dist's RAM-efficient loading reads each rank's shards instead"),
+    "state_dict_type": no_effect("a checkpoint format, not a precision setting", example="SHARDED_STATE_DICT"),
+    "limit_all_gathers": no_effect("FSDP1 only"),
+    "min_num_params": no_effect("size-based wrapping: fp8dist makes each block a unit (the sharding is the same)",
+                                example=100000000),
+    "activation_checkpointing_offload": no_effect("fp8dist keeps checkpointed inputs on the device"),
+    "cpu_offload_pin_memory": no_effect("fp8dist pins offloaded memory where CUDA exists"),
+}, unknown_why="check that it changes neither the sharding, nor the precision")
+# accelerate 1.15 utils/constants.py FSDP_AUTO_WRAP_POLICY
+WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 
 
 def note_accelerate_refusals(out: dict[str, Any], notes: Notes, what: str) -> None:
@@ -103,7 +120,10 @@ def fsdp_settings(config: Mapping[str, Any], version: int | None, notes: Notes, 
     policy = items.pop("auto_wrap_policy", None)
     classes = items.pop("transformer_layer_cls_to_wrap", None) or items.pop("transformer_cls_names_to_wrap", None)
     policy_name = str(policy[1]).upper() if policy else "NO_WRAP"
-    if policy_name == "TRANSFORMER_BASED_WRAP":
+    if policy_name not in WRAP_POLICIES:
+        issues.append(Issue(f"{prefix}{policy[0]}", "not an FSDP auto-wrap policy Accelerate knows (it would stop at "
+                            "Accelerator())", policy[1], f"use one of {', '.join(WRAP_POLICIES)}"))
+    elif policy_name == "TRANSFORMER_BASED_WRAP":
         if classes and classes[1]:
             names = classes[1].split(",") if isinstance(classes[1], str) else list(classes[1])
             fsdp2["wrap"] = [name.strip() for name in names if str(name).strip()]
@@ -114,7 +134,7 @@ def fsdp_settings(config: Mapping[str, Any], version: int | None, notes: Notes, 
                        f"{policy_name} has no fp8dist equivalent: fp8dist shards each block (the model's "
                        "_no_split_modules), then the root")
     for short, (key, value) in items.items():
-        notes.dropped(f"{prefix}{key}", value, _FSDP_NOT_KEPT.get(short) or "no fp8dist meaning")
+        FSDP_KEYS.settle(short, value, notes, issues, shown=f"{prefix}{key}")
     return parallel, fsdp2
 
 

@@ -31,7 +31,9 @@ def training_arguments_kwargs(config, *, world_size: int | None = None,
         "adam_beta1": o.betas[0], "adam_beta2": o.betas[1], "adam_epsilon": o.eps, "optim": _optim(spec),
         "torch_compile": spec.compile,
     }  # train.steps and train.seed are fp8dist's own runs' (launch/train.py, the audit): max_steps and seed stay yours
-    if plan["fsdp"]:
+    if plan["ddp"]:  # DDP: the Trainer's own, with bf16 / fp16 autocast
+        kwargs.update(bf16=plan["mixed_precision"] == "bf16", fp16=plan["mixed_precision"] == "fp16")
+    elif plan["fsdp"]:
         fs = plan["fsdp"]
         kwargs.update(bf16=plan["mixed_precision"] == "bf16", fp16=plan["mixed_precision"] == "fp16", fsdp=True)
         # transformers 5 training_args.py _process_fsdp_args reads these keys into FullyShardedDataParallelPlugin.

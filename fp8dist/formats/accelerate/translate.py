@@ -57,9 +57,11 @@ def accelerate_plan(spec: Spec, mode: str = "file", *, deepspeed_version: str | 
     issues: list[Issue] = []
     mixed = accelerate_mixed_precision(spec)
     plan: dict[str, Any] = {"engine": spec.engine, "mixed_precision": mixed, "load_dtype": spec.precision.load_dtype,
-                            "fsdp": None, "deepspeed": None, "fp8": None, "notes": []}
+                            "fsdp": None, "deepspeed": None, "ddp": None, "fp8": None, "notes": []}
     _check_fp8_compute(spec, mode, issues)
-    if spec.engine == "fsdp2":
+    if spec.engine == "fsdp2" and spec.parallel.sharding == "replicate":
+        plan["ddp"] = _ddp_plan(spec, mode, issues, plan["notes"])
+    elif spec.engine == "fsdp2":
         plan["fsdp"] = _fsdp_plan(spec, mode, mixed, issues, plan["notes"])
     else:
         plan["deepspeed"] = _deepspeed_plan(spec, mode, deepspeed_version, issues, plan["notes"])
@@ -133,11 +135,7 @@ def _fsdp_plan(spec: Spec, mode: str, mixed: str, issues: list[Issue], notes: li
                             "remove fsdp2.output_dtype (outputs stay in the compute dtype)"))
     sharding = "full" if par.sharding == "auto" else par.sharding
     parallelism = None
-    if sharding == "replicate":
-        issues.append(Issue("parallel.sharding", "Accelerate's FSDP2 has no unsharded layout: a ParallelismConfig with "
-                            "dp_shard_size 1 is refused (accelerate 1.15 parallelism_config.py)", "replicate",
-                            "use parallel.sharding=full or grad_op, or fp8dist's own runtime (launch/torchrun.sh)"))
-    elif sharding == "hybrid":
+    if sharding == "hybrid":
         if mode == "file":
             issues.append(Issue("parallel.sharding", "an Accelerate config file writes HSDP as parallelism_config "
                                 "dp_replicate_size x dp_shard_size, which must equal the number of processes, and an "
@@ -175,6 +173,44 @@ def _fsdp_plan(spec: Spec, mode: str, mixed: str, issues: list[Issue], notes: li
             "cpu_ram_efficient_loading": par.cpu_ram_efficient_loading, "parallelism": parallelism,
             "policy": {"param_dtype": compute, "reduce_dtype": p.reduce_dtype,
                        "output_dtype": f.output_dtype or compute, "cast_forward_inputs": f.cast_forward_inputs}}
+
+
+def _ddp_plan(spec: Spec, mode: str, issues: list[Issue], notes: list[str]) -> dict[str, Any]:
+    """`parallel.sharding: replicate` as Accelerate's data parallelism (MULTI_GPU; one process runs it as NO): the
+    weights stay as loaded (Accelerate upcasts only under FSDP), the forward autocasts to the mixed precision, and
+    DDP all-reduces each gradient in its parameter's dtype (accelerate 1.15 accelerator.py prepare_model,
+    torch DistributedDataParallel). fp8dist's replicate keeps its own numbers where that differs: refused, named."""
+    p, par, issues_before = spec.precision, spec.parallel, len(issues)
+    if p.weight_dtype != p.load_dtype:
+        issues.append(Issue("precision.master_weights", f"Accelerate's DDP steps the weights as loaded "
+                            f"({p.load_dtype}); this config keeps {p.weight_dtype} master weights", p.master_weights,
+                            "set precision.master_weights=none (or load in the master dtype: precision.load_dtype="
+                            f"{p.weight_dtype})"))
+    if p.reduce_dtype != p.load_dtype:
+        issues.append(Issue("precision.reduce_dtype", f"DDP all-reduces each gradient in its parameter's dtype "
+                            f"({p.load_dtype}); this config reduces in {p.reduce_dtype}", p.reduce_dtype,
+                            f"set precision.reduce_dtype={p.load_dtype}"))
+    if p.compute_dtype == "fp16":
+        issues.append(Issue("precision.loss_scaling", "Accelerate scales fp16 losses with torch's GradScaler, which has "
+                            "neither hysteresis nor a minimum scale; fp8dist's schedule (DeepSpeed's) cannot be given "
+                            "to it", p.mixed_precision, "use bf16, or fp8dist's own runtime (launch/train.py)"))
+    for key, value, why in (("parallel.offload", par.offload, "DDP keeps everything on the device"),
+                            ("parallel.activation_checkpointing", par.activation_checkpointing, "an Accelerate file "
+                             "checkpoints activations only under FSDP (fsdp_activation_checkpointing)"),
+                            ("parallel.cpu_ram_efficient_loading", par.cpu_ram_efficient_loading, "Accelerate's "
+                             "RAM-efficient loading is FSDP's")):
+        if value not in ("none", False):
+            issues.append(Issue(key, f"{why} (accelerate 1.15)", value,
+                                f"remove it for Accelerate's DDP, or use parallel.sharding=full (FSDP) / fp8dist's own "
+                                "runtime" + (" (call model.gradient_checkpointing_enable() in your script for "
+                                             "activation checkpointing)" if "activation" in key else "")))
+    if mode != "python" and not spec.fsdp2.cast_forward_inputs:
+        issues.append(Issue("fsdp2.cast_forward_inputs", "an FSDP2 setting; Accelerate's DDP has no such policy", False,
+                            "remove the key"))
+    if len(issues) == issues_before:
+        notes.append("DDP: run it with `accelerate launch --num_processes N` (N 1 runs one process); the weights stay in "
+                     f"the loading dtype ({p.load_dtype}), as in fp8dist's parallel.sharding: replicate")
+    return {"distributed_type": "MULTI_GPU"}
 
 
 def _deepspeed_plan(spec: Spec, mode: str, deepspeed_version: str | None, issues: list[Issue],
@@ -329,8 +365,10 @@ def accelerate_file(spec: Spec, deepspeed_version: str | None = None,
     """(the ClusterConfig document, the plan it came from)."""
     plan = accelerate_plan(spec, "file", deepspeed_version=deepspeed_version, torchao_version=torchao_version)
     doc: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE", "debug": False,
-                           "distributed_type": "FSDP" if plan["fsdp"] else "DEEPSPEED"}
-    if plan["fsdp"]:
+                           "distributed_type": "FSDP" if plan["fsdp"] else "MULTI_GPU" if plan["ddp"] else "DEEPSPEED"}
+    if plan["ddp"]:
+        doc["mixed_precision"] = plan["mixed_precision"]
+    elif plan["fsdp"]:
         fs = plan["fsdp"]
         doc["mixed_precision"] = plan["mixed_precision"]
         fsdp = {"fsdp_version": 2, "fsdp_reshard_after_forward": fs["reshard_after_forward"],

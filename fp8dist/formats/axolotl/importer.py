@@ -1,59 +1,196 @@
 """An Axolotl YAML -> an fp8dist config (seed 002's FP8 + FSDP2 example, Axolotl's docs/mixed_precision).
 
 Axolotl trains through transformers' Trainer and Accelerate, so its precision is Accelerate's:
-- the model loads in bf16 when `bf16` is on, fp16 with `fp16` / `load_in_8bit`, fp32 otherwise (axolotl
-  utils/config normalize_config: cfg.torch_dtype);
+- `bf16` defaults to `auto` (Axolotl's schema): on where the GPU has bf16, and then it wins over `fp16` (axolotl
+  utils/trainer.py prepare_optim_env: fp8, else bf16 (auto and available, or true), else fp16); the model loads
+  in bf16 with bf16, fp16 with fp16 or load_in_8bit, fp32 otherwise (axolotl utils/config normalize_config);
 - `fp8: true` is Accelerate's fp8 mode with torchao: AORecipeKwargs(Float8LinearConfig(enable_fsdp_float8_all_gather
   =fp8_enable_fsdp_float8_all_gather, force_recompute_fp8_weight_in_bwd=the same)), tensorwise, Accelerate's module
   filter (first and last Linear kept), bf16 compute (axolotl core/trainers/base.py additional_accelerator_args);
 - FSDP2 (`fsdp_version: 2` + `fsdp_config`) is Accelerate's FSDP2: fp32 masters, one dtype for compute and
   reduction; `deepspeed: FILE` is that DeepSpeed JSON with "auto" filled from these keys (HF Trainer);
 - neither: DDP, which fp8dist runs as FSDP2 with nothing sharded.
-Keys about data, the model, adapters, logging or evaluation have no fp8dist meaning: one note each.
+Every key is in KEYS with its class (fp8dist/formats/keys.py: kept, no effect, refused); docs/import.md prints it.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import fp8dist.compat as compat
 from fp8dist.errors import Issue
-from fp8dist.formats.common import Imported, ImportProblem, Notes, integer, mapping, read_beside, truthy
 from fp8dist.formats.accelerate.sections import fsdp_settings, note_accelerate_refusals
+from fp8dist.formats.common import Imported, ImportProblem, Notes, integer, mapping, read_beside, truthy
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
+from fp8dist.formats.keys import Table, disabled, kept, no_effect, one_or_unset, refused
 
 _OPTIMIZERS = {"adamw_torch": ("adamw", None), "adamw_torch_fused": ("adamw", None), "adamw_hf": ("adamw", None),
                "adamw": ("adamw", None), "sgd": ("sgd", None), "adamw_torch_8bit": ("adamw", "int8"),
-               "adamw_bnb_8bit": ("adamw", "int8"), "adamw_8bit": ("adamw", "int8"),
-               "adamw_torch_4bit": (None, None)}
+               "adamw_bnb_8bit": ("adamw", "int8"), "adamw_8bit": ("adamw", "int8")}
 _TRAIN = {"micro_batch_size": "micro_batch_size", "gradient_accumulation_steps": "gradient_accumulation_steps",
           "max_grad_norm": "gradient_clipping", "seed": "seed", "max_steps": "steps", "sequence_len": "seq_len"}
-_OPTIM = {"learning_rate": "lr", "weight_decay": "weight_decay", "adam_epsilon": "eps"}
+_OPTIM = {"learning_rate": "lr", "weight_decay": "weight_decay", "adam_epsilon": "eps", "adam_eps": "eps"}
+
+_DATA = "data, tokenisation or the model's choice: not part of a precision config"
+_LOGGING = "logging, evaluation or saving: no effect on the training numerics"
+_KERNEL = "a fused or alternative kernel for the same computation in the same dtypes"
+_SCHEDULE = "fp8dist builds no learning-rate schedule; your script's scheduler is used"
+_TF32 = ("with fp32 compute it turns every matmul into TF32 (10-bit mantissa; axolotl utils/config normalize_config), "
+         "which fp8dist does not do")
+_WITH_ADAPTER = "read only with `adapter` (which fp8dist refuses until it has an adapter section)"
+_PARALLEL = ("fp8dist runs data parallelism (FSDP2 or DeepSpeed ZeRO) only: no tensor, context, sequence or expert "
+             "parallelism")
+_ADAPTER = ("trains adapters instead of the full model (Axolotl's PEFT adapters); fp8dist has no adapter section "
+            "yet, so it would import a full fine-tune")
+KEYS = Table("Axolotl", {
+    # precision (kept)
+    "bf16": kept("precision.mixed_precision / load_dtype (Axolotl's default `auto`: bf16 where the GPU has it)"),
+    "bfloat16": kept("precision.load_dtype bf16 (the weights' dtype only; bf16 decides the mixed precision)"),
+    "fp16": kept("precision.mixed_precision / load_dtype"),
+    "float16": kept("precision.load_dtype fp16 (the weights' dtype only; fp16 decides the mixed precision)"),
+    "fp8": kept("precision.fp8 (torchao tensorwise, Accelerate's module filter)"),
+    "fp8_enable_fsdp_float8_all_gather": kept("precision.fp8.torchao.enable_fsdp_float8_all_gather"),
+    "tf32": refused(_TF32, "set tf32: false to train in full fp32, or bf16: true"),  # no effect on 16-bit compute
+    # parallel layout (kept)
+    "fsdp": kept("parallel.sharding (with fsdp_config)", example=["full_shard", "auto_wrap"]),
+    "fsdp_config": kept("parallel / fsdp2 (fp8dist/formats/accelerate/sections.py)", example={"fsdp_version": 2}),
+    "fsdp_version": kept("FSDP2 (fp8dist runs FSDP2; FSDP1's keys are read for their FSDP2 meaning)", example=2),
+    "deepspeed": kept("engine deepspeed, from that JSON", example="deepspeed_configs/zero2.json"),
+    "dp_shard_size": kept("parallel.sharding / shard_size (with dp_replicate_size > 1: hybrid)", example=2),
+    "dp_replicate_size": kept("parallel.sharding hybrid (with dp_shard_size)", example=2),
+    "gradient_checkpointing": kept("parallel.activation_checkpointing: full"),
+    "torch_compile": kept("compile"),
+    # batch and optimizer (kept)
+    "micro_batch_size": kept("train.micro_batch_size (Axolotl's default 1)", example=2),
+    "batch_size": kept("train.gradient_accumulation_steps = batch_size // micro_batch_size (Axolotl's derivation)",
+                       example=8),
+    "gradient_accumulation_steps": kept("train.gradient_accumulation_steps", example=4),
+    "max_grad_norm": kept("train.gradient_clipping", example=1.0),
+    "max_steps": kept("train.steps", example=10),
+    "sequence_len": kept("train.seq_len", example=512),
+    "seed": kept("train.seed", example=42),
+    "learning_rate": kept("optimizer.lr", example=2e-5),
+    "weight_decay": kept("optimizer.weight_decay", example=0.0),
+    "adam_epsilon": kept("optimizer.eps", example=1e-8),
+    "adam_eps": kept("optimizer.eps", example=1e-8),
+    "adam_beta1": kept("optimizer.betas[0]", example=0.9),
+    "adam_beta2": kept("optimizer.betas[1]", example=0.95),
+    "optimizer": kept("optimizer.name / state_dtype (8-bit Adam: torchao AdamW8bit on FSDP2)", example="adamw_torch"),
+    # refused: what fp8dist cannot keep
+    "adapter": refused(_ADAPTER, "train the full model (remove adapter), or keep training it with Axolotl",
+                       unless=disabled, otherwise="no adapter", example="lora"),
+    "load_in_4bit": refused("loads the frozen base in 4 bit (bitsandbytes, QLoRA)", "remove it: fp8dist trains from "
+                            "bf16/fp16/fp32 weights", unless=disabled, otherwise="off"),
+    "load_in_8bit": refused("loads the base in 8 bit (bitsandbytes)", "remove it: fp8dist trains from bf16/fp16/fp32 "
+                            "weights", unless=disabled, otherwise="off"),
+    "gptq": refused("trains a GPTQ-quantised model", "start from the unquantised model", unless=disabled,
+                    otherwise="off"),
+    "model_quantization_config": refused("quantises the model's weights at load", "remove it", unless=disabled,
+                                         otherwise="none", example="Mxfp4Config"),
+    "model_quantization_config_kwargs": refused("quantises the model's weights at load", "remove it", unless=disabled,
+                                                otherwise="none", example={"dequantize": True}),
+    "quantize_moe_experts": refused("quantises the MoE experts' weights", "remove it", unless=disabled,
+                                    otherwise="off"),
+    "qat": refused("quantization-aware training (fake-quantised weights and activations)", "remove the qat section: "
+                   "fp8dist has no QAT", unless=disabled, otherwise="empty", example={"weight_dtype": "int4"}),
+    "unfrozen_parameters": refused("trains only the parameters it lists", "remove it (fp8dist trains every "
+                                   "parameter)", unless=disabled, otherwise="empty", example=["^lm_head.weight$"]),
+    "peft_use_dora": refused("DoRA adapters", "remove it", unless=disabled, otherwise="off"),
+    "relora_steps": refused("ReLoRA: adapters merged every N steps", "remove it", unless=disabled, otherwise="off",
+                            example=200),
+    "fp32_norms": refused("keeps norm layers in fp32 under FSDP2 (a per-module policy)", "remove it: fp8dist gives "
+                          "every FSDP2 unit the same MixedPrecisionPolicy", unless=disabled, otherwise="off"),
+    "tensor_parallel_size": refused(_PARALLEL, "set it to 1", unless=one_or_unset, otherwise="1: no tensor "
+                                    "parallelism", example=2),
+    "context_parallel_size": refused(_PARALLEL, "set it to 1", unless=one_or_unset, otherwise="1: no context "
+                                     "parallelism", example=2),
+    "sequence_parallel_degree": refused(_PARALLEL, "set it to 1", unless=one_or_unset, otherwise="1: no sequence "
+                                        "parallelism", example=2),
+    "expert_parallel_size": refused(_PARALLEL, "set it to 1", unless=one_or_unset, otherwise="1: no expert "
+                                    "parallelism", example=2),
+    "lora_r": no_effect(_WITH_ADAPTER, example=16),
+    "lora_alpha": no_effect(_WITH_ADAPTER, example=32),
+    "lora_dropout": no_effect(_WITH_ADAPTER, example=0.05),
+    "lora_target_modules": no_effect(_WITH_ADAPTER, example=["q_proj"]),
+    "lora_target_linear": no_effect(_WITH_ADAPTER),
+    "lora_fan_in_fan_out": no_effect(_WITH_ADAPTER),
+    "lora_model_dir": no_effect(_WITH_ADAPTER, example="adapter/"),
+    # no effect on the numerics, the layout, the trained parameters or the global batch
+    **{key: no_effect(_DATA, example="x") for key in (
+        "base_model", "base_model_ignore_patterns", "base_model_config", "model_type", "tokenizer_type",
+        "tokenizer_legacy", "tokenizer_use_fast", "tokenizer_config", "trust_remote_code", "datasets",
+        "dataset_prepared_path", "pretraining_dataset", "push_dataset_to_hub", "val_set_size", "test_datasets",
+        "chat_template", "special_tokens", "tokens", "eot_tokens", "train_on_inputs", "group_by_length",
+        "sample_packing", "eval_sample_packing", "pad_to_sequence_len", "min_sample_len", "max_packed_sequence_len",
+        "model_config", "reward_model", "num_labels", "cls_model_config", "center_rewards_coefficient", "rl",
+        "hf_use_auth_token", "strict", "reinit_weights", "plugins", "use_eaft", "eaft_alpha", "eaft_k",
+        "experts_implementation")},
+    **{key: no_effect(_LOGGING, example="x") for key in (
+        "output_dir", "wandb_project", "wandb_entity", "wandb_watch", "wandb_name", "wandb_log_model",
+        "wandb_run_id", "trackio_project_name", "trackio_run_name", "trackio_space_id", "use_tensorboard",
+        "logging_steps", "evals_per_epoch", "eval_steps", "eval_batch_size", "evaluation_strategy",
+        "saves_per_epoch", "save_steps", "save_strategy", "save_total_limit", "save_only_model",
+        "early_stopping_patience", "loss_watchdog_threshold", "loss_watchdog_patience", "debug",
+        "resume_from_checkpoint", "auto_resume_from_checkpoints", "save_safetensors")},
+    **{key: no_effect(_KERNEL) for key in (
+        "flash_attention", "sdp_attention", "xformers_attention", "flex_attention", "attn_implementation",
+        "flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_mlp", "flash_attn_fuse_qkv",
+        "flash_optimum", "flex_attn_compile_kwargs", "liger_rope", "liger_rms_norm", "liger_rms_norm_gated",
+        "liger_glu_activation", "liger_layer_norm", "liger_fused_linear_cross_entropy", "liger_cross_entropy",
+        "use_kernels", "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "tiled_mlp",
+        "cut_cross_entropy")},
+    **{key: no_effect(_SCHEDULE, example="cosine") for key in (
+        "lr_scheduler", "warmup_steps", "warmup_ratio", "cosine_min_lr_ratio", "cosine_constant_lr_ratio",
+        "lr_quadratic_warmup", "lr_scheduler_kwargs")},
+    "num_epochs": no_effect("how long to train; fp8dist's runs take train.steps", example=3),
+    "gradient_checkpointing_kwargs": no_effect("fp8dist checkpoints with torch's non-reentrant checkpoint_wrapper",
+                                               example={"use_reentrant": False}),
+    "activation_offloading": no_effect("moves saved activations to the host: memory, not numerics or layout"),
+    "torch_compile_backend": no_effect("fp8dist compiles with torch.compile's defaults (inductor)", example="inductor"),
+    "torch_compile_mode": no_effect("fp8dist compiles with torch.compile's defaults", example="max-autotune"),
+    "ddp_find_unused_parameters": no_effect("a DDP bookkeeping switch", example=False),
+    "device_map": no_effect("Accelerate places the model under accelerate launch (axolotl choose_device)",
+                            example="auto"),
+    "low_cpu_mem_usage": no_effect("transformers 5 ignores it (modeling_utils.py: 'Not used anymore')"),
+    "local_rank": no_effect("set by the launcher", example=0),
+    "use_ray": no_effect("a launcher choice"),
+    "ray_num_workers": no_effect("a launcher choice", example=2),
+    "torchdistx_path": no_effect("a model-loading helper", example="/x"),
+    "experimental_skip_move_to_device": no_effect("a model-loading detail"),
+    "gptq_groupsize": no_effect("read only with gptq", example=128),
+    "gptq_model_v1": no_effect("read only with gptq", example=False),
+    "gptq_disable_exllama": no_effect("read only with gptq"),
+}, unknown_why="check that it changes neither the precision, nor the parallel layout, nor which parameters train, "
+               "nor the global batch")
 
 
 def convert(document: dict[str, Any], text: str, source: str) -> Imported:
     notes, issues = Notes(), []
     cfg = dict(document)
-    bf16, fp16, fp8 = _flag(cfg, "bf16", notes), _flag(cfg, "fp16", notes), bool(truthy(cfg.pop("fp8", False)))
-    for alias, target in (("bfloat16", "bf16"), ("float16", "fp16")):
-        if alias in cfg:
-            value = bool(truthy(cfg.pop(alias)))
-            bf16, fp16 = (bf16 or value, fp16) if target == "bf16" else (bf16, fp16 or value)
+    fp8 = bool(truthy(cfg.pop("fp8", False)))
+    bf16, fp16 = _half_precision(cfg, notes)
+    bfloat16, float16 = (bool(truthy(cfg.pop(key, False))) for key in ("bfloat16", "float16"))
     all_gather = bool(truthy(cfg.pop("fp8_enable_fsdp_float8_all_gather", False)))
     load_8bit = bool(truthy(cfg.get("load_in_8bit", False)))
-    load_dtype = "bf16" if bf16 else "fp16" if (fp16 or load_8bit) else "fp32"
-    notes.resolved("precision.load_dtype", load_dtype, "Axolotl loads the model in bf16 with bf16, fp16 with fp16 or "
-                   "load_in_8bit, fp32 otherwise")
+    load_dtype = "bf16" if bf16 or bfloat16 else "fp16" if (fp16 or load_8bit or float16) else "fp32"
+    notes.resolved("precision.load_dtype", load_dtype, "Axolotl loads the model in bf16 with bf16 or bfloat16, fp16 "
+                   "with fp16, float16 or load_in_8bit, fp32 otherwise (utils/config normalize_config: torch_dtype)")
     mixed = "fp8" if fp8 else "bf16" if bf16 else "fp16" if fp16 else "no"
     compute = {"fp8": "bf16", "no": "none"}.get(mixed, mixed)
+    _tf32(cfg, compute if compute != "none" else load_dtype, notes, issues)
     deepspeed = cfg.pop("deepspeed", None)
     fsdp_config, fsdp_version, legacy = cfg.pop("fsdp_config", None), cfg.pop("fsdp_version", None), cfg.pop("fsdp", None)
+    _batch_defaults(cfg, notes)
     ctx = AutoContext(who="HF Trainer (Axolotl)", mixed_precision=mixed,
                       micro_batch_size=cfg.get("micro_batch_size"),
-                      gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1),
-                      gradient_clipping=_number(cfg.get("max_grad_norm", 1.0)), lr=_number(cfg.get("learning_rate")),
-                      weight_decay=_number(cfg.get("weight_decay", 0.0)), eps=_number(cfg.get("adam_epsilon", 1e-8)),
+                      gradient_accumulation_steps=cfg.get("gradient_accumulation_steps"),
+                      gradient_clipping=_number(cfg.get("max_grad_norm", compat.AXOLOTL_DEFAULTS["max_grad_norm"])),
+                      lr=_number(cfg.get("learning_rate")),
+                      weight_decay=_number(cfg.get("weight_decay", 0.0)),
+                      eps=_number(cfg.get("adam_epsilon", cfg.get("adam_eps", 1e-8))),
                       betas=[_number(cfg.get("adam_beta1", 0.9)), _number(cfg.get("adam_beta2", 0.999))])
-    if deepspeed and (fsdp_config or legacy):
+    fsdp_on = not disabled(fsdp_config) or not disabled(legacy)
+    if deepspeed and fsdp_on:
         issues.append(Issue("deepspeed", "set together with FSDP; Accelerate runs one of them", deepspeed,
                             "remove deepspeed or fsdp_config"))
     if deepspeed:
@@ -66,11 +203,14 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
             out.setdefault("parallel", {})["cpu_ram_efficient_loading"] = True
             notes.resolved("parallel.cpu_ram_efficient_loading", True, "under ZeRO-3 the HF Trainer builds the model "
                            "inside deepspeed.zero.Init (transformers integrations/deepspeed.py is_deepspeed_zero3_enabled)")
+        for key in ("dp_shard_size", "dp_replicate_size"):
+            if key in cfg:
+                notes.dropped(key, cfg.pop(key), "DeepSpeed's ZeRO stage decides the sharding")
     else:
         out = {"engine": "fsdp2"}
-        if fsdp_config or legacy:
-            if legacy:
-                notes.dropped("fsdp", legacy, "the FSDP1 option list; fsdp_config decides")
+        if fsdp_on:
+            if not disabled(legacy):
+                notes.resolved("fsdp", "FSDP", "the FSDP1 option list turns FSDP on; fsdp_config decides its settings")
             version = integer(fsdp_version, "fsdp_version") if fsdp_version is not None else None
             parallel, fsdp2 = fsdp_settings(mapping(fsdp_config, "fsdp_config"), version, notes, issues, "fsdp_config.")
             precision = {"mixed_precision": compute, "master_weights": "fp32" if mixed != "no" else "none",
@@ -85,6 +225,7 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
             precision = {"mixed_precision": compute, "master_weights": "none", "reduce_dtype": load_dtype}
             notes.resolved("(no fsdp_config or deepspeed)", "parallel.sharding=replicate", "Axolotl runs DDP, which "
                            "fp8dist runs as FSDP2 with nothing sharded; the optimizer steps the weights as loaded")
+        _data_parallel_sizes(cfg, parallel, notes, issues)
         out["precision"] = {"load_dtype": load_dtype, **precision}
         if parallel:
             out["parallel"] = parallel
@@ -99,51 +240,107 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
                        "Axolotl passes AORecipeKwargs(Float8LinearConfig(...)) to Accelerate")
     elif all_gather:
         notes.dropped("fp8_enable_fsdp_float8_all_gather", True, "acts only with fp8: true")
-    _compile(cfg, out, notes)
+    _compile(cfg, out)
     _checkpointing(cfg, out, notes)
     _train_and_optimizer(cfg, out, notes, issues, bool(deepspeed))
+    if not disabled(cfg.get("adapter")):  # the adapter's refusal covers its own keys
+        for key in [k for k in cfg if k.startswith("lora_")]:
+            cfg.pop(key)
     for key, value in cfg.items():
-        notes.dropped(key, value, "no fp8dist meaning")
+        KEYS.settle(key, value, notes, issues)
     if issues:
         raise ImportProblem(issues, source, "axolotl")
     note_accelerate_refusals(out, notes, "this Axolotl config")
     return Imported("axolotl", out, notes)
 
 
-def _flag(cfg: dict[str, Any], name: str, notes: Notes) -> bool:
-    value = cfg.pop(name, False)
-    if value == "auto":
-        resolved = name == "bf16"
-        notes.auto(name, resolved, "Axolotl turns bf16 on where the GPU supports it (Ampere and newer); on older "
-                   "GPUs it uses fp16 instead")
-        return resolved
-    if value == "full":
-        notes.resolved(name, True, "`full` also evaluates in bf16 (bf16_full_eval), which fp8dist does not run")
-        return True
-    return bool(truthy(value))
+def _batch_defaults(cfg: dict[str, Any], notes: Notes) -> None:
+    """Axolotl's own values for left-out batch keys (compat.AXOLOTL_DEFAULTS), and its `batch_size` (the batch per
+    rank step: gradient_accumulation_steps = batch_size // micro_batch_size when accumulation is left out)."""
+    for key in ("micro_batch_size", "sequence_len"):
+        if key not in cfg:
+            cfg[key] = compat.AXOLOTL_DEFAULTS[key]
+            notes.resolved(key, cfg[key], "left out: Axolotl's default")
+    batch = cfg.pop("batch_size", None)
+    if "gradient_accumulation_steps" not in cfg:
+        if batch is not None:
+            cfg["gradient_accumulation_steps"] = max(integer(batch, "batch_size") // integer(cfg["micro_batch_size"],
+                                                                                               "micro_batch_size"), 1)
+            notes.resolved("gradient_accumulation_steps", cfg["gradient_accumulation_steps"],
+                           "batch_size // micro_batch_size, as Axolotl derives it")
+            return
+        cfg["gradient_accumulation_steps"] = compat.AXOLOTL_DEFAULTS["gradient_accumulation_steps"]
+        notes.resolved("gradient_accumulation_steps", 1, "left out: Axolotl's default")
+    elif batch is not None:
+        notes.dropped("batch_size", batch, "derived by Axolotl from micro_batch_size x gradient_accumulation_steps, "
+                      "which the file sets")
 
 
-def _compile(cfg: dict[str, Any], out: dict[str, Any], notes: Notes) -> None:
+def _half_precision(cfg: dict[str, Any], notes: Notes) -> tuple[bool, bool]:
+    """(bf16, fp16) as Axolotl resolves them: `bf16` defaults to `auto`, which is on on the GPUs fp8dist runs on
+    (every GPU with FP8 has bf16), and then bf16 wins over fp16 (axolotl utils/trainer.py prepare_optim_env)."""
+    written = "bf16" in cfg
+    bf16, fp16 = cfg.pop("bf16", compat.AXOLOTL_DEFAULTS["bf16"]), bool(truthy(cfg.pop("fp16", False)))
+    if bf16 == "auto":
+        notes.auto("bf16", True, ("left out, Axolotl's default `auto`" if not written else "`auto`") +
+                   ": on where the GPU has bf16 (Ampere and newer, every GPU with FP8); on an older GPU Axolotl "
+                   "would use fp16 instead")
+        bf16 = True
+    elif bf16 == "full":
+        notes.resolved("bf16", True, "`full` also evaluates in bf16 (bf16_full_eval), which fp8dist does not run")
+        bf16 = True
+    bf16 = bool(truthy(bf16))
+    if bf16 and fp16:
+        notes.dropped("fp16", True, "bf16 wins over fp16 in Axolotl (utils/trainer.py prepare_optim_env)")
+        fp16 = False
+    return bf16, fp16
+
+
+def _tf32(cfg: dict[str, Any], compute: str, notes: Notes, issues: list[Issue]) -> None:
+    """`compute`: the dtype the GEMMs run in (the mixed precision, else the weights')."""
+    if "tf32" not in cfg:
+        return
+    value = cfg.pop("tf32")
+    if compute != "fp32":
+        notes.dropped("tf32", value, f"every GEMM runs in the {compute} compute dtype, so TF32 (which acts on fp32 "
+                                     "matmuls) changes nothing")
+    elif value == "auto" or truthy(value):
+        issues.append(Issue("tf32", _TF32, value, KEYS.rules["tf32"].fix))
+
+
+def _data_parallel_sizes(cfg: dict[str, Any], parallel: dict[str, Any], notes: Notes, issues: list[Issue]) -> None:
+    """Axolotl's dp_shard_size x dp_replicate_size (its ParallelismConfig): HSDP when both are above 1."""
+    shard, replicate = cfg.pop("dp_shard_size", None), cfg.pop("dp_replicate_size", None)
+    if shard is None and replicate is None:
+        return
+    shard_n = integer(shard, "dp_shard_size") if shard is not None else None
+    replicate_n = integer(replicate, "dp_replicate_size") if replicate is not None else 1
+    if replicate_n > 1 and shard_n and shard_n > 1:
+        parallel.update(sharding="hybrid", shard_size=shard_n)
+        notes.resolved("dp_shard_size x dp_replicate_size", f"parallel.sharding=hybrid, shard_size={shard_n}",
+                       "Axolotl's ParallelismConfig: shard within groups of dp_shard_size, replicate across them")
+    elif replicate_n > 1:
+        issues.append(Issue("dp_replicate_size", "replicas without a shard size: Axolotl derives dp_shard_size from the "
+                            "world size, which depends on the launch", replicate,
+                            "write dp_shard_size too (the ranks that shard one copy)"))
+    elif shard_n is not None:
+        notes.resolved("dp_shard_size", "parallel.sharding (all ranks)", "without replicas every rank is in the one "
+                       "shard group")
+
+
+def _compile(cfg: dict[str, Any], out: dict[str, Any]) -> None:
     value = cfg.pop("torch_compile", None)
-    if value == "auto":
-        notes.auto("torch_compile", True, "Axolotl compiles where the installed torch supports torch.compile")
-        value = True
-    if truthy(value):
-        out["compile"] = True
-    for key in ("torch_compile_backend", "torch_compile_mode"):
-        if key in cfg:
-            notes.dropped(key, cfg.pop(key), "fp8dist compiles with torch.compile's defaults (inductor)")
+    if value == "auto" or truthy(value):
+        out["compile"] = True  # Axolotl's `auto`: on where the installed torch compiles
 
 
 def _checkpointing(cfg: dict[str, Any], out: dict[str, Any], notes: Notes) -> None:
     value = cfg.pop("gradient_checkpointing", None)
     if value is None or value is False:
         return
-    if truthy(value):
-        out.setdefault("parallel", {}).setdefault("activation_checkpointing", "full")
-    else:
-        notes.dropped("gradient_checkpointing", value, "fp8dist checkpoints each block on the device (full)")
-        out.setdefault("parallel", {}).setdefault("activation_checkpointing", "full")
+    if not truthy(value):
+        notes.resolved("gradient_checkpointing", "full", f"{value!r}: fp8dist checkpoints each block on the device")
+    out.setdefault("parallel", {}).setdefault("activation_checkpointing", "full")
 
 
 def _number(value: Any) -> Any:
@@ -179,11 +376,13 @@ def _train_and_optimizer(cfg: dict[str, Any], out: dict[str, Any], notes: Notes,
             issues.append(Issue("optimizer", "fp8dist builds AdamW, Adam or SGD (torch.optim; int8 states through "
                                 "torchao's AdamW8bit); this optimizer has no equivalent", name,
                                 "use adamw_torch, adamw_torch_8bit or sgd"))
+        elif state and deepspeed:
+            issues.append(Issue("optimizer", "8-bit Adam states change the optimizer's numerics, and fp8dist has them "
+                                "on FSDP2 only (torchao AdamW8bit); under DeepSpeed the states would be fp32", name,
+                                "use adamw_torch under DeepSpeed, or FSDP2 (fsdp_config) for 8-bit states"))
         else:
             optimizer["name"] = mapped
-            if state and deepspeed:
-                notes.dropped("optimizer", name, "8-bit optimizer states are FSDP2-only in fp8dist (torchao AdamW8bit)")
-            elif state:
+            if state:
                 optimizer["state_dtype"] = state
                 if name != "adamw_torch_8bit":
                     notes.resolved("optimizer", "optimizer.state_dtype=int8", f"{name} (bitsandbytes) becomes torchao's "

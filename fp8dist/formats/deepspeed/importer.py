@@ -16,14 +16,95 @@ from typing import Any, Mapping
 
 import fp8dist.compat as compat
 from fp8dist.config.vocabulary import DEEPSPEED_OFFLOAD, ZERO_STAGE
+import fp8dist.dtypes as dtypes
 from fp8dist.errors import Issue
 from fp8dist.formats.common import Imported, ImportProblem, Notes, dtype_name, mapping, set_path, truthy
+from fp8dist.formats.keys import KeyClass, Table, disabled, kept, no_effect, one_or_unset, refused
 
 SHARDING_OF_STAGE = {stage: name for name, stage in ZERO_STAGE.items() if name != "hybrid"}
 OFFLOAD_OF_DEVICES = {devices: name for name, devices in DEEPSPEED_OFFLOAD.items()}
-# Keys the fp8dist translation writes itself (fp8dist/translate/deepspeed.py): never copied into extra.
-_GENERATED = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping", "steps_per_print",
-              "communication_data_type", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"}
+_EXTRA = "deepspeed.extra: DeepSpeed reads it as written"
+_DATA_PARALLEL = "fp8dist runs data parallelism (ZeRO) only: no tensor, pipeline, sequence or expert parallelism"
+_QUANTIZED = ("quantises {what}, a precision fp8dist's config does not describe (its audit would expect the "
+              "unquantised dtypes)")
+# DeepSpeed 0.19.8's config keys (runtime/config.py DeepSpeedConfig._initialize_params, runtime/zero/config.py) and
+# their class (fp8dist/formats/keys.py). Top-level keys, then zero_optimization's as `zero_optimization.KEY`.
+KEYS = Table("DeepSpeed", {
+    "bf16": kept("precision (bf16 compute; bf16_master_weights_and_grads, bf16_optimizer_states)",
+                 example={"enabled": True}),
+    "bfloat16": kept("precision (the old name of bf16)", example={"enabled": True}),
+    "fp16": kept("precision (fp16 compute) and precision.loss_scaling", example={"enabled": True}),
+    "torch_autocast": kept("precision (compute dtype on weights kept as loaded)",
+                           example={"enabled": True, "dtype": "bfloat16"}),
+    "communication_data_type": kept("precision.reduce_dtype", example="fp32"),
+    "data_types": kept("deepspeed.grad_accum_dtype", example={"grad_accum_dtype": "fp32"}),
+    "msamp": kept("precision.fp8 (MS-AMP)", example={"enabled": True, "opt_level": "O2"}),
+    "zero_optimization": kept("parallel.sharding / offload (the rest of the section: deepspeed.extra)",
+                              example={"stage": 2}),
+    "train_micro_batch_size_per_gpu": kept("train.micro_batch_size", example=4),
+    "gradient_accumulation_steps": kept("train.gradient_accumulation_steps", example=2),
+    "train_batch_size": kept("derived: micro batch x accumulation x world size; alone (or with only one of the two) "
+                             "it depends on the world size and is refused", example=64),
+    "gradient_clipping": kept("train.gradient_clipping", example=1.0),
+    "steps_per_print": kept("deepspeed.steps_per_print", example=10),
+    "optimizer": kept("optimizer (fp8dist builds it: AdamW, Adam, SGD)", example={"type": "AdamW"}),
+    "amp": refused("Apex AMP, a mixed-precision mode of its own (and removed from DeepSpeed 0.19.8)",
+                   "remove it and say the precision with a bf16 or fp16 section", unless=disabled, otherwise="disabled",
+                   example={"enabled": True, "opt_level": "O1"}),
+    "pipeline": refused(_DATA_PARALLEL, "remove the pipeline section (fp8dist does not build a PipelineModule)",
+                        unless=disabled, otherwise="empty", example={"stages": 2}),
+    "tensor_parallel": refused(_DATA_PARALLEL, "remove tensor_parallel (or set autotp_size: 1)",
+                               unless=lambda v: isinstance(v, dict) and one_or_unset(v.get("autotp_size",
+                                                                                            v.get("tp_size"))),
+                               otherwise="a tensor-parallel size of 1", example={"autotp_size": 2}),
+    "sequence_parallel_size": refused(_DATA_PARALLEL, "set it to 1", unless=one_or_unset, otherwise="1", example=2),
+    "expert_parallel": refused(_DATA_PARALLEL, "remove expert_parallel", unless=disabled, otherwise="empty",
+                               example={"enabled": True}),
+    "compression_training": refused(_QUANTIZED.format(what="or prunes the model during training"),
+                                    "remove compression_training", unless=disabled, otherwise="empty",
+                                    example={"weight_quantization": {}}),
+    "weight_quantization": refused(_QUANTIZED.format(what="the weights"), "remove it", unless=disabled,
+                                   otherwise="empty", example={"quantized_initialization": {}}),
+    "quantize_training": refused(_QUANTIZED.format(what="the weights during training"), "remove it", unless=disabled,
+                                 otherwise="empty", example={"enabled": True}),
+    "zero_optimization.stage": kept("parallel.sharding (deepspeed.zero_stage for ZeRO-1)", example=2),
+    "zero_optimization.offload_optimizer": kept("parallel.offload / deepspeed.offload_optimizer",
+                                                example={"device": "cpu"}),
+    "zero_optimization.offload_param": kept("parallel.offload / deepspeed.offload_param", example={"device": "cpu"}),
+    "zero_optimization.cpu_offload": kept("parallel.offload: optimizer (DeepSpeed's old name of offload_optimizer "
+                                          "cpu)"),
+    "zero_optimization.zero_hpz_partition_size": kept("parallel.sharding hybrid, shard_size", example=2),
+    "zero_optimization.zenflow": refused("ZenFlow steps the optimizer asynchronously on stale gradients for the "
+                                         "less important columns: another optimizer numerics", "remove zenflow",
+                                         unless=disabled, otherwise="empty", example={"topk_ratio": 0.1}),
+    "zero_optimization.zero_quantized_weights": refused(_QUANTIZED.format(what="the all-gathered weights to int8 "
+                                                                         "(ZeRO++ qwZ)"), "remove it",
+                                                        unless=disabled, otherwise="off"),
+    "zero_optimization.zero_quantized_gradients": refused(_QUANTIZED.format(what="the reduced gradients to int4 "
+                                                                           "(ZeRO++ qgZ)"), "remove it",
+                                                          unless=disabled, otherwise="off"),
+    "zero_optimization.zero_quantized_nontrainable_weights": refused(_QUANTIZED.format(what="the frozen weights to "
+                                                                                      "int8"), "remove it",
+                                                                     unless=disabled, otherwise="off"),
+    "zero_optimization.mics_shard_size": refused("MiCS partitions within groups of this size: a layout fp8dist does "
+                                                 "not run (its hybrid is ZeRO-3 + ZeRO++ hpZ)", "use "
+                                                 "zero_hpz_partition_size (parallel.sharding: hybrid) instead",
+                                                 unless=lambda v: one_or_unset(v) or v == -1, otherwise="off",
+                                                 example=4),
+    "scheduler": no_effect("fp8dist builds no learning-rate schedule; your script's scheduler is used",
+                           example={"type": "WarmupLR"}),
+    "zero_allow_untested_optimizer": no_effect("fp8dist writes it itself when its optimizer needs it"),
+    "zero_force_ds_cpu_optimizer": no_effect("fp8dist writes it itself when its optimizer needs it", example=False),
+    **{key: kept(_EXTRA, example={"enabled": True}) for key in (
+        "wall_clock_breakdown", "memory_breakdown", "dump_state", "flops_profiler", "comms_logger", "comms_config",
+        "tensorboard", "wandb", "csv_monitor", "comet", "monitor_config", "aio", "checkpoint", "activation_checkpointing",
+        "prescale_gradients", "gradient_predivide_factor", "gradient_allreduce_op", "dataloader_drop_last",
+        "disable_allgather", "disable_python_gc", "log_level", "timers", "seq_parallel_communication_data_type",
+        "sparse_gradients", "sparse_attention", "elasticity", "autotuning", "data_efficiency", "curriculum_learning",
+        "compile", "use_node_local_storage", "load_universal_checkpoint", "nebula", "hybrid_engine", "eigenvalue",
+        "progressive_layer_drop", "managed_gradient_accumulation", "vocabulary_size",
+        "use_data_before_expert_parallelism", "checkpoint_config", "datastates")},
+}, unknown_why="not a key DeepSpeed 0.19.8 reads (runtime/config.py), so DeepSpeed ignores it too")
 _OPTIMIZERS = {"adamw": "adamw", "adam": "adam", "fusedadam": "adam", "sgd": "sgd"}
 
 
@@ -69,15 +150,12 @@ class _Importer:
         self._zero()
         self._train()
         self._optimizer()
-        for key, value in self.config.items():  # whatever is left is DeepSpeed's own: extra
-            if key in ("scheduler", "amp"):
-                why = ("fp8dist has no learning-rate schedule; your script's scheduler is used" if key == "scheduler"
-                       else "Apex AMP, removed from DeepSpeed 0.19.8; precision comes from precision.*")
-                self.notes.dropped(self.key(key), value, why)
-            elif key in _GENERATED:
-                self.notes.dropped(self.key(key), value, "fp8dist writes this key itself from the config")
-            else:
+        for key, value in self.config.items():  # the rest: DeepSpeed's own keys go to extra, the others by the rule
+            rule = KEYS.rule(key)
+            if rule is not None and rule.cls is KeyClass.KEPT:
                 self._keep(key, value)
+            else:
+                KEYS.settle(key, value, self.notes, self.issues, shown=self.key(key))
         if self.extra:
             set_path(self.doc, "deepspeed.extra", self.extra)
         if self.issues:
@@ -128,11 +206,25 @@ class _Importer:
             c.pop(key, None)
         on = [name for name, block in (("bf16", bf16), ("fp16", fp16)) if self._enabled(name, block)]
         autocast_on = isinstance(autocast, dict) and bool(truthy(autocast.get("enabled", False)))
-        if len(on) > 1 or (on and autocast_on):
-            self.issues.append(Issue(self.key("bf16"), "more than one 16-bit mode is enabled "
-                                     f"({', '.join(on + (['torch_autocast'] if autocast_on else []))}); fp8dist writes one",
-                                     fix="enable only one of bf16, fp16, torch_autocast"))
+        if len(on) > 1:
+            self.issues.append(Issue(self.key("bf16"), "both bf16 and fp16 are enabled; DeepSpeed refuses that",
+                                     fix="enable only one of bf16, fp16"))
             return None
+        if on and autocast_on:
+            # DeepSpeed >= 0.18.3 runs torch_autocast next to a 16-bit section (compat.DS_AUTOCAST_WITH_BF16): the
+            # weights are in the section's dtype, the forward autocasts to torch_autocast.dtype (fp16 when left out).
+            dtype = dtype_name(autocast.get("dtype")) or "fp16"
+            if dtype != on[0]:
+                self.issues.append(Issue(self.key("torch_autocast.dtype"), f"autocasts the forward of {on[0]} weights to "
+                                         f"{dtype}" + (" (DeepSpeed's default on CUDA, the key is left out)"
+                                                       if autocast.get("dtype") is None else "") +
+                                         ": a compute dtype other than the weights', which fp8dist does not run",
+                                         autocast.get("dtype"), f"set torch_autocast.dtype to {dtypes.torch_name(on[0])} (the section's "
+                                         "dtype), or remove torch_autocast"))
+                return None
+            self.notes.resolved(self.key("torch_autocast"), f"the {on[0]} section", f"autocasting {on[0]} weights to "
+                                f"{dtype} changes no compute dtype")
+            autocast, autocast_on = None, False
         section = on[0] if on else None
         comm_raw = c.pop("communication_data_type", None)
         comm = dtype_name(comm_raw)
@@ -206,6 +298,19 @@ class _Importer:
     # -- ZeRO -----------------------------------------------------------------------------------------------
     def _zero(self) -> None:
         zero = mapping(self.config.pop("zero_optimization", None), self.key("zero_optimization"))
+        for key in list(zero):
+            rule = KEYS.rule(f"zero_optimization.{key}")
+            if rule is not None and rule.cls is KeyClass.REFUSED:
+                KEYS.settle(f"zero_optimization.{key}", zero.pop(key), self.notes, self.issues,
+                            shown=self.key(f"zero_optimization.{key}"))
+        if "cpu_offload" in zero:  # DeepSpeed's old spelling of offload_optimizer: {device: cpu}
+            legacy = zero.pop("cpu_offload")
+            if truthy(legacy) and "offload_optimizer" not in zero:
+                zero["offload_optimizer"] = {"device": "cpu"}
+                self.notes.resolved(self.key("zero_optimization.cpu_offload"), "offload_optimizer: {device: cpu}",
+                                    "DeepSpeed's old name for optimizer offload to the CPU (runtime/zero/config.py)")
+            elif truthy(legacy):
+                self.notes.dropped(self.key("zero_optimization.cpu_offload"), legacy, "offload_optimizer decides")
         stage = zero.pop("stage", 0)
         if stage not in (0, 1, 2, 3):
             self.issues.append(Issue(self.key("zero_optimization.stage"), "not a ZeRO stage", stage, "use 0, 1, 2 or 3"))
@@ -253,28 +358,68 @@ class _Importer:
 
     def _train(self) -> None:
         ctx, train = self.ctx, {}
+        written = {key: self.config.get(key) not in (None, "auto") for key in
+                   ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")}
         micro = self._value("train_micro_batch_size_per_gpu", ctx.micro_batch_size, 2,
                             f"{ctx.who} uses the DataLoader's batch_size; fp8dist's default 2 kept: set "
                             "train.micro_batch_size to it")
         accum = self._value("gradient_accumulation_steps", ctx.gradient_accumulation_steps,
                             compat.ACCELERATE_DS_AUTO["gradient_accumulation_steps"],
                             f"{ctx.who}'s gradient_accumulation_steps default")
+        batch = self.config.pop("train_batch_size", None)
+        self._batch_triangle(written, micro, accum, batch)
+        if micro is not None and accum is None and not written["gradient_accumulation_steps"]:
+            accum = 1
+            self.notes.resolved(self.key("gradient_accumulation_steps"), 1, "left out: DeepSpeed's default with a "
+                                "micro batch (runtime/config.py _set_batch_related_parameters)")
         clip = self._value("gradient_clipping", ctx.gradient_clipping, compat.ACCELERATE_DS_AUTO["gradient_clipping"],
                            f"{ctx.who} fills 1.0 (accelerator.py _prepare_deepspeed)")
+        if clip is None and ctx.gradient_clipping is None:
+            clip = 1.0
+            self.notes.resolved(self.key("gradient_clipping"), 1.0, "left out: DeepSpeed's default since "
+                                f"{compat.fmt(compat.DS_CLIPPING_DEFAULT_CHANGED)} (0.0, no clipping, before it)")
+        elif clip is None:
+            clip = ctx.gradient_clipping
         for key, value in (("micro_batch_size", micro), ("gradient_accumulation_steps", accum),
                            ("gradient_clipping", clip)):
             if value is not None:
                 train[key] = value
-        batch = self.config.pop("train_batch_size", None)
-        if batch is not None:
-            self.notes.dropped(self.key("train_batch_size"), batch, "derived: micro batch x accumulation x world size")
         if train:
             self.doc["train"] = train
         steps = self.config.pop("steps_per_print", None)
-        if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1:
-            set_path(self.doc, "deepspeed.steps_per_print", steps)
+        if isinstance(steps, (int, float)) and not isinstance(steps, bool) and steps >= 1 and float(steps).is_integer():
+            set_path(self.doc, "deepspeed.steps_per_print", int(steps))
         elif steps is not None:
-            self.notes.dropped(self.key("steps_per_print"), steps, "not a positive integer")
+            self.notes.dropped(self.key("steps_per_print"), steps, "not a positive whole number (only logging)")
+
+    def _batch_triangle(self, written: dict[str, bool], micro: Any, accum: Any, batch: Any) -> None:
+        """DeepSpeed's batch triangle, train_batch_size = micro batch x accumulation x world size
+        (runtime/config.py _set_batch_related_parameters): fp8dist keeps the micro batch and accumulation, which give
+        the same global batch on any number of ranks. A train_batch_size without both depends on the world size."""
+        if batch is None or batch == "auto":
+            if batch == "auto":
+                self.notes.auto(self.key("train_batch_size"), "micro batch x accumulation x world size",
+                                f"{self.ctx.who} fills it so")
+            elif not written["train_micro_batch_size_per_gpu"] and micro is None:
+                self.notes.resolved("train.micro_batch_size", 2, "the file sets no batch size (DeepSpeed needs "
+                                    "train_batch_size or train_micro_batch_size_per_gpu; the launching tool fills "
+                                    "them): fp8dist's default; set train.micro_batch_size and "
+                                    "train.gradient_accumulation_steps to your run's")
+            return
+        if written["train_micro_batch_size_per_gpu"] and written["gradient_accumulation_steps"]:
+            self.notes.resolved(self.key("train_batch_size"), "micro batch x accumulation x world size",
+                                f"{batch} in the file: DeepSpeed checks it equals that product at launch")
+        elif micro is not None and accum is not None and not written["train_micro_batch_size_per_gpu"] \
+                and not written["gradient_accumulation_steps"]:
+            self.notes.resolved(self.key("train_batch_size"), "micro batch x accumulation x world size",
+                                f"{batch} in the file: {self.ctx.who} derives it from its own settings")
+        else:
+            missing = [k for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps") if not written[k]]
+            self.issues.append(Issue(self.key("train_batch_size"), "without " + " and ".join(missing) + " DeepSpeed "
+                                     "divides it by the world size at launch, so the micro batch depends on how many "
+                                     "ranks run; fp8dist fixes the micro batch and accumulation instead", batch,
+                                     "write train_micro_batch_size_per_gpu and gradient_accumulation_steps (their product "
+                                     "x the world size is the global batch)"))
 
     def _optimizer(self) -> None:
         if "optimizer" not in self.config:

@@ -51,7 +51,8 @@ def accelerator_for(config: str, launched: bool):
     plugin = kwargs.get("fsdp_plugin")
     forced = plugin is not None and not torch.cuda.is_available()
     parallelism = kwargs.pop("parallelism_config", None) if forced else None  # refused on MULTI_CPU at __init__
-    accelerator = Accelerator(cpu=forced, **kwargs)
+    ddp_on_cpu = plugin is None and "deepspeed_plugin" not in kwargs and not torch.cuda.is_available()
+    accelerator = Accelerator(cpu=forced or ddp_on_cpu, **kwargs)  # cpu=True: Accelerate's DDP over gloo (MULTI_CPU)
     if forced:
         state = accelerator.state  # what AcceleratorState.__init__'s FSDP branch does on a GPU (accelerate 1.15)
         state.distributed_type = DistributedType.FSDP

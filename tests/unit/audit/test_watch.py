@@ -71,6 +71,23 @@ def test_an_error_in_the_block_goes_through_and_nothing_stays_installed():
     assert not optimizer._optimizer_step_pre_hooks
 
 
+def test_a_finished_watch_keeps_nothing_of_the_run_alive():
+    """After the block the Watch holds its report only: the model, the optimizer (and through them the process group
+    and the tensors of a step's collectives) go when the loop lets go of them, the Watch kept or not."""
+    import gc
+    import weakref
+
+    model = FeatureMLP()
+    optimizer = torch.optim.AdamW(model.parameters())
+    with watch(model, optimizer, FP32_SINGLE, on_mismatch="ignore") as audit:
+        step(model, optimizer, infer_batch(model)(2, 8, 0))
+    alive = [weakref.ref(model), weakref.ref(optimizer), weakref.ref(next(iter(optimizer.state.values()))["exp_avg"])]
+    del model, optimizer
+    gc.collect()
+    assert audit.report is not None and audit.passed is not None
+    assert [ref() for ref in alive] == [None, None, None]
+
+
 def test_bad_arguments_are_clear():
     model = FeatureMLP()
     with pytest.raises(Fp8distError, match="on_mismatch='loud'"):

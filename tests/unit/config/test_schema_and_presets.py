@@ -58,7 +58,7 @@ def _dataclass_tree(cls):
     hints = typing.get_type_hints(cls)
     out = {}
     for f in dataclasses.fields(cls):
-        if f.name == "source":
+        if f.name in ("source", "notes"):  # where it came from and what it says, not schema fields
             continue
         hint = hints[f.name]
         out[f.name] = _dataclass_tree(hint) if dataclasses.is_dataclass(hint) else None

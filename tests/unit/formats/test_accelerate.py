@@ -171,12 +171,32 @@ def test_deepspeed_fp8_master_and_loss_scaling_refusals():
     for overrides, key in ((["precision.preset=torchao-float8", "engine=deepspeed"], "precision.fp8.backend"),
                            (["precision.preset=fp16-amp"], "precision.loss_scaling"),
                            (["precision.mixed_precision=bf16", "precision.master_weights=none"], "precision.load_dtype"),
-                           (["parallel.sharding=replicate"], "parallel.sharding"),
+                           (["parallel.sharding=replicate", "precision.preset=bf16"], "precision.master_weights"),
+                           (["parallel.sharding=replicate", "precision.reduce_dtype=fp32"], "precision.reduce_dtype"),
                            (["parallel.activation_checkpointing=selective"], "parallel.activation_checkpointing")):
         spec = load_config(ROOT / "configs" / "fsdp2-bf16-pure.yaml", overrides)
         with pytest.raises(NotExpressible) as info:
             accelerate_plan(spec, "file")
         assert key in [i.path for i in info.value.issues], (overrides, str(info.value))
+
+
+def test_replicated_configs_are_accelerates_ddp(tmp_path):
+    """Accelerate's most common file: replicated data parallelism (MULTI_GPU). fp8dist writes it where Accelerate's
+    DDP gives the same dtypes (weights stepped as loaded, gradients all-reduced in their dtype), and Accelerate reads
+    it back as DDP with that mixed precision; otherwise it names the difference (the test above)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    out = tmp_path / "ddp.yaml"
+    result = run_cli("translate", "configs/fsdp2-bf16-pure.yaml", "parallel.sharding=replicate",
+                     "precision.mixed_precision=bf16", "--to", "accelerate", "-o", out)
+    assert result.returncode == 0, result.stderr
+    loaded = load_config_from_file(str(out))
+    assert loaded.distributed_type == "MULTI_GPU" and loaded.mixed_precision == "bf16", out.read_text()
+    assert "the weights stay in the loading dtype (bf16)" in out.read_text()
+    back = load_config(tmp_path / "back.yaml") if (tmp_path / "back.yaml").write_text(
+        run_cli("import", out).stdout) else None
+    assert back.parallel.sharding == "replicate" and back.precision.weight_dtype == "bf16"
+    assert back.precision.compute_dtype == "bf16" and back.precision.reduce_dtype == "bf16"
 
 
 def test_cli_translate_to_accelerate(tmp_path):

@@ -98,7 +98,9 @@ def test_seed_002_axolotl_fp8_fsdp2(tmp_path):
     spec = imported_spec(text, tmp_path)
     assert spec.engine == "fsdp2" and spec.compile is True
     p = spec.precision
-    assert (p.load_dtype, p.mixed_precision, p.master_weights, p.reduce_dtype) == ("fp32", "bf16", "fp32", "bf16")
+    # the file has no bf16 key: Axolotl's default `auto` turns it on (bf16 load), said in a comment
+    assert (p.load_dtype, p.mixed_precision, p.master_weights, p.reduce_dtype) == ("bf16", "bf16", "fp32", "bf16")
+    assert "# auto: bf16 -> true (left out, Axolotl's default `auto`" in text
     ao = spec.fp8.torchao
     assert spec.fp8.backend == "torchao" and ao.recipe_name == "tensorwise" and ao.enable_fsdp_float8_all_gather is True
     assert ao.force_recompute_fp8_weight_in_bwd is True and ao.pad_inner_dim is False
@@ -144,7 +146,7 @@ def test_deepspeed_auto_values_are_resolved_in_comments(tmp_path):
                 "gradient_accumulation_steps", "gradient_clipping", "train_micro_batch_size_per_gpu",
                 "zero_optimization.reduce_bucket_size"):
         assert f"# auto: {key} ->" in text, key
-    assert "# not kept: scheduler:" in text and "# not kept: train_batch_size: auto" in text
+    assert "# not kept: scheduler:" in text and "# auto: train_batch_size -> micro batch x accumulation" in text
     spec = imported_spec(text, tmp_path)
     assert spec.precision.mixed_precision == "none" and spec.precision.reduce_dtype == "fp32"  # Accelerate's default "no"
     assert spec.optimizer.lr == 0.001 and spec.train.gradient_clipping == 1.0
@@ -233,6 +235,19 @@ def test_kind_detection_and_from(tmp_path):
     assert "DeepSpeed config" in import_file(ambiguous, "deepspeed")
     with pytest.raises(ImportProblem, match="already an fp8dist config"):
         import_file(ROOT / "configs" / "fp32.yaml")
+    # Detection by evidence: an Accelerate file without distributed_type (the case that was read as Axolotl and lost
+    # its FP8) is Accelerate by its mixed_precision and fp8_config, and refused for the missing required key.
+    accelerate = tmp_path / "acc.yaml"
+    accelerate.write_text("mixed_precision: fp8\nfp8_config: {backend: AO}\nfsdp_config: {fsdp_version: 2}\n")
+    with pytest.raises(ImportProblem, match="distributed_type: missing: Accelerate refuses"):
+        import_file(accelerate)
+    # Two tools' keys: refused asking for --from; with --from the named tool reads it (and says what it cannot).
+    both = tmp_path / "both.json"
+    both.write_text('{"bf16": true, "zero_optimization": {"stage": 2}}')
+    with pytest.raises(ImportProblem, match=r"Axolotl config: bf16; DeepSpeed config: zero_optimization"):
+        import_file(both)
+    with pytest.raises(ImportProblem, match="bf16: must be a mapping"):
+        import_file(both, "deepspeed")
 
 
 BOMB = "\n".join(["a: &a [x, x, x, x, x, x, x, x, x]"] +
@@ -255,7 +270,8 @@ HOSTILE = {
     "refused.yaml": (b"distributed_type: FSDP\nmixed_precision: fp8\nfp8_config:\n  backend: MSAMP\n",
                      "MS-AMP has no FSDP2 support"),
     "wrong_shape.yaml": (b"distributed_type: FSDP\nfsdp_config: [1, 2]\n", "fsdp_config: must be a mapping"),
-    "wrong_shape.json": (b'{"bf16": true, "zero_optimization": {"stage": 2}}', "bf16: must be a mapping"),
+    "wrong_shape.json": (b'{"bf16": [1], "zero_optimization": {"stage": 2}}', "bf16: must be a mapping"),
+    "two_tools.json": (b'{"bf16": true, "zero_optimization": {"stage": 2}}', "keys are those of more than one tool"),
 }
 
 
@@ -272,3 +288,83 @@ def test_hostile_inputs_exit_2_without_traceback(name, tmp_path):
     assert expected in result.stderr and str(path.name) in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
     assert not out.exists() and not (tmp_path / "PWNED").exists()
+
+
+def _import_json(tmp_path, document, kind=None):
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(document))
+    return import_file(path, kind)
+
+
+def test_what_used_to_import_as_another_run_is_refused_or_kept(tmp_path):
+    """The cases that came out as another run with exit 0 (issue: three files in ten)."""
+    # a DeepSpeed JSON with only train_batch_size: the micro batch depends on the world size
+    with pytest.raises(ImportProblem, match="train_batch_size: without train_micro_batch_size_per_gpu and "
+                                            "gradient_accumulation_steps DeepSpeed divides it by the world size"):
+        _import_json(tmp_path, {"train_batch_size": 64, "zero_optimization": {"stage": 2}})
+    # bf16 next to torch_autocast (DeepSpeed >= 0.18.3): the same compute dtype is the bf16 run; another one refused
+    text = _import_json(tmp_path, {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                                   "torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
+    spec = imported_spec(text, tmp_path)
+    assert (spec.precision.mixed_precision, spec.precision.master_weights) == ("bf16", "fp32")
+    with pytest.raises(ImportProblem, match="torch_autocast.dtype: autocasts the forward of bf16 weights to fp16"):
+        _import_json(tmp_path, {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                                "torch_autocast": {"enabled": True}})
+    # steps_per_print written as 1e5 (a float in JSON) is kept
+    text = _import_json(tmp_path, {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1e5})
+    assert imported_spec(text, tmp_path).deepspeed.steps_per_print == 100000
+    # a misspelled wrap policy is refused, as Accelerate would stop on it
+    path = tmp_path / "acc.yaml"
+    path.write_text("distributed_type: FSDP\nmixed_precision: bf16\nfsdp_config:\n  fsdp_version: 2\n"
+                    "  fsdp_auto_wrap_policy: TRANSFORMER_BASE_WRAP\n")
+    with pytest.raises(ImportProblem, match="fsdp_config.fsdp_auto_wrap_policy: not an FSDP auto-wrap policy"):
+        import_file(path)
+
+
+def test_eight_bit_optimizers_mean_the_same_everywhere(tmp_path):
+    """An 8-bit Adam is int8 optimizer states where fp8dist has them (FSDP2: torchao AdamW8bit) and refused where it
+    has not (DeepSpeed): never silently fp32 states."""
+    path = tmp_path / "axolotl.yaml"
+    path.write_text("base_model: x\nbf16: true\noptimizer: adamw_bnb_8bit\n")
+    assert imported_spec(import_file(path), tmp_path).optimizer.state_dtype == "int8"
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}))
+    path.write_text("base_model: x\nbf16: true\noptimizer: adamw_bnb_8bit\ndeepspeed: ds.json\n")
+    with pytest.raises(ImportProblem, match="optimizer: 8-bit Adam states change the optimizer's numerics"):
+        import_file(path)
+
+
+def test_keys_of_the_engine_not_selected_are_said_and_refused_under_strict(tmp_path):
+    """engine: fsdp2 with deepspeed keys (the offload the user wrote never happens) and fsdp2 keys under DeepSpeed:
+    one line each, with what says the same on this engine; --strict refuses them."""
+    config = ROOT / "configs" / "fsdp2-bf16.yaml"
+    said = run_cli("validate", config, "deepspeed.zero_stage=3", "deepspeed.offload_optimizer=cpu")
+    assert said.returncode == 0 and said.stderr.count(": note: ") == 2, said.stderr
+    assert "deepspeed.zero_stage=3 does nothing with engine fsdp2 (a deepspeed key); on fsdp2 it is " \
+           "parallel.sharding: full" in said.stderr
+    assert "deepspeed.offload_optimizer='cpu' does nothing with engine fsdp2" in said.stderr
+    strict = run_cli("validate", config, "deepspeed.zero_stage=3", "--strict")
+    assert strict.returncode == 2 and "refused (--strict)" in strict.stderr and strict.stdout == ""
+    out = tmp_path / "ds.json"
+    translated = run_cli("translate", ROOT / "configs" / "deepspeed-bf16-zero2.yaml", "fsdp2.wrap=[LlamaDecoderLayer]",
+                         "--to", "deepspeed", "--strict", "-o", out)
+    assert translated.returncode == 2 and not out.exists(), translated.stderr
+    assert "fsdp2.wrap=['LlamaDecoderLayer'] does nothing with engine deepspeed" in translated.stderr
+    assert run_cli("validate", config).stderr == ""  # a config without such keys says nothing
+
+
+def test_translate_to_deepspeed_says_what_the_json_leaves_to_fp8dists_runtime(tmp_path):
+    out = tmp_path / "ds.json"
+    result = run_cli("translate", ROOT / "configs" / "deepspeed-torchao-float8.yaml", "parallel.activation_checkpointing=full",
+                     "compile=false", "--to", "deepspeed", "-o", out)
+    assert result.returncode == 0 and out.exists(), result.stderr
+    lines = [line for line in result.stderr.splitlines() if ": note: " in line]
+    assert len(lines) == 2, result.stderr
+    assert "precision.fp8.backend=torchao: DeepSpeed has no FP8 setting" in lines[0]
+    assert "parallel.activation_checkpointing=full: fp8dist's runtime wraps the blocks" in lines[1]
+    assert all("deepspeed launch/train.py --fp8dist-config" in line for line in lines)
+    assert "fp8" not in out.read_text().lower()  # the JSON itself has no FP8: hence the notes
+    strict = run_cli("translate", ROOT / "configs" / "deepspeed-torchao-float8.yaml", "--to", "deepspeed", "--strict",
+                     "-o", tmp_path / "strict.json")
+    assert strict.returncode == 2 and not (tmp_path / "strict.json").exists() and "nothing written" in strict.stderr
+    plain = run_cli("translate", ROOT / "configs" / "deepspeed-bf16-zero2.yaml", "--to", "deepspeed")
+    assert plain.returncode == 0 and plain.stderr == ""
