@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="write to this file (atomically) instead of stdout")
     p.add_argument("--deepspeed-version", help="target DeepSpeed version (default: installed, else newest known)")
     p.add_argument("--torchao-version", help="target torchao version for --to fsdp2 (default: installed, else newest known)")
+    p.add_argument("--te-version", help="target Transformer Engine version for --to fsdp2: the recipe fields that "
+                   "release keeps (default: installed, else newest known)")
     p.add_argument("--strict", action="store_true", help="exit 2, writing nothing, when the config holds keys that do "
                    "nothing here or settings the target file cannot carry (said on stderr without it)")
     p.set_defaults(func=_translate)

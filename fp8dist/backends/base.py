@@ -29,6 +29,12 @@ class PrecisionBackend:
         """Context to run the forward pass in (Transformer Engine's autocast, for example)."""
         return nullcontext()
 
+    def checkpoint_context_fn(self):
+        """Activation checkpointing's torch.utils.checkpoint `context_fn` (returns the (forward, recompute) context
+        pair): backward recomputes a checkpointed block outside forward_context(), so a backend that has one enters
+        it again there. None: nothing to enter."""
+        return None
+
     def after_optimizer_step(self, model) -> None:
         """Called after every optimizer step (torchao: precompute float8 scales for FSDP2)."""
 

@@ -20,13 +20,14 @@ from typing import Any
 import fp8dist.compat as compat
 from fp8dist.backends.base import PrecisionBackend, register
 from fp8dist.backends.module_filter import Decision, decide, linear_infos
-from fp8dist.backends.transformer_engine import TransformerEngine
+from fp8dist.backends.transformer_engine import TransformerEngine, installed_te_version
 from fp8dist.errors import Fp8distError, UnsupportedEnvironment
 
 NOT_INSTALLED = f"MS-AMP is not installed, and {compat.msamp_install_hint()}"
-WHERE_IT_RUNS = (f"run on a CUDA GPU machine with MS-AMP {compat.fmt(compat.MSAMP_RELEASE)} and deepspeed "
-                 f"{compat.fmt(compat.MSAMP_RELEASE_DEEPSPEED)} ({compat.MSAMP_IMAGE}); on this machine use "
-                 "precision.fp8.backend=torchao (with emulate=true on a CPU)")
+WHERE_IT_RUNS = (f"write the DeepSpeed JSON with `fp8dist translate CONFIG --to deepspeed --deepspeed-version "
+                 f"{compat.fmt(compat.MSAMP_RELEASE_DEEPSPEED)}` and run it with msamp.deepspeed.initialize in MS-AMP's "
+                 f"own environment ({compat.MSAMP_IMAGE}); for FP8 in fp8dist's runtime use precision.fp8.backend=te "
+                 "on a GPU, or torchao (with emulate=true on a CPU)")
 # LinearReplacer._replace leaves an nn.Linear alone when this attribute is true (msamp/nn/linear.py).
 KEEP_LINEAR_FLAG = "use_fp32_linear"
 
@@ -58,6 +59,11 @@ class MSAMP(PrecisionBackend):
             _import_msamp()
         except UnsupportedEnvironment as exc:
             problems.append(str(exc).split("\n  fix:")[0])
+        te = installed_te_version()
+        if te is not None and te[:2] > compat.MSAMP_MAX_TE[:2]:
+            problems.append(f"Transformer Engine {compat.fmt(te)} is installed: `import msamp` needs TE <= "
+                            f"{compat.fmt(compat.MSAMP_MAX_TE[:2])} (it loads transformer_engine_extensions, renamed "
+                            "in TE 1.8)")
         ds = compat.installed_version("deepspeed")
         if self.spec.engine == "deepspeed" and ds:
             ok, reason = compat.msamp_supports_deepspeed(compat.parse_version(ds), compat.installed_msamp())
@@ -90,6 +96,9 @@ class MSAMP(PrecisionBackend):
 
     def forward_context(self):
         return self.te.forward_context() if self.te is not None else nullcontext()
+
+    def checkpoint_context_fn(self):
+        return self.te.checkpoint_context_fn() if self.te is not None else None
 
     def prepare_optimizer(self, optimizer) -> bool:
         """Check `optimizer` and make msamp.initialize accept it; True when the low-bit optimizer MS-AMP will

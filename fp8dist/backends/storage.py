@@ -5,9 +5,11 @@ Logical `.dtype` lies for every low-precision container the audit meets, so each
 - torchao: `Float8TrainingTensor._data`, `WeightWithDynamicFloat8CastTensor._tensor`, low-bit optimizer
   state `.codes` (torchao 0.18 torchao/float8/float8_training_tensor.py, fsdp_utils.py, optim/subclass_*.py);
 - Transformer Engine quantized tensors (`Float8Tensor`, `MXFP8Tensor`, `Float8BlockwiseQTensor`,
-  `NVFP4Tensor` and their `*Storage` bases): uint8 buffers `_data` / `_rowwise_data` / `_columnwise_data` /
-  `_transpose`, the format in `_fp8_dtype` / `_fp4_dtype`, a `tex.DType` such as `DType.kFloat8E4M3`
-  (TE 2.20 transformer_engine/pytorch/tensor/storage/*.py);
+  `NVFP4Tensor` and their `*Storage` bases, `*TensorBase` up to 2.8): uint8 buffers `_data` / `_rowwise_data` /
+  `_columnwise_data` / `_transpose`, the format in `_fp8_dtype` / `_fp4_dtype`, a `tex.DType` such as
+  `DType.kFloat8E4M3` (TE 2.20 transformer_engine/pytorch/tensor/storage/*.py, 2.1-2.8 tensor/_internal/*_base.py;
+  tests/unit/backends/test_te_recipe_contract.py reads these names in the wheels). NVFP4 packs two values per
+  byte: the `_rowwise_data` of an [M, K] tensor is [M, K/2] uint8 (2.20.2 tensor/nvfp4_tensor.py:336-340, :380);
 - MS-AMP `ScalingTensor` / `ScalingParameter` (not a torch.Tensor): `.value` (uint8 for E4M3, int8 for E5M2)
   and `.meta.qtype`, a `QType` named like TE's enum, e.g. `kFloat8E4M3` (MS-AMP v0.4.0
   msamp/common/tensor/tensor.py, msamp/common/dtype/dtypes.py).
@@ -65,6 +67,14 @@ def _te_format(obj) -> str | None:
     return None
 
 
+def _bits(fmt: str) -> int:
+    """Bits per value of a TE format (fp8dist.dtypes); an unknown one as a byte."""
+    try:
+        return int(dtypes.get(fmt).bits)
+    except KeyError:
+        return 8
+
+
 def is_tensor_like(obj) -> bool:
     return isinstance(obj, torch.Tensor) or is_scaling_tensor(obj) or _te_format(obj) is not None
 
@@ -77,7 +87,10 @@ def storage(obj) -> Storage:
     if te_format is not None:
         buffers = [b for b in (getattr(obj, a, None) for a in TE_BUFFER_ATTRS) if isinstance(b, torch.Tensor)]
         held = sum(b.numel() * b.element_size() for b in buffers)
-        numel = obj.numel() if isinstance(obj, torch.Tensor) else (buffers[0].numel() if buffers else 0)
+        if isinstance(obj, torch.Tensor):
+            numel = obj.numel()
+        else:  # a *Storage base: count the values of its first buffer (NVFP4 packs two per uint8 byte)
+            numel = buffers[0].numel() * buffers[0].element_size() * 8 // _bits(te_format) if buffers else 0
         return Storage(te_format, numel, held)
     if hasattr(obj, "to_local"):
         return storage(obj.to_local())

@@ -1,11 +1,19 @@
-"""NVIDIA Transformer Engine backend, written against TE 2.20 (NVIDIA/TransformerEngine d0067d0:
-transformer_engine/common/recipe/__init__.py, transformer_engine/pytorch/{quantization,module/linear,
-module/layernorm}.py) with the fallbacks older 2.x releases need.
+"""NVIDIA Transformer Engine backend, for TE 2.1-2.20.2 (compat.TE_OLDEST_SUPPORTED-TE_NEWEST_KNOWN; written against
+NVIDIA/TransformerEngine d0067d0 and the registry wheels: transformer_engine/common/recipe/__init__.py,
+transformer_engine/pytorch/{quantization,distributed,module/linear,module/layernorm}.py).
 
 What it does, as Accelerate's convert_model / apply_fp8_autowrap do: swap nn.Linear -> te.Linear and
 nn.LayerNorm -> te.LayerNorm copying the weights (Linears whose dims break the recipe's block size stay
-nn.Linear: compat.TE_RECIPE_DIM_MULTIPLE), then run the forward inside te.autocast (TE >= 2.9) or
-te.fp8_autocast (older) with the recipe built from the config's upstream-named knobs.
+nn.Linear: compat.TE_RECIPES dim_multiple), then run the forward inside te.autocast (TE >= 2.9) or
+te.fp8_autocast (older) with the recipe the FSDP2 translation plans (translate/fsdp2.py te_recipe_plan) for the
+installed TE.
+
+On a meta-built model (RAM-efficient loading) te.Linear is built with device="meta", the string: TE defers the
+initialisation only when `device == "meta"` (2.20.2 module/linear.py:2242; torch.device("meta") == "meta" is False,
+and TE would then allocate the full weight on CUDA, module/base.py:1820-1821), and the loader fills the weights.
+
+Activation checkpointing recomputes a block in backward, outside te.autocast: the checkpoint's context_fn re-enters
+the autocast there, as TE's own checkpoint does (checkpoint_context_fn).
 
 Engines: under DeepSpeed the JSON carries only the bf16/fp16 section (DeepSpeed has no FP8 key) and the
 forward runs in the autocast, backward and step outside it (Accelerate benchmarks/fp8/transformer_engine/
@@ -16,40 +24,36 @@ scaling reduces amax over the default group, so every rank must run every module
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
+from contextlib import contextmanager
 from typing import Any
 
 import fp8dist.compat as compat
 from fp8dist.backends.base import PrecisionBackend, register
 from fp8dist.backends.module_filter import Decision, decide, linear_infos
 from fp8dist.errors import UnsupportedEnvironment
-from fp8dist.translate.fsdp2 import te_recipe_fields
-
-TE_DISTRIBUTION = "transformer-engine"
+from fp8dist.translate.fsdp2 import installed_te, te_recipe_plan
 
 
-def recipe_kwargs(spec, te_version: compat.Version) -> tuple[str, dict[str, Any]]:
-    """The TE recipe class name and constructor kwargs for the config. Pure (no TE import).
-
-    Only fields the user set are passed (TE would silently drop unknown kwargs, so the rules in
-    fp8dist.config.rules refuse them up front).
-    """
-    te = spec.fp8.te
-    ok, reason = compat.te_recipe_available(te.recipe, te_version)
-    if not ok:
-        raise UnsupportedEnvironment(f"precision.fp8.te.recipe={te.recipe}: {reason}",
-                                     "upgrade Transformer Engine or choose another recipe")
-    for field in compat.TE_REMOVED_FIELDS:
-        value = getattr(te, field)
-        removed, why = compat.te_field_removed(field, te_version)
-        if value is not None and removed:
-            raise UnsupportedEnvironment(f"precision.fp8.te.{field}={value!r}: {why}", f"remove precision.fp8.te.{field}")
-    return compat.TE_RECIPES[te.recipe][0], te_recipe_fields(spec)
-
-
-def _te_version() -> compat.Version | None:
-    version = compat.installed_version(TE_DISTRIBUTION) or compat.installed_version("transformer_engine")
+def installed_te_version() -> compat.Version | None:
+    version = installed_te()
     return compat.parse_version(version) if version else None
+
+
+def build_recipe(recipe_module, spec, te_version: compat.Version):
+    """The recipe object te_recipe_plan describes for `te_version`, from `recipe_module`
+    (transformer_engine.common.recipe; the contract tests pass a release wheel's): the class with the user's
+    arguments, then the recipe attributes te.Linear reads instead of a field (each a frozen dataclass, replaced)."""
+    plan = te_recipe_plan(spec, te_version)
+    kwargs = dict(plan["recipe_fields"])
+    if "fp8_format" in kwargs:
+        kwargs["fp8_format"] = recipe_module.Format[kwargs["fp8_format"]]
+    recipe = getattr(recipe_module, plan["recipe_class"])(**kwargs)
+    for path, value in plan["recipe_attributes"].items():
+        attribute, member = path.split(".")
+        setattr(recipe, attribute, dataclasses.replace(getattr(recipe, attribute), **{member: value}))
+    return recipe
 
 
 @register
@@ -57,13 +61,17 @@ class TransformerEngine(PrecisionBackend):
     name = "te"
 
     def check_environment(self, device: dict[str, Any]) -> None:
-        version = _te_version()
+        version = installed_te_version()
         if version is None:
             raise UnsupportedEnvironment(
                 "precision.fp8.backend=te but Transformer Engine is not installed. It needs an NVIDIA GPU with "
                 "CUDA 12.1+ to build and to run (H100/H200: every recipe but mxfp8/nvfp4)",
                 "on a CUDA machine: pip install 'transformer-engine[pytorch]'; on a CPU machine use "
                 "backend=torchao with precision.fp8.torchao.emulate=true")
+        ok, reason = compat.te_supported(version)
+        if not ok:
+            raise UnsupportedEnvironment(f"precision.fp8.backend=te: {reason}", "pip install -U "
+                                         f"'transformer-engine[pytorch]>={compat.fmt(compat.TE_OLDEST_SUPPORTED)}'")
         try:
             import transformer_engine.pytorch  # noqa: F401
         except Exception as exc:  # TE raises RuntimeError/OSError without CUDA libraries, not only ImportError
@@ -76,15 +84,9 @@ class TransformerEngine(PrecisionBackend):
         if not ok:
             raise UnsupportedEnvironment(f"refusing FP8: {reason}", "run on a GPU the recipe supports, or pick "
                                          "another precision.fp8.te.recipe")
-        self.recipe = self.build_recipe(version)
-
-    def build_recipe(self, version: compat.Version):
         from transformer_engine.common import recipe as te_recipe
 
-        class_name, kwargs = recipe_kwargs(self.spec, version)
-        if "fp8_format" in kwargs:
-            kwargs["fp8_format"] = te_recipe.Format[kwargs["fp8_format"]]
-        return getattr(te_recipe, class_name)(**kwargs)
+        self.recipe = build_recipe(te_recipe, self.spec, version)
 
     def convert_module(self, model) -> list[Decision]:
         import torch
@@ -92,7 +94,7 @@ class TransformerEngine(PrecisionBackend):
 
         rules = self.spec.fp8.modules
         decisions = decide(linear_infos(model), rules.exclude, rules.skip_first_last,
-                           compat.TE_RECIPE_DIM_MULTIPLE[self.spec.fp8.te.recipe])
+                           compat.TE_RECIPES[self.spec.fp8.te.recipe].dim_multiple)
         chosen = {d.fqn for d in decisions if d.convert}
         for fqn, module in list(model.named_modules()):
             if fqn in chosen:
@@ -114,6 +116,23 @@ class TransformerEngine(PrecisionBackend):
             return te.autocast(enabled=True, recipe=self.recipe, amax_reduction_group=group)
         return te.fp8_autocast(enabled=True, fp8_recipe=self.recipe, fp8_group=group)
 
+    def checkpoint_context_fn(self):
+        return self._checkpoint_contexts
+
+    def _checkpoint_contexts(self):
+        """TE's own checkpoint's pair (2.20.2 pytorch/distributed.py:611-621 get_activation_recompute_contexts and
+        :808-815; 2.2 L712-713): the forward stashes the delayed-scaling scales and amaxes for the recompute
+        (activation_recompute_forward, in every 2.x), which runs in the recipe's autocast again."""
+        from transformer_engine.pytorch.distributed import activation_recompute_forward
+
+        @contextmanager
+        def recompute():
+            with activation_recompute_forward(activation_recompute=True, recompute_phase=True), \
+                    self.forward_context():
+                yield
+
+        return activation_recompute_forward(activation_recompute=True, recompute_phase=False), recompute()
+
 
 def _replace(root, fqn: str, new) -> None:
     parent_name, _, child = fqn.rpartition(".")
@@ -124,12 +143,14 @@ def _te_linear(te, linear):
     import torch
 
     weight = linear.weight
+    meta = weight.device.type == "meta"  # TE defers the init only for the string (module docstring)
     new = te.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                    params_dtype=weight.dtype, device=weight.device)
-    with torch.no_grad():  # TE's default init is normal(0, 0.023), not nn.Linear's: copy the weights
-        new.weight.copy_(weight)
-        if linear.bias is not None:
-            new.bias.copy_(linear.bias)
+                    params_dtype=weight.dtype, device="meta" if meta else weight.device)
+    if not meta:  # on meta the loader fills the weights once the model is sharded
+        with torch.no_grad():  # TE's default init is normal(0, 0.023), not nn.Linear's: copy the weights
+            new.weight.copy_(weight)
+            if linear.bias is not None:
+                new.bias.copy_(linear.bias)
     return new
 
 
@@ -138,9 +159,11 @@ def _te_layernorm(te, norm):
 
     weight = norm.weight
     dtype_kw = "dtype" if "dtype" in inspect.signature(te.LayerNorm).parameters else "params_dtype"
+    # te.LayerNorm defers on torch.device("meta") too (2.20.2 ops/basic/layer_norm.py:96-97, device.type)
     new = te.LayerNorm(norm.normalized_shape[0], eps=norm.eps, device=weight.device, **{dtype_kw: weight.dtype})
-    with torch.no_grad():
-        new.weight.copy_(weight)
-        if norm.bias is not None:
-            new.bias.copy_(norm.bias)
+    if weight.device.type != "meta":
+        with torch.no_grad():
+            new.weight.copy_(weight)
+            if norm.bias is not None:
+                new.bias.copy_(norm.bias)
     return new

@@ -46,7 +46,9 @@ def backend_status(versions: dict[str, str | None], device: dict[str, Any]) -> d
         out["transformer_engine"] = {"usable": False, "reason": "not installed: Transformer Engine needs CUDA to build "
                                      "and run (pip install transformer-engine[pytorch] on a CUDA machine)"}
     else:
-        ok, why = _importable("transformer_engine.pytorch")
+        ok, why = compat.te_supported(compat.parse_version(versions["transformer_engine"]))
+        if ok:
+            ok, why = _importable("transformer_engine.pytorch")
         if ok:
             ok, why = compat.te_recipe_hardware("delayed", cap, cuda)
         out["transformer_engine"] = {"usable": ok, "reason": why}

@@ -197,15 +197,15 @@ def _decisions(meta: MetaModel, spec: Spec):
 
     fp8 = spec.fp8
     infos = linear_infos(meta.model)
-    multiple = {"te": compat.TE_RECIPE_DIM_MULTIPLE[fp8.te.recipe], "msamp": None,  # backends/msamp.py: no dims rule
+    multiple = {"te": compat.TE_RECIPES[fp8.te.recipe].dim_multiple, "msamp": None,  # backends/msamp.py: no dims rule
                 "torchao": None if fp8.torchao.pad_inner_dim else 16}.get(fp8.backend)
     return infos, decide(infos, fp8.modules.exclude, fp8.modules.skip_first_last, multiple)
 
 
 def fp8_coverage(meta: MetaModel, spec: Spec) -> dict[str, Any]:
     """Share of the GEMM FLOPs of one token that run in FP8 under the config's module filter, the Linears left
-    out and why, and the converted ones below torchao's size heuristics. Attention's own matmuls (QK^T, AV)
-    count as FP8 only with Transformer Engine's fp8_dpa."""
+    out and why, and the converted ones below torchao's size heuristics. Attention's own matmuls (QK^T, AV) never
+    run in FP8: fp8dist installs no FP8 attention (compat.TE_INERT_FIELDS)."""
     fp8 = spec.fp8
     infos, decisions = _decisions(meta, spec)
     if not fp8.enabled:
@@ -222,7 +222,7 @@ def fp8_coverage(meta: MetaModel, spec: Spec) -> dict[str, Any]:
     if fp8.backend == "torchao":
         small = [fqn for fqn in converted if compat.torchao_too_small_to_gain(
             fp8.torchao.recipe_name, by_fqn[fqn].out_features, by_fqn[fqn].in_features)]
-    in_fp8 = sum(flops[f] for f in converted) + (attention if fp8.backend == "te" and fp8.te.fp8_dpa else 0)
+    in_fp8 = sum(flops[f] for f in converted)
     total = sum(flops.values()) + attention
     return {"backend": fp8.backend, "fp8_share": in_fp8 / total if total else 0.0, "linears": len(infos),
             "converted": len(converted),

@@ -13,9 +13,9 @@ from fp8dist.commands.validate import said
 from fp8dist.translate.deepspeed import left_to_runtime, to_deepspeed
 from fp8dist.translate.fsdp2 import to_fsdp2
 
-# target -> (translator, its version flag, the translator's keyword for it)
-TARGETS = {"deepspeed": (to_deepspeed, "--deepspeed-version", "deepspeed_version"),
-           "fsdp2": (to_fsdp2, "--torchao-version", "torchao_version")}
+# target -> (translator, {its version flag: the translator's keyword for it, also the flag's argparse name})
+TARGETS = {"deepspeed": (to_deepspeed, {"--deepspeed-version": "deepspeed_version"}),
+           "fsdp2": (to_fsdp2, {"--torchao-version": "torchao_version", "--te-version": "te_version"})}
 
 
 def run(args) -> int:
@@ -25,14 +25,16 @@ def run(args) -> int:
         raise Fp8distError(f"{len(notes)} setting(s) of {args.config} would not be in the {args.to} file (above); "
                            "nothing written\n  fix: remove them, or translate without --strict (they are said, and "
                            "fp8dist's runtime still applies what it applies)")
+    for target, (_, flags) in TARGETS.items():
+        for flag, keyword in flags.items():
+            # Accelerate's file takes the DeepSpeed and torchao targets; its TE recipe is Accelerate's own kwargs
+            takes = args.to == target or (args.to == "accelerate" and keyword != "te_version")
+            if getattr(args, keyword) and not takes:
+                raise Fp8distError(f"{flag} applies to --to {target} only")
     if args.to == "accelerate":
         return _accelerate(args, spec)
-    given = {"deepspeed": args.deepspeed_version, "fsdp2": args.torchao_version}
-    for target, (_, flag, _) in TARGETS.items():
-        if given[target] and args.to != target:
-            raise Fp8distError(f"{flag} applies to --to {target} only")
-    translator, _, keyword = TARGETS[args.to]
-    emit(dump_json(translator(spec, **{keyword: given[args.to]})), args.output)
+    translator, flags = TARGETS[args.to]
+    emit(dump_json(translator(spec, **{keyword: getattr(args, keyword) for keyword in flags.values()})), args.output)
     return ExitCode.OK
 
 

@@ -142,14 +142,10 @@ def _torchao(doc, _):
     return issues
 
 
-_TE_RECIPE_FIELDS = {
-    "margin": {"delayed", "mxfp8"},
-    "amax_history_len": {"delayed"},
-    "amax_compute_algo": {"delayed"},
-    "reduce_amax": {"delayed"},
-    "use_power_2_scales": {"current"},
-    "enable_2d_quantization": {"mxfp8"},
-}
+def _te_raises(record, rejection) -> str:
+    until = f"-{compat.fmt(rejection.until)}" if rejection.until else " and later"
+    return (f"{record.cls} raises '{rejection.message}' in Transformer Engine {compat.fmt(rejection.since)}{until} "
+            f"({rejection.source})")
 
 
 @rule
@@ -159,18 +155,39 @@ def _te(doc, _):
     if not uses_te:
         return []
     te, issues = fp8["te"], []
+    record = compat.TE_RECIPES[te["recipe"]]
     for field in compat.TE_REMOVED_FIELDS:
         if te[field] is not None:
             _, reason = compat.te_field_removed(field, None)
             issues.append(Issue(f"precision.fp8.te.{field}", reason, te[field], f"remove precision.fp8.te.{field}"))
-    for field, recipes in _TE_RECIPE_FIELDS.items():
-        if te[field] is not None and te["recipe"] not in recipes:
-            issues.append(Issue(f"precision.fp8.te.{field}", f"not a field of recipe '{te['recipe']}' "
-                                f"({compat.TE_RECIPES[te['recipe']][0]}); TE would silently drop it", te[field],
-                                f"remove it, or use recipe {' / '.join(sorted(recipes))}"))
-    if te["recipe"] == "nvfp4" and te["fp8_format"] not in (None, "E4M3"):
-        issues.append(Issue("precision.fp8.te.fp8_format", "NVFP4BlockScaling requires fp8_format E4M3",
-                            te["fp8_format"], "set fp8_format=E4M3 or leave it null"))
+    for field, reason in compat.TE_INERT_FIELDS.items():
+        if te[field] is not None:
+            raises = [_te_raises(record, r) for r in record.rejects if r.field == field and r.value == te[field]]
+            issues.append(Issue(f"precision.fp8.te.{field}", "; ".join([reason, *raises]), te[field],
+                                f"remove precision.fp8.te.{field}"))
+    for name in compat.TE_FIELDS:
+        if te[name] is None:
+            continue
+        field = record.field(name)
+        if field is None:
+            takers = [r.name for r in compat.TE_RECIPES.values() if r.field(name) and not r.field(name).ignored]
+            issues.append(Issue(f"precision.fp8.te.{name}", f"not a field of recipe '{record.name}' ({record.cls}); "
+                                "TE would silently drop it", te[name],
+                                f"remove it, or use recipe {' / '.join(takers)}"))
+        elif field.ignored:
+            issues.append(Issue(f"precision.fp8.te.{name}", field.ignored, te[name], f"remove precision.fp8.te.{name}"))
+    for rejection in record.rejects:
+        if rejection.field not in compat.TE_INERT_FIELDS and te[rejection.field] == rejection.value:
+            issues.append(Issue(f"precision.fp8.te.{rejection.field}", _te_raises(record, rejection),
+                                rejection.value, f"leave precision.fp8.te.{rejection.field} null ({record.cls}'s default)"))
+    train = doc["train"]
+    tokens = train["micro_batch_size"] * train["seq_len"]
+    if tokens % compat.TE_TOKEN_MULTIPLE:
+        multiple = compat.TE_TOKEN_MULTIPLE
+        issues.append(Issue("train.seq_len", f"Transformer Engine's FP8 GEMMs need the tokens of a micro-batch "
+                            f"(train.micro_batch_size * train.seq_len = {tokens}) to be a multiple of {multiple} "
+                            "(pytorch/utils.py assert_dim_for_fp8_exec fails the forward otherwise)", train["seq_len"],
+                            f"set train.seq_len to a multiple of {multiple} (e.g. {-(-train['seq_len'] // multiple) * multiple})"))
     return issues
 
 

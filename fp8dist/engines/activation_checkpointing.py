@@ -10,6 +10,10 @@ The selective policy is torchtitan's op-level one (torchtitan/distributed/activa
 `_get_default_save_ops`): save matmul / attention outputs (every second mm recomputed, to halve their
 memory) and `aten.max`, "the absolute maximum used to compute the scaling factor for quantization", so a
 recomputed float8 cast uses the same scale as the forward did.
+
+The recompute runs in backward, outside the backend's forward context (Transformer Engine's autocast), so the
+wrapper's context_fn enters it again there (the backend's checkpoint_context_fn), combined with the selective
+policy's own pair.
 """
 from __future__ import annotations
 
@@ -93,9 +97,38 @@ def kept_for_backward() -> Iterator[Callable[[], int]]:
         _CACHES = previous
 
 
-def apply(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]], mode: str) -> list[tuple[str, torch.nn.Module]]:
+def _both(first, second):
+    """One context entering `first`, then `second`."""
+    @contextlib.contextmanager
+    def both():
+        with first, second:
+            yield
+
+    return both()
+
+
+def _context_fn(mode: str, backend) -> Callable | None:
+    """The checkpoint's context_fn: selective checkpointing's caching pair and the backend's (forward, recompute)
+    pair (Transformer Engine re-enters its autocast on recompute: backends/base.py checkpoint_context_fn), both
+    entered where both exist; None for full checkpointing on a backend without a forward context."""
+    backend_fn = backend.checkpoint_context_fn() if backend is not None else None
+    if mode != "selective":
+        return backend_fn
+    if backend_fn is None:
+        return _selective_context
+
+    def context_fn():
+        (forward, recompute), (selective_forward, selective_recompute) = backend_fn(), _selective_context()
+        return _both(forward, selective_forward), _both(recompute, selective_recompute)
+
+    return context_fn
+
+
+def apply(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]], mode: str,
+          backend=None) -> list[tuple[str, torch.nn.Module]]:
     """Wrap each unit (name, module) in place in its parent; returns the units as they now are (the wrappers,
-    which sharding and compile then treat as the blocks). `none`: the units unchanged."""
+    which sharding and compile then treat as the blocks). `none`: the units unchanged. `backend`: the run's
+    precision backend (fp8dist.backends), whose forward context the recompute in backward enters again."""
     if mode == "none":
         return units
     if not units:
@@ -111,8 +144,8 @@ def apply(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]], mode
         config.use_cache = False
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    wrap = (partial(checkpoint_wrapper, context_fn=_selective_context) if mode == "selective"
-            else checkpoint_wrapper)
+    context_fn = _context_fn(mode, backend)
+    wrap = partial(checkpoint_wrapper, context_fn=context_fn) if context_fn else checkpoint_wrapper
     wrapped = []
     for name, unit in units:
         parent_name, _, child = name.rpartition(".")

@@ -40,7 +40,34 @@ def target_torchao_version(explicit: str | None = None) -> tuple[compat.Version,
     return compat.NEWEST_KNOWN_TORCHAO, "newest known (torchao is not installed)"
 
 
-def to_fsdp2(spec: Spec, torchao_version: str | None = None) -> dict[str, Any]:
+TE_DISTRIBUTIONS = ("transformer-engine", "transformer_engine")  # the wheel's name; a source build's
+
+
+def installed_te() -> str | None:
+    """The installed Transformer Engine's version, from package metadata (no import)."""
+    return next((v for v in map(compat.installed_version, TE_DISTRIBUTIONS) if v), None)
+
+
+def target_te_version(explicit: str | None = None) -> tuple[compat.Version, str]:
+    """The Transformer Engine release to plan the recipe for, and where that choice came from."""
+    installed = installed_te()
+    if explicit:
+        try:
+            version, origin, where = compat.parse_version(explicit), "given with --te-version", "--te-version"
+        except ValueError:
+            raise ConfigError([Issue("--te-version", "not a version", explicit, "write e.g. 2.20.2")]) from None
+    elif installed:
+        version, origin, where = compat.parse_version(installed), "installed", "transformer-engine (installed)"
+    else:
+        return compat.TE_NEWEST_KNOWN, "newest known (Transformer Engine is not installed)"
+    ok, reason = compat.te_supported(version)
+    if not ok:
+        raise ConfigError([Issue(where, reason, compat.fmt(version),
+                                 f"use Transformer Engine >= {compat.fmt(compat.TE_OLDEST_SUPPORTED)}")])
+    return version, origin
+
+
+def to_fsdp2(spec: Spec, torchao_version: str | None = None, te_version: str | None = None) -> dict[str, Any]:
     p, f = spec.precision, spec.fsdp2
     master, state = p.weight_dtype, spec.optimizer_state_dtype
     plan: dict[str, Any] = {
@@ -65,7 +92,7 @@ def to_fsdp2(spec: Spec, torchao_version: str | None = None) -> dict[str, Any]:
                              "the safetensors files", "dtype": master}
                     if spec.parallel.cpu_ram_efficient_loading else {"mode": "full model on every rank"}),
         "loss_scaling": loss_scaling_plan(spec),
-        "float8": float8_plan(spec, torchao_version),
+        "float8": float8_plan(spec, torchao_version, te_version),
         "optimizer": {
             "class": OPTIMIZER_CLASSES[(spec.optimizer.name, state if state in ("fp8", "int8") else None)],
             "steps_on": master, "state_dtype": state,
@@ -88,15 +115,18 @@ def loss_scaling_plan(spec: Spec) -> dict[str, Any] | None:
             "min_loss_scale": ls.min_loss_scale}
 
 
-def float8_plan(spec: Spec, torchao_version: str | None = None) -> dict[str, Any] | None:
+def float8_plan(spec: Spec, torchao_version: str | None = None, te_version: str | None = None) -> dict[str, Any] | None:
     fp8 = spec.fp8
     if fp8.backend == "none":
         return None
     modules = {"exclude": list(fp8.modules.exclude), "skip_first_last": fp8.modules.skip_first_last}
     if fp8.backend == "te":
-        return {"backend": "te", "recipe": fp8.te.recipe, "recipe_fields": te_recipe_fields(spec),
+        version, origin = target_te_version(te_version)
+        return {"backend": "te", "te_version": compat.fmt(version), "te_version_origin": origin,
+                "recipe": fp8.te.recipe, **te_recipe_plan(spec, version),
                 "swap": ["nn.Linear -> te.Linear"] + (["nn.LayerNorm -> te.LayerNorm"] if fp8.te.swap_layernorm else []),
-                "module_filter": {**modules, "require_dims_multiple_of": compat.TE_RECIPE_DIM_MULTIPLE[fp8.te.recipe]}}
+                "module_filter": {**modules,
+                                  "require_dims_multiple_of": compat.TE_RECIPES[fp8.te.recipe].dim_multiple}}
     ao = fp8.torchao
     all_gather = spec.float8_all_gather
     version, origin = target_torchao_version(torchao_version)
@@ -116,9 +146,27 @@ def float8_plan(spec: Spec, torchao_version: str | None = None) -> dict[str, Any
     }
 
 
-def te_recipe_fields(spec: Spec) -> dict[str, Any]:
-    """The TE recipe knobs the user set (upstream names); unset ones fall through to TE's own defaults."""
+def te_recipe_plan(spec: Spec, te_version: compat.Version) -> dict[str, Any]:
+    """The TE recipe for Transformer Engine `te_version` (compat.TE_RECIPES): its class, the constructor arguments
+    the user set (upstream names; unset ones fall through to TE's defaults) and the recipe attributes set after
+    construction. Refuses (ConfigError) the recipe or a field that release lacks: its class would drop the field
+    without a word. The runtime backend builds exactly this (backends/transformer_engine.py build_recipe)."""
     te = spec.fp8.te
-    names = ("fp8_format", "margin", "amax_history_len", "amax_compute_algo", "reduce_amax", "use_power_2_scales",
-             "enable_2d_quantization", "fp8_dpa", "fp8_mha")
-    return {name: getattr(te, name) for name in names if getattr(te, name) is not None}
+    record = compat.TE_RECIPES[te.recipe]
+    ok, reason = compat.te_recipe_available(te.recipe, te_version)
+    issues = [] if ok else [Issue("precision.fp8.te.recipe", reason, te.recipe,
+                                  f"use Transformer Engine >= {compat.fmt(record.since)}, or another recipe")]
+    fields, attributes = {}, {}
+    for field in record.fields:  # the config rules refuse the other keys and the ignored fields
+        value = getattr(te, field.name)
+        if value is None:
+            continue
+        kept, reason = compat.te_field_kept(te.recipe, field.name, te_version)
+        if not kept:
+            issues.append(Issue(f"precision.fp8.te.{field.name}", reason, value,
+                                f"remove it, or use Transformer Engine >= {compat.fmt(field.since)}"))
+        fields[field.name] = value
+        attributes.update(dict.fromkeys(field.also_sets, value))
+    if issues:
+        raise ConfigError(issues)
+    return {"recipe_class": record.cls, "recipe_fields": fields, "recipe_attributes": attributes}

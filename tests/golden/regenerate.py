@@ -6,12 +6,13 @@ from fp8dist.config.load import load_config
 from fp8dist.translate import to_deepspeed, to_fsdp2
 
 ROOT = Path(__file__).resolve().parents[2]
-# Goldens pin the versions they were made for, so they hold whatever torchao/DeepSpeed is installed
+# Goldens pin the versions they were made for, so they hold whatever torchao/DeepSpeed/TE is installed
 # (tests/unit/translate/test_translate.py covers the "installed version" resolution separately). MS-AMP configs are
 # translated for MS-AMP 0.4's pinned DeepSpeed; the rest for the newest known.
 DEEPSPEED_VERSION = {"msamp": "0.13.1"}
 DEFAULT_DEEPSPEED_VERSION = "0.19.8"
 TORCHAO_VERSION = "0.18.0"
+TE_VERSION = "2.20.2"
 
 
 def golden_cases():
@@ -27,7 +28,7 @@ def golden_cases():
 def translate(spec, target, version):
     if target == "deepspeed":
         return to_deepspeed(spec, deepspeed_version=version)
-    return to_fsdp2(spec, torchao_version=version)
+    return to_fsdp2(spec, torchao_version=version, te_version=TE_VERSION)
 
 
 if __name__ == "__main__":

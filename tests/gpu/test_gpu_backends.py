@@ -1,8 +1,12 @@
 """End-to-end runs of the real Transformer Engine and MS-AMP. They need an NVIDIA GPU and the library;
-elsewhere they are skipped with the reason. Written against TE 2.20 and MS-AMP 0.4.0 (deepspeed 0.13.1)."""
+elsewhere they are skipped with the reason. Written against TE 2.1-2.20.2 and MS-AMP 0.4.0 (deepspeed 0.13.1).
+docs/gpu_paths.md says what the CPU tests verify instead; the rows after the audits check each finding of
+issue 25 on the real library (RAM-efficient loading, activation checkpointing, FP8 attention keys, token
+multiples, power-of-2 scales, per-release fields, NVFP4 element counts, MS-AMP's TE)."""
 import importlib.util
 import json
 import math
+import re
 
 import pytest
 
@@ -28,9 +32,9 @@ needs_te = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is 
 needs_msamp = pytest.mark.skipif(importlib.util.find_spec("msamp") is None, reason="MS-AMP not installed (not on PyPI)")
 
 
-def audit(config, nproc=1):
+def audit(config, nproc=1, *overrides):
     result = run_cli("audit", "tiny-llama", "--config", ROOT / "configs" / f"{config}.yaml", "--nproc", nproc,
-                     "--format", "json", timeout=900)
+                     "--format", "json", *overrides, timeout=900)
     assert result.returncode in (0, 1), result.stdout + result.stderr
     data = json.loads(result.stdout)
     return data, {c["phase"]: c for c in data["checks"]}
@@ -88,3 +92,126 @@ def test_msamp_audit_against_table_a(level):
     assert by_phase["optimizer"]["ok"] and by_phase["optimizer"]["expected"] == optimizer, by_phase["optimizer"]
     if level == "o3":
         assert data["passed"], by_phase
+
+
+# --- issue 25: each finding of reading TE and MS-AMP, on the real library ----------------------------------
+
+def _installed_te():
+    from fp8dist.backends.transformer_engine import installed_te_version
+
+    return installed_te_version()
+
+
+def _te_spec(**te):
+    from fp8dist.config.load import load_config
+
+    return load_config({"precision": {"preset": "te", "fp8": {"te": te}}})
+
+
+@needs_fp8_gpu
+@needs_te
+def test_te_with_ram_efficient_loading():
+    """te.Linear built on meta (device="meta"), the weights read into the shards afterwards."""
+    data, by_phase = audit("te", 2, "parallel.cpu_ram_efficient_loading=true")
+    assert data["passed"], by_phase
+    assert by_phase["gemm"]["observed"] == "fp8"
+
+
+@needs_fp8_gpu
+@needs_te
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_te_with_activation_checkpointing(mode):
+    """The recompute in backward runs in TE's autocast again: its GEMMs are FP8 too."""
+    data, by_phase = audit("te", 1, f"parallel.activation_checkpointing={mode}")
+    assert data["passed"], by_phase
+    assert by_phase["gemm"]["observed"] == "fp8", by_phase["gemm"]
+
+
+@needs_te
+def test_installed_te_raises_where_fp8dist_refuses_first():
+    """fp8dist's config rules quote TE's own message; the installed TE still raises it (fp8_dpa with block, ...)."""
+    from transformer_engine.common import recipe as te_recipe
+
+    version = _installed_te()
+    for record in compat.TE_RECIPES.values():
+        for rejection in record.rejects:
+            if rejection.since <= version and (rejection.until is None or version <= rejection.until):
+                value = te_recipe.Format[rejection.value] if rejection.field == "fp8_format" else rejection.value
+                with pytest.raises((AssertionError, ValueError), match=re.escape(rejection.message)):
+                    getattr(te_recipe, record.cls)(**{rejection.field: value})
+
+
+@needs_fp8_gpu
+@needs_te
+def test_te_gemms_need_tokens_a_multiple_of_8():
+    """compat.TE_TOKEN_MULTIPLE: te.Linear refuses 12 tokens under autocast (assert_dim_for_fp8_exec)."""
+    import torch
+    import transformer_engine.pytorch as te
+
+    linear = te.Linear(64, 64, params_dtype=torch.bfloat16)
+    autocast = te.autocast if hasattr(te, "autocast") else te.fp8_autocast
+    with autocast(enabled=True):
+        linear(torch.randn(16, 64, device="cuda", dtype=torch.bfloat16))
+        with pytest.raises((AssertionError, ValueError), match="divisible by 8"):
+            linear(torch.randn(12, 64, device="cuda", dtype=torch.bfloat16))
+
+
+@needs_fp8_gpu
+@needs_te
+@pytest.mark.skipif(_installed_te() is not None and _installed_te() < (2, 8, 0),
+                    reason="use_power_2_scales is a field from TE 2.8")
+def test_te_power_2_scales_reach_te_linear():
+    """te.Linear's input and weight quantizers follow the recipe fp8dist built, not the environment."""
+    import torch
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe as te_recipe
+
+    from fp8dist.backends.transformer_engine import build_recipe
+
+    recipe = build_recipe(te_recipe, _te_spec(recipe="current", use_power_2_scales=True), _installed_te())
+    linear = te.Linear(64, 64, params_dtype=torch.bfloat16)
+    autocast = te.autocast(enabled=True, recipe=recipe) if hasattr(te, "autocast") else \
+        te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+    with autocast:
+        linear(torch.randn(16, 64, device="cuda", dtype=torch.bfloat16))
+    assert all(q.force_pow_2_scales for q in linear.quantizers["scaling_fwd"][:2])  # GEMM1 input, weight
+
+
+@needs_te
+def test_installed_te_keeps_every_field_fp8dist_writes():
+    """The recipe contract (tests/unit/backends/test_te_recipe_contract.py) on the installed TE itself."""
+    from transformer_engine.common import recipe as te_recipe
+
+    from fp8dist.backends.transformer_engine import build_recipe
+    from tests.unit.backends.test_te_recipe_contract import VALUES, plain
+
+    version = _installed_te()
+    assert compat.te_supported(version)[0]
+    for name, values in VALUES.items():
+        fields = {f: v for f, v in values.items() if compat.te_field_kept(name, f, version)[0]}
+        if compat.te_recipe_available(name, version)[0]:
+            built = build_recipe(te_recipe, _te_spec(recipe=name, **fields), version)
+            assert {f: plain(getattr(built, f)) for f in fields} == fields, name
+
+
+@pytest.mark.skipif(CAP is None or CAP < (10, 0), reason="NVFP4 needs compute capability 10.x")
+@needs_te
+def test_nvfp4_storage_counts_logical_elements():
+    import torch
+    from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Quantizer
+
+    from fp8dist.backends.storage import storage
+
+    quantizer = NVFP4Quantizer()
+    quantizer.internal = True  # the *Storage object the audit meets in TE's saved tensors
+    held = storage(quantizer(torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)))
+    assert held.format == "fp4_e2m1" and held.numel == 128 * 256
+
+
+@needs_msamp
+def test_msamp_lives_with_te_at_most_1_7():
+    """compat.msamp_install_hint: `import msamp` loads transformer_engine_extensions, gone from TE 1.8."""
+    from fp8dist.backends.transformer_engine import installed_te_version
+
+    version = installed_te_version()
+    assert version is None or version[:2] <= compat.MSAMP_MAX_TE[:2]

@@ -105,7 +105,7 @@ def initialize(model, spec: Spec, optimizer=None, model_parameters=None, trainin
         rebind_optimizer(optimizer, before, model)
     # after the optimizer is bound to the backend's parameters: the wrapper renames them (by name is how the
     # rebinding finds a swapped parameter), it does not replace them
-    activation_checkpointing.apply(model, wrap_units(model, spec), spec.parallel.activation_checkpointing)
+    activation_checkpointing.apply(model, wrap_units(model, spec), spec.parallel.activation_checkpointing, backend)
     _forget_earlier_torch_autocast(config)
     initialize_fn = backend.deepspeed_initialize if spec.fp8.backend == "msamp" else _deepspeed_initialize()
     engine, optimizer, dataloader, scheduler = initialize_fn(

@@ -138,7 +138,7 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
                 param.data = param.data.to(master)
     decisions = backend.convert_module(model)
     advise_small_gemms(spec, model)
-    units = activation_checkpointing.apply(model, wrap_units(model, spec), plan["activation_checkpointing"])
+    units = activation_checkpointing.apply(model, wrap_units(model, spec), plan["activation_checkpointing"], backend)
     if plan["compile"]:
         for unit in [unit for _, unit in units] or [model]:
             unit.compile()  # in place: the module object (and so the FSDP unit) stays the same

@@ -209,6 +209,9 @@ def fp8_section(config: Mapping[str, Any], engine: str, notes: Notes, issues: li
             if mxfp8 and name in ("amax_history_len", "amax_compute_algo"):
                 notes.dropped(f"{prefix}{name}", value, "not a field of MXFP8BlockScaling (Accelerate raises on it)")
                 continue
+            if mxfp8 and name == "margin":
+                notes.dropped(f"{prefix}{name}", value, compat.TE_RECIPES["mxfp8"].field("margin").ignored)
+                continue
             te[name] = int(value) if name in ("margin", "amax_history_len") else value
         for name in ("interval", "override_linear_precision", "use_autocast_during_eval"):
             if name in items:

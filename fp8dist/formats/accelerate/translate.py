@@ -318,11 +318,12 @@ def _torchao_plan(spec: Spec, mode: str, torchao_version: str | None, issues: li
 
 def _te_plan(spec: Spec, issues: list[Issue]) -> dict[str, Any]:
     te, modules = spec.fp8.te, spec.fp8.modules
-    if te.recipe not in compat.ACCELERATE_TE_RECIPES:
-        issues.append(Issue("precision.fp8.te.recipe", "Accelerate builds only DelayedScaling or MXFP8BlockScaling "
+    if not compat.TE_RECIPES[te.recipe].accelerate:
+        built = [r for r in compat.TE_RECIPES.values() if r.accelerate]
+        issues.append(Issue("precision.fp8.te.recipe", f"Accelerate builds only {' or '.join(r.cls for r in built)} "
                             "(accelerate 1.15 utils/transformer_engine.py apply_fp8_autowrap)", te.recipe,
-                            "use recipe delayed or mxfp8, or fp8dist's own runtime"))
-    for field in ("reduce_amax", "fp8_dpa", "fp8_mha", "use_power_2_scales", "enable_2d_quantization"):
+                            f"use recipe {' or '.join(r.name for r in built)}, or fp8dist's own runtime"))
+    for field in ("reduce_amax", "use_power_2_scales", "enable_2d_quantization"):
         if getattr(te, field) is not None:
             issues.append(Issue(f"precision.fp8.te.{field}", "TERecipeKwargs has no such field, so Accelerate's recipe "
                                 "keeps Transformer Engine's default (accelerate 1.15 utils/dataclasses.py)",

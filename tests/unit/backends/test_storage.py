@@ -63,6 +63,21 @@ def test_te_quantized_storage_is_read_by_its_format_not_uint8():
     assert is_tensor_like(Float8TensorStorage(1, 1, DType.kFloat8E4M3)) and not is_tensor_like(object())
 
 
+class NVFP4TensorStorage:  # TE 2.8+: two E2M1 values per uint8 byte, [M, K] stored as [M, K/2]
+    def __init__(self, rows, cols, columnwise=False):
+        self._rowwise_data = torch.zeros(rows, cols // 2, dtype=torch.uint8)
+        self._columnwise_data = torch.zeros(cols, rows // 2, dtype=torch.uint8) if columnwise else None
+        self._fp4_dtype = DType.kFloat4E2M1
+
+
+def test_nvfp4_storage_counts_two_values_per_byte():
+    packed = storage(NVFP4TensorStorage(64, 128))
+    assert (packed.format, packed.numel, packed.nbytes) == ("fp4_e2m1", 64 * 128, 64 * 128 // 2)
+    both = storage(NVFP4TensorStorage(64, 128, columnwise=True))  # the columnwise copy is memory, not values
+    assert (both.numel, both.nbytes) == (64 * 128, 64 * 128)
+    assert storage(Float8TensorStorage(64, 128, DType.kFloat8E4M3)).numel == 64 * 128  # one value per byte
+
+
 def test_msamp_scaling_tensors_and_o2_optimizer_states():
     fp8 = ScalingTensor(torch.zeros(16, 16, dtype=torch.uint8), "kFloat8E4M3")
     fp16 = ScalingTensor(torch.zeros(16, 16, dtype=torch.float16), "kFloat16")

@@ -1,6 +1,8 @@
 """Transformer Engine and MS-AMP backends. Neither library can be installed on a CPU machine, so the
 module swap and the call sequence run against minimal stand-ins that record what fp8dist does;
 every assertion is about fp8dist's behaviour (weights copied, filter honoured, arguments, order)."""
+import contextlib
+import copy
 import sys
 import types
 
@@ -8,30 +10,38 @@ import pytest
 import torch
 
 from fp8dist.backends.msamp import MSAMP
-from fp8dist.backends.transformer_engine import TransformerEngine, recipe_kwargs
+from fp8dist.backends.transformer_engine import TransformerEngine
 from fp8dist.config.load import load_config
 from fp8dist.errors import ConfigError, Fp8distError, UnsupportedEnvironment
 from fp8dist.translate.deepspeed import to_deepspeed
+from fp8dist.translate.fsdp2 import te_recipe_plan
 
 
 def te_spec(**te):
     return load_config({"precision": {"preset": "te", "fp8": {"te": te}}})
 
 
-def test_recipe_kwargs_pass_only_what_the_user_set():
-    assert recipe_kwargs(te_spec(), (2, 20, 0)) == ("DelayedScaling", {})
-    name, kwargs = recipe_kwargs(te_spec(fp8_format="HYBRID", amax_history_len=16, amax_compute_algo="most_recent",
-                                         margin=1), (2, 20, 0))
-    assert name == "DelayedScaling" and kwargs == {"fp8_format": "HYBRID", "amax_history_len": 16,
-                                                   "amax_compute_algo": "most_recent", "margin": 1}
-    assert recipe_kwargs(te_spec(recipe="current", use_power_2_scales=True), (2, 20, 0)) == \
-        ("Float8CurrentScaling", {"use_power_2_scales": True})
-    assert recipe_kwargs(te_spec(recipe="mxfp8"), (2, 20, 0))[0] == "MXFP8BlockScaling"
+def test_recipe_plan_passes_only_what_the_user_set():
+    assert te_recipe_plan(te_spec(), (2, 20, 2)) == {"recipe_class": "DelayedScaling", "recipe_fields": {},
+                                                     "recipe_attributes": {}}
+    plan = te_recipe_plan(te_spec(fp8_format="HYBRID", amax_history_len=16, amax_compute_algo="most_recent",
+                                  margin=1), (2, 20, 2))
+    assert plan["recipe_fields"] == {"fp8_format": "HYBRID", "margin": 1, "amax_history_len": 16,
+                                     "amax_compute_algo": "most_recent"}
+    plan = te_recipe_plan(te_spec(recipe="current", use_power_2_scales=True), (2, 8, 0))
+    assert plan["recipe_fields"] == {"use_power_2_scales": True}
+    assert plan["recipe_attributes"] == {"fp8_quant_fwd_inp.power_2_scale": True,
+                                         "fp8_quant_fwd_weight.power_2_scale": True,
+                                         "fp8_quant_bwd_grad.power_2_scale": True}
 
 
-def test_recipe_needs_a_te_that_has_it():
-    with pytest.raises(UnsupportedEnvironment, match="Float8BlockScaling needs Transformer Engine >= 2.3.0"):
-        recipe_kwargs(te_spec(recipe="block"), (2, 2, 0))
+@pytest.mark.parametrize("te,version,key,first", [
+    ({"recipe": "block"}, (2, 2, 0), "recipe", "2.3.0"),
+    ({"recipe": "current", "use_power_2_scales": True}, (2, 7, 0), "use_power_2_scales", "2.8.0"),
+    ({"recipe": "mxfp8", "enable_2d_quantization": False}, (2, 18, 0), "enable_2d_quantization", "2.19.0")])
+def test_recipe_plan_refuses_what_the_release_lacks(te, version, key, first):
+    with pytest.raises(ConfigError, match=rf"precision\.fp8\.te\.{key}: .*{first}"):
+        te_recipe_plan(te_spec(**te), version)
 
 
 @pytest.mark.parametrize("field,value", [("interval", 1), ("override_linear_precision", [False, False, True])])
@@ -46,8 +56,11 @@ def test_delayed_only_fields_refused_for_other_recipes():
 
 
 class _FakeTE(types.ModuleType):
-    """Just enough of transformer_engine.pytorch to observe the swap: te.Linear/te.LayerNorm are plain
-    torch modules created with TE's constructor arguments, initialised to garbage on purpose."""
+    """Just enough of transformer_engine.pytorch to observe what fp8dist does: te.Linear/te.LayerNorm are plain
+    torch modules created with TE's constructor arguments, initialised to garbage on purpose; te.Linear defers
+    its init only for device == "meta", a string compare, and otherwise allocates on CUDA (TE 2.20.2
+    module/linear.py:2242, module/base.py:1820), which fails here; the autocasts and
+    distributed.activation_recompute_forward record when they are entered."""
 
     def __init__(self, with_autocast=True):
         super().__init__("transformer_engine.pytorch")
@@ -56,34 +69,46 @@ class _FakeTE(types.ModuleType):
 
         class Linear(torch.nn.Linear):
             def __init__(self, in_features, out_features, bias=True, params_dtype=None, device=None):
+                fake.calls.append(("Linear", device))
+                if device != "meta" and torch.device(device or "cpu").type == "meta":
+                    raise RuntimeError("TE materialises meta parameters on CUDA unless device == 'meta'")
                 super().__init__(in_features, out_features, bias=bias, dtype=params_dtype, device=device)
-                torch.nn.init.constant_(self.weight, 123.0)
+                if device != "meta":
+                    torch.nn.init.constant_(self.weight, 123.0)
 
         class LayerNorm(torch.nn.LayerNorm):
             def __init__(self, hidden_size, eps=1e-5, device=None, dtype=None):
                 super().__init__(hidden_size, eps=eps, device=device, dtype=dtype)
-                torch.nn.init.constant_(self.weight, 7.0)
+                if torch.device(device or "cpu").type != "meta":
+                    torch.nn.init.constant_(self.weight, 7.0)
 
         self.Linear, self.LayerNorm = Linear, LayerNorm
         if with_autocast:
-            self.autocast = lambda **kw: fake.calls.append(("autocast", kw)) or _nullcontext()
-        self.fp8_autocast = lambda **kw: fake.calls.append(("fp8_autocast", kw)) or _nullcontext()
+            self.autocast = lambda **kw: _entered(fake.calls, "autocast", kw)
+        self.fp8_autocast = lambda **kw: _entered(fake.calls, "fp8_autocast", kw)
+        self.distributed = types.ModuleType("transformer_engine.pytorch.distributed")
+        self.distributed.activation_recompute_forward = lambda activation_recompute=False, recompute_phase=False: \
+            _entered(fake.calls, "activation_recompute_forward", (activation_recompute, recompute_phase))
 
 
-def _nullcontext():
-    import contextlib
+@contextlib.contextmanager
+def _entered(calls, name, arguments):
+    calls.append((name, arguments))
+    yield
 
-    return contextlib.nullcontext()
 
-
-@pytest.fixture
-def fake_te(monkeypatch):
-    te = _FakeTE()
+def install_te(monkeypatch, te):
     package = types.ModuleType("transformer_engine")
     package.pytorch = te
     monkeypatch.setitem(sys.modules, "transformer_engine", package)
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.distributed", te.distributed)
     return te
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    return install_te(monkeypatch, _FakeTE())
 
 
 class Block(torch.nn.Module):
@@ -109,11 +134,7 @@ def test_swap_copies_weights_and_honours_filter(fake_te):
 
 @pytest.mark.parametrize("new_api", [True, False])
 def test_forward_context_uses_autocast_where_it_exists(monkeypatch, new_api):
-    te = _FakeTE(with_autocast=new_api)
-    package = types.ModuleType("transformer_engine")
-    package.pytorch = te
-    monkeypatch.setitem(sys.modules, "transformer_engine", package)
-    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te)
+    te = install_te(monkeypatch, _FakeTE(with_autocast=new_api))
     backend = TransformerEngine(te_spec())
     backend.recipe = "RECIPE"
     with backend.forward_context():
@@ -253,9 +274,11 @@ def test_msamp_use_te_swaps_to_te_and_runs_te_autocast(fake_te):
     backend.convert_module(model)
     assert isinstance(model.up, fake_te.Linear)  # MS-AMP's TeReplacer then takes the te weights
     backend.te.recipe = "RECIPE"
+    fake_te.calls.clear()
     with backend.forward_context():
         pass
     assert fake_te.calls[0][0] == "autocast"
+    assert backend.checkpoint_context_fn() is not None  # the recompute re-enters TE's autocast too
 
 
 def test_msamp_environment_error_lists_everything_missing_here():
@@ -265,7 +288,11 @@ def test_msamp_environment_error_lists_everything_missing_here():
         MSAMP(msamp_spec()).check_environment({"cuda_available": False})
     text = str(info.value)
     assert "MS-AMP is not installed, and not on PyPI" in text and "needs a CUDA GPU" in text
-    assert "fix: run on a CUDA GPU machine with MS-AMP 0.4" in text
+    # its own environment (TE <= 1.7, torch 2.1), where fp8dist translates but its runtime cannot run
+    assert "Transformer Engine <= 1.7" in text and "torch 2.1 (below fp8dist's torch floor 2.9)" in text
+    assert "fp8dist translates O1, O2 and O3" in text and "own runtime, engines and audit cannot run there" in text
+    assert "fix: write the DeepSpeed JSON with `fp8dist translate CONFIG --to deepspeed --deepspeed-version 0.13.1`" \
+        in text
     import fp8dist.compat as compat
     if not compat.msamp_supports_deepspeed(compat.parse_version(compat.installed_version("deepspeed")))[0]:
         assert "0.12.4-0.17.4" in text  # this machine's DeepSpeed is outside MS-AMP 0.4's window too
@@ -312,3 +339,114 @@ def test_optimizer_with_state_for_swapped_parameters_is_refused(fake_te):
     TransformerEngine(te_spec()).convert_module(model)
     with pytest.raises(Fp8distError, match="already holds state"):
         rebind_optimizer(optimizer, before, model)
+
+
+def test_msamp_says_when_the_installed_te_is_too_new_for_it(monkeypatch):
+    import fp8dist.backends.msamp as backend_module
+
+    monkeypatch.setattr(backend_module, "installed_te_version", lambda: (2, 20, 2))
+    with pytest.raises(UnsupportedEnvironment, match=r"Transformer Engine 2\.20\.2 is installed: `import msamp` "
+                                                     r"needs TE <= 1\.7"):
+        MSAMP(msamp_spec()).check_environment({"cuda_available": True, "name": "NVIDIA H100"})
+
+
+def test_te_linear_on_a_meta_model_is_built_on_meta_and_not_copied(fake_te):
+    """RAM-efficient loading builds the model on meta; te.Linear must get the string "meta" (TE compares
+    `device == "meta"`, and torch.device("meta") == "meta" is False), and no weight is copied: the loader fills them."""
+    assert torch.device("meta") != "meta"
+    with torch.device("meta"):
+        model = Block()
+    decisions = TransformerEngine(te_spec()).convert_module(model)
+    built = [device for name, device in fake_te.calls if name == "Linear"]
+    assert built == ["meta"] and type(built[0]) is str  # `up` only: odd's dims and lm_head are left out
+    assert isinstance(model.up, fake_te.Linear) and model.up.weight.is_meta and model.norm.weight.is_meta
+    assert {d.fqn for d in decisions if d.convert} == {"up", "norm"}
+
+
+def _te_backend(monkeypatch, version, device=None):
+    """The TE backend's check_environment against a stand-in TE `version` whose recipe classes record their
+    arguments (transformer_engine.common.recipe: a frozen QParams per fp8_quant_* class attribute)."""
+    import dataclasses
+    import enum
+
+    import fp8dist.backends.transformer_engine as backend_module
+
+    @dataclasses.dataclass(frozen=True)
+    class QParams:
+        power_2_scale: bool = False
+        amax_epsilon: float = 0.0
+
+    class Float8CurrentScaling:
+        fp8_quant_fwd_inp = fp8_quant_fwd_weight = fp8_quant_bwd_grad = QParams()
+
+        def __init__(self, **kwargs):
+            self.__dict__.update(kwargs)
+
+    recipe = types.ModuleType("transformer_engine.common.recipe")
+    recipe.Format = enum.Enum("Format", "E4M3 HYBRID")
+    recipe.Float8CurrentScaling = Float8CurrentScaling
+    common = types.ModuleType("transformer_engine.common")
+    common.recipe = recipe
+    install_te(monkeypatch, _FakeTE())
+    sys.modules["transformer_engine"].common = common
+    monkeypatch.setitem(sys.modules, "transformer_engine.common", common)
+    monkeypatch.setitem(sys.modules, "transformer_engine.common.recipe", recipe)
+    monkeypatch.setattr(backend_module, "installed_te_version", lambda: version)
+    backend = TransformerEngine(te_spec(recipe="current", use_power_2_scales=True, fp8_format="E4M3"))
+    backend.check_environment(device or {"capability": [9, 0], "cuda": "12.8"})
+    return backend
+
+
+def test_runtime_builds_the_recipe_for_the_installed_te(monkeypatch):
+    recipe = _te_backend(monkeypatch, (2, 20, 2)).recipe
+    assert recipe.use_power_2_scales is True and recipe.fp8_format.name == "E4M3"
+    assert all(getattr(recipe, q).power_2_scale for q in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight",
+                                                          "fp8_quant_bwd_grad"))  # what te.Linear reads
+    assert type(recipe).fp8_quant_fwd_inp.power_2_scale is False  # set on the object, not the class
+
+
+def test_runtime_refuses_a_field_the_installed_te_lacks(monkeypatch):
+    with pytest.raises(ConfigError, match=r"use_power_2_scales: Float8CurrentScaling in Transformer Engine 2\.7\.0 "
+                                          r"has no field use_power_2_scales \(the first release that keeps it is 2\.8\.0"):
+        _te_backend(monkeypatch, (2, 7, 0))
+
+
+def test_runtime_refuses_te_releases_fp8dist_does_not_support(monkeypatch):
+    with pytest.raises(UnsupportedEnvironment, match=r"fp8dist supports Transformer Engine 2\.1\.0-2\.20\.2 .*1\.13\.0 "
+                                                     r"is older"):
+        _te_backend(monkeypatch, (1, 13, 0))
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_recomputes_inside_te_autocast(fake_te, monkeypatch, mode):
+    """torch's checkpoint recomputes a block in backward, after the forward's te.autocast has exited: the
+    wrapper's context_fn enters it again (after TE's activation_recompute_forward, as TE's own checkpoint),
+    and with `selective` together with the selective policy's own contexts."""
+    import fp8dist.engines.activation_checkpointing as activation_checkpointing
+
+    selective = []
+    original = activation_checkpointing._selective_context
+    monkeypatch.setattr(activation_checkpointing, "_selective_context",
+                        lambda: selective.append(1) or original())
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)))
+    reference = copy.deepcopy(model)
+    backend = TransformerEngine(te_spec())
+    backend.recipe = "RECIPE"
+    backend.convert_module(model)
+    activation_checkpointing.apply(model, [("0", model[0])], mode, backend)
+    fake_te.calls.clear()
+    x = torch.randn(4, 32, requires_grad=True)
+    with backend.forward_context():
+        loss = model(x).square().sum()
+    assert [c[0] for c in fake_te.calls] == ["autocast", "activation_recompute_forward"]
+    assert fake_te.calls[1][1] == (True, False)  # the forward stashes delayed-scaling state for the recompute
+    fake_te.calls.clear()
+    loss.backward()
+    assert fake_te.calls == [("activation_recompute_forward", (True, True)),
+                             ("autocast", {"enabled": True, "recipe": "RECIPE", "amax_reduction_group": None})]
+    assert len(selective) == (mode == "selective")
+    grad = x.grad.clone()
+    x.grad = None
+    reference(x).square().sum().backward()  # the same weights, not checkpointed
+    assert torch.allclose(grad, x.grad)
