@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_export)
 
     p = sub.add_parser("audit", help="measure the dtypes of a real run and compare with the documented table")
-    p.add_argument("model", help="tiny-llama or small-llama (built in), a local Hugging Face model directory, or package.module:factory")
+    p.add_argument("model", help="tiny-llama, small-llama or tiny-mixtral (built in), a local Hugging Face model directory, or package.module:factory")
     p.add_argument("--config", help="fp8dist config (default: the schema defaults)")
     p.add_argument("--format", choices=["table", "json", "markdown"], default="table")
     p.add_argument("--nproc", type=int, default=1, help="processes (2+ observes communication)")

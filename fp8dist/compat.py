@@ -76,6 +76,43 @@ TORCHAO_RECIPE_MIN_CAPABILITY = {
 }
 
 
+# MoE experts as grouped GEMMs (torchao 0.18 torchao/prototype/moe_training/):
+# - mxfp8: `_to_mxfp8_then_scaled_grouped_mm`; its AUTO kernels need SM 10.x ("SM100 kernels",
+#   mxfp8_grouped_mm.py _MXFP8GroupedMM.forward), KernelPreference.EMULATED runs anywhere (dequantize, then a
+#   high-precision grouped GEMM); blocks of 32 along the contracted dims, so hidden and expert sizes % 32.
+# - float8: `_to_fp8_rowwise_then_scaled_grouped_mm` needs `torch._scaled_grouped_mm` (SM 9.0+) and has no
+#   emulated mode ("TODO: support emulated mode", fp8_grouped_mm.py); K and N % 16.
+TORCHAO_EXPERTS_MIN_CAPABILITY: dict[str, Capability] = {"mxfp8": BLOCKWISE_MIN_CAPABILITY,
+                                                         "float8": ROWWISE_MIN_CAPABILITY}
+TORCHAO_EXPERTS_EMULATED = {"mxfp8"}
+TORCHAO_EXPERTS_DIM_MULTIPLE = {"mxfp8": 32, "float8": 16}
+
+
+def torchao_experts_mode(requested: str, emulate: bool, capability: Capability | None) -> tuple[str | None, str]:
+    """(mode, why) for precision.fp8.torchao.experts on this hardware; mode None: refused, `why` says so.
+    `auto` picks the format this hardware runs: MXFP8 emulated or on SM 10.x, float8 rowwise on SM 9.x."""
+    if requested == "none":
+        return "none", "precision.fp8.torchao.experts=none: experts stay in the compute dtype"
+    if requested == "auto":
+        if emulate or (capability is not None and tuple(capability) >= BLOCKWISE_MIN_CAPABILITY):
+            requested = "mxfp8"
+        elif capability is not None and tuple(capability) >= ROWWISE_MIN_CAPABILITY:
+            requested = "float8"
+        else:
+            found = "no CUDA GPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
+            return None, (f"experts=auto found no FP8 grouped GEMM for {found}: torchao runs MoE experts in float8 "
+                          "on SM 9.0+ and in MXFP8 on SM 10.0+ (or emulated)")
+    if emulate:
+        if requested in TORCHAO_EXPERTS_EMULATED:
+            return requested, f"{requested} experts, emulated (precision.fp8.torchao.emulate)"
+        return None, f"torchao's float8 grouped GEMM has no emulated mode (torchao 0.18 fp8_grouped_mm.py)"
+    need = TORCHAO_EXPERTS_MIN_CAPABILITY[requested]
+    if capability is None or tuple(capability) < need:
+        found = "no CUDA GPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
+        return None, f"torchao {requested} grouped GEMMs need compute capability >= {need[0]}.{need[1]}; {found}"
+    return requested, f"{requested} experts on compute capability {capability[0]}.{capability[1]}"
+
+
 def torchao_fp8_hardware(recipe_name: str, capability: Capability | None) -> tuple[bool, str]:
     """Can this GPU run torchao float8 `recipe_name` natively? capability None = no CUDA GPU."""
     need = TORCHAO_RECIPE_MIN_CAPABILITY[recipe_name]

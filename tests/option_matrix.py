@@ -25,6 +25,7 @@ class Run:
     config: dict
     expect: dict = field(default_factory=dict)  # facts the worker reports, checked by the run test
     inject_inf: dict | None = None  # {"rank": r, "step": s}: a non-finite gradient on one rank
+    model: str = "tiny-llama"  # a built-in model (fp8dist.runtime.models.BUILTIN)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,17 @@ RUNS = [
                        "fp8": {"torchao": {**EMULATE, "enable_fsdp_float8_all_gather": False,
                                            "force_recompute_fp8_weight_in_bwd": False, "pad_inner_dim": True}}}},
         {"float8_linears": 14}),
+    # MoE: experts in MXFP8 (emulated) on both engines pass the first-step audit, which counts the experts'
+    # grouped GEMMs; with experts=none the audit fails on the gemm row, naming the experts
+    Run("fsdp2-moe-mxfp8-experts",
+        {"precision": {"preset": "torchao-float8", "fp8": {"torchao": {**EMULATE, "experts": "mxfp8"}}}},
+        {"experts": "fp8dist_mxfp8_emulated"}, model="tiny-mixtral"),
+    Run("ds-zero3-moe-auto-experts",
+        {**DS, "deepspeed": {"zero_stage": 3}, "precision": {"preset": "torchao-float8", "fp8": {"torchao": EMULATE}}},
+        {"experts": "fp8dist_mxfp8_emulated", "zero_stage": 3}, model="tiny-mixtral"),
+    Run("fsdp2-moe-experts-none",
+        {"precision": {"preset": "torchao-float8", "fp8": {"torchao": {**EMULATE, "experts": "none"}}}},
+        {"experts": "grouped_mm", "audit_passed": False, "audit_failing": ["gemm"]}, model="tiny-mixtral"),
     Run("fsdp2-torchao-gw-hp-int8-states",
         {"precision": {"fp8": {"backend": "torchao", "torchao": {**EMULATE, "recipe_name": "rowwise_with_gw_hp"}}},
          "optimizer": {"state_dtype": "int8"}},
@@ -166,6 +178,8 @@ REFUSALS = [
             "environment", "msamp"),
     Refusal("torchao-without-fp8-hardware", {"precision": {"preset": "torchao-float8"}}, "refusing FP8",
             "environment", "fp8_gpu"),
+    Refusal("torchao-float8-experts-emulated", {"precision": {"preset": "torchao-float8", "fp8": {"torchao": {
+        **EMULATE, "experts": "float8"}}}}, "no emulated mode", "environment"),
     Refusal("torchao-explicit-no-emulate", {"precision": {"preset": "torchao-float8",
                                                           "fp8": {"torchao": {"emulate": False}}}},
             "refusing FP8", "environment", "fp8_gpu"),
@@ -407,6 +421,7 @@ AUDIT_ROWS = {  # what the audit shows for a key: the phases whose expected dtyp
     "precision.reduce_dtype": "communication",
     "precision.fp8.backend": "gemm",
     "precision.fp8.torchao.enable_fsdp_float8_all_gather": "weight_all_gather",
+    "precision.fp8.torchao.experts": "gemm (gemm_flops: the experts' grouped GEMMs by FLOPs)",
     "precision.fp8.te.recipe": "gemm (fp4 for nvfp4)",
     "precision.fp8.msamp.opt_level": "gemm, communication, weights, master_weights, weight_gradients, optimizer",
     "optimizer.state_dtype": "optimizer",

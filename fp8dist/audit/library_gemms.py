@@ -28,9 +28,37 @@ def _operand(obj) -> str:
     return storage(obj).format if is_tensor_like(obj) else type(obj).__name__
 
 
-def _te_general_gemm(original, calls: Counter):
+# TE's `layout` names which dimension of A and of B the GEMM contracts: TN (forward: weight [N, K], input [M, K]),
+# NN (input gradient: weight [N, K], output gradient [M, N]), NT (weight gradient: input [M, K], output gradient
+# [M, N]) (TE 2.20 transformer_engine/pytorch/module/linear.py: the three general_gemm calls and their layouts).
+CONTRACTED = {"TN": (-1, -1), "NN": (0, -1), "NT": (0, 0)}
+
+
+def te_gemm_flops(A, B, layout: str) -> int:
+    """2 * M * N * K of one TE GEMM from its operands' logical shapes; 0 where a shape is not known."""
+    a_shape, b_shape = tuple(getattr(A, "shape", ())), tuple(getattr(B, "shape", ()))
+    if len(a_shape) < 2 or len(b_shape) < 2 or layout not in CONTRACTED:
+        return 0
+    a_numel, b_numel = _numel(a_shape), _numel(b_shape)
+    contracted = a_shape[CONTRACTED[layout][0]]
+    return 2 * a_numel * b_numel // max(contracted, 1)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+def _te_general_gemm(original, calls: Counter, ledger):
     def general_gemm(A, B, *args, **kwargs):
-        calls[("te.general_gemm", (_operand(A), _operand(B)))] += 1
+        formats = (_operand(A), _operand(B))
+        calls[("te.general_gemm", formats)] += 1
+        if ledger is not None:
+            low = [f for f in formats if f.startswith(("fp8", "fp4"))]
+            ledger.add_library_gemm("transformer_engine", low[0] if low else formats[0],
+                                    te_gemm_flops(A, B, kwargs.get("layout", "TN")))
         return original(A, B, *args, **kwargs)
 
     return general_gemm
@@ -47,11 +75,13 @@ def _te1_fp8_gemm(original, calls: Counter):
 
 
 class LibraryGemmRecorder:
-    """Adds `(entry point, (format of A, format of B))` counts to `calls` while active. `notes` says when a
-    library computed the recorded FP8 GEMMs in another precision (MS-AMP off H100)."""
+    """Adds `(entry point, (format of A, format of B))` counts to `calls` while active, and TE's GEMM FLOPs to
+    `ledger` (fp8dist.audit.gemm_flops). `notes` says when a library computed the recorded FP8 GEMMs in another
+    precision (MS-AMP off H100), or left FLOPs uncounted (MS-AMP's GEMM entry point)."""
 
-    def __init__(self, calls: Counter):
+    def __init__(self, calls: Counter, ledger=None):
         self.calls = calls
+        self.ledger = ledger
         self.notes: list[str] = []
         self._restore: list[tuple[object, str, object]] = []
 
@@ -64,7 +94,7 @@ class LibraryGemmRecorder:
             if not name.startswith(TE_MODULE_PREFIX) or module is None:
                 continue
             if callable(getattr(module, "general_gemm", None)):
-                self._patch(module, "general_gemm", _te_general_gemm(module.general_gemm, self.calls))
+                self._patch(module, "general_gemm", _te_general_gemm(module.general_gemm, self.calls, self.ledger))
             elif callable(getattr(module, "fp8_gemm", None)):
                 self._patch(module, "fp8_gemm", _te1_fp8_gemm(module.fp8_gemm, self.calls))
         gemm = getattr(sys.modules.get(MSAMP_GEMM_MODULE), "Gemm", None)
@@ -81,6 +111,7 @@ class LibraryGemmRecorder:
             return original(mat_a, mat_b, *args, **kwargs)
 
         self._patch(gemm_class, "fp8_gemm", classmethod(fp8_gemm))
+        self.notes.append("MS-AMP's FP8 GEMMs are counted by calls, not FLOPs (gemm_flops covers aten's GEMMs)")
         device = getattr(sys.modules.get("msamp.common.utils.device"), "Device", None)
         if device is not None and not device.is_fp8_supported():
             import fp8dist.compat as compat

@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8dist.backends.storage import is_tensor_like, short, storage
+from fp8dist.audit.gemm_flops import GROUPED, WeightGemmLedger, is_low_precision
 from fp8dist.audit.library_gemms import LibraryGemmRecorder
 
 __all__ = ["short", "summarize", "trainable", "MatmulRecorder", "describe_fp8", "low_precision_format",
@@ -40,20 +41,22 @@ def trainable(model) -> list:
 
 
 FLOAT_FORMATS = ("fp", "bf")  # fp32/fp16/fp8_*/fp4_*, bf16: not integer index tensors
-LOW_PRECISION = ("fp8", "fp4")
-MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm",
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm", *GROUPED,
            "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
            "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention"}
 
 
 class MatmulRecorder(TorchDispatchMode):
-    """Records the operand storage formats of every matmul-like op (forward and backward), and of the
-    GEMMs Transformer Engine and MS-AMP run outside aten. `notes`: what the libraries said about them."""
+    """Records the operand formats of every matmul-like op (forward and backward), and of the GEMMs Transformer
+    Engine and MS-AMP run outside aten; `ledger` counts the weight GEMMs' FLOPs per module and format
+    (fp8dist.audit.gemm_flops), and gives an operand the format of the values it holds (an emulated MXFP8
+    GEMM's dequantized operands are MXFP8 values). `notes`: what the libraries said about their GEMMs."""
 
     def __init__(self):
         super().__init__()
         self.calls: Counter = Counter()
-        self.library = LibraryGemmRecorder(self.calls)
+        self.ledger = WeightGemmLedger()
+        self.library = LibraryGemmRecorder(self.calls, self.ledger)
 
     @property
     def notes(self) -> list[str]:
@@ -75,30 +78,38 @@ class MatmulRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        kwargs = kwargs or {}
         if name in MATMULS:
-            formats = (storage(a).format for a in args[:3] if isinstance(a, torch.Tensor))
-            operands = tuple(f for f in formats if f.startswith(FLOAT_FORMATS))
+            formats = (self.ledger.format_of(a) for a in args[:3] if isinstance(a, torch.Tensor))
+            operands = tuple(f for f in formats if f.startswith(FLOAT_FORMATS) or is_low_precision(f))
             self.calls[(name, operands)] += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
+        self.ledger.observe(name, args, kwargs, out)
+        return out
 
     def split(self) -> tuple[Counter, Counter]:
         """(GEMMs with an FP8/FP4 operand, the others)."""
         fp8, other = Counter(), Counter()
         for (name, operands), n in self.calls.items():
-            (fp8 if any(o.startswith(LOW_PRECISION) for o in operands) else other)[(name, operands)] += n
+            (fp8 if any(is_low_precision(o) for o in operands) else other)[(name, operands)] += n
         return fp8, other
 
 
 def describe_fp8(fp8: Counter) -> str:
     formats = Counter()
     for (_, operands), n in fp8.items():
-        formats["x".join(o.replace("fp8_", "") for o in operands)] += n  # e4m3xe4m3, e5m2xe4m3, fp4_e2m1x...
+        formats["x".join(o.replace("fp8_", "") for o in operands)] += n  # e4m3xe4m3, e5m2xe4m3, mxfp8xmxfp8...
     return ", ".join(f"{k}: {v}" for k, v in sorted(formats.items()))
+
+
+def family(fmt: str) -> str:
+    """'fp8_e4m3' -> 'fp8', 'mxfp8' -> 'fp8' (FP8 values with block scales), 'fp4_e2m1' -> 'fp4'."""
+    return fmt.removeprefix("mx").split("_")[0]
 
 
 def low_precision_format(fp8: Counter) -> str:
     """'fp8', 'fp4' (or both) over the recorded low-precision operands."""
-    found = {o.split("_")[0] for (_, operands) in fp8 for o in operands if o.startswith(LOW_PRECISION)}
+    found = {family(o) for (_, operands) in fp8 for o in operands if is_low_precision(o)}
     return "+".join(sorted(found))
 
 

@@ -32,6 +32,7 @@ def build(spec: Spec, model: str, observed: dict[str, Any], nproc: int,
     return {"passed": all(c["ok"] for c in checks), "model": model, "engine": spec.engine,
             "config": spec.source, "preset": spec.precision.preset, "nproc": nproc, "checks": checks,
             "bytes_per_param": per_param, "fp8_modules": observed.get("_decisions", []),
+            "gemm_flops": observed.get("_gemm_flops"),
             "communication_bytes": observed.get("_comm"), "outside_scope": outside}
 
 
@@ -52,6 +53,19 @@ def table(result: dict[str, Any]) -> str:
     if result["bytes_per_param"]:
         lines.append("")
         lines.append("bytes per parameter: " + ", ".join(f"{k} {v}" for k, v in result["bytes_per_param"].items()))
+    flops = result.get("gemm_flops")
+    if flops and flops["weight_gemm_flops"]:
+        formats = ", ".join(f"{fmt} {share:.1%}" for fmt, share in flops["by_format"].items())
+        lines.append(f"weight-GEMM FLOPs in FP8: {flops['fp8_share']:.1%} ({formats})")
+        kept: dict[str, list] = {}
+        for row in flops["high_precision"]:
+            if row["allowed"]:
+                kept.setdefault(row["reason"], []).append(row)
+            else:
+                lines.append(f"  ! {row['module']}: {row['share']:.1%} in high precision ({row['reason']})")
+        for reason, rows in kept.items():
+            names = ", ".join(r["module"] for r in rows[:3]) + (f" and {len(rows) - 3} more" if len(rows) > 3 else "")
+            lines.append(f"  - {names}: {sum(r['share'] for r in rows):.1%} in high precision ({reason})")
     converted = [m for m in result["fp8_modules"] if m["convert"]]
     if result["fp8_modules"]:
         lines.append(f"FP8 modules: {len(converted)} of {len(result['fp8_modules'])} converted; kept: " +

@@ -25,6 +25,7 @@ import sys
 from typing import Any
 
 import fp8dist.audit.probes as probes
+from fp8dist.audit.gemm_flops import summarize as summarize_gemm_flops
 from fp8dist.audit.expected import expected, normalize
 from fp8dist.audit.report import build, table, verdict
 from fp8dist.audit.wire import REDUCTIONS, WireRecorder
@@ -93,6 +94,7 @@ class Watch:
             stack.enter_context(torch.compiler.set_stance("force_eager"))
             stack.enter_context(self.inspector.capture_gradients(self._record_gradients))
             stack.enter_context(self.wire)
+            stack.enter_context(self.matmuls.ledger.owners(self.inspector.module))
             stack.enter_context(self.matmuls)
             self._stack = stack.pop_all()
         return self
@@ -162,6 +164,7 @@ class Watch:
         notes = "".join(f"; {note}" for note in self.matmuls.notes)
         out["gemm"] = (_obs(probes.low_precision_format(fp8), probes.describe_fp8(fp8) + notes) if fp8
                        else _obs(compute, "no FP8/FP4 operands seen" + notes, measured=bool(other)))
+        self._weigh_gemms(out["gemm"])
         master_value, where, separate = self._masters
         if not separate and self._no_master_expected() and normalize(master_value) == self.spec.precision.weight_dtype:
             out["master_weights"] = _obs("n/a", f"no separate master copy: the optimizer steps the weights themselves, "
@@ -186,6 +189,24 @@ class Watch:
             self._observe_wire()
         out["_bytes"] = self._bytes
         out["_decisions"] = [d.__dict__ for d in self.inspector.decisions]
+
+    def _weigh_gemms(self, gemm: dict) -> None:
+        """The FLOP view of the gemm row: the share of weight-GEMM FLOPs in FP8, and the modules whose weight GEMMs
+        ran in high precision although the config converts them (the row then shows their format too)."""
+        kept = {d.fqn: d.reason for d in self.inspector.decisions if not d.convert}
+        flops = summarize_gemm_flops(self.matmuls.ledger, kept, self.spec.fp8.enabled)
+        self.observed["_gemm_flops"] = flops
+        if not flops["weight_gemm_flops"]:
+            return
+        gemm["detail"] += f"; FP8 share of weight-GEMM FLOPs {flops['fp8_share']:.1%}"
+        stray = [row for row in flops["high_precision"] if not row["allowed"]]
+        if stray:
+            formats = sorted({probes.family(fmt) for (module, fmt) in self.matmuls.ledger.flops
+                              if any(module == row["module"] for row in stray)})
+            gemm["observed"] = "+".join(dict.fromkeys([v for v in gemm["observed"].split("+") if v != "none"]
+                                                      + formats))
+            gemm["detail"] += "; weight GEMMs in high precision: " + "; ".join(
+                f"{row['module']} {row['share']:.1%} of the FLOPs ({row['reason']})" for row in stray)
 
     def _no_master_expected(self) -> bool:
         return expected(self.spec, self.nproc)["master_weights"][0] == "n/a"

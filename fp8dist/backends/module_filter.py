@@ -20,6 +20,11 @@ class Decision:
     reason: str
 
 
+def matching_pattern(fqn: str, patterns: Iterable[str]) -> str | None:
+    """The first exclusion pattern that matches the module's full name or its last part."""
+    return next((p for p in patterns if fnmatchcase(fqn, p) or fnmatchcase(fqn.rsplit(".", 1)[-1], p)), None)
+
+
 def decide(linears: Sequence[LinearInfo], exclude: Iterable[str], skip_first_last: bool,
            dim_multiple: int | None, dim_hint: str = "") -> list[Decision]:
     """One decision per Linear, in model order. `dim_multiple` None means no divisibility rule;
@@ -28,8 +33,7 @@ def decide(linears: Sequence[LinearInfo], exclude: Iterable[str], skip_first_las
     edges = {linears[0].fqn, linears[-1].fqn} if (skip_first_last and linears) else set()
     out = []
     for info in linears:
-        pattern = next((p for p in exclude if fnmatchcase(info.fqn, p) or fnmatchcase(info.fqn.rsplit(".", 1)[-1], p)),
-                       None)
+        pattern = matching_pattern(info.fqn, exclude)
         if pattern:
             out.append(Decision(info.fqn, False, f"excluded by pattern {pattern!r}"))
         elif info.fqn in edges:

@@ -5,10 +5,16 @@ import dataclasses
 from typing import Any
 
 import fp8dist.compat as compat
+from fp8dist.backends.experts import convert as convert_experts, experts_modules
 from fp8dist.backends.base import PrecisionBackend, register
-from fp8dist.backends.module_filter import Decision, decide, linear_infos
+from fp8dist.backends.module_filter import Decision, decide, linear_infos, matching_pattern
 from fp8dist.errors import UnsupportedEnvironment
 from fp8dist.translate.fsdp2 import float8_plan
+
+
+_EXPERTS_FIX = ("set precision.fp8.torchao.experts=none to keep the experts in the compute dtype (the audit then "
+                "fails naming them), precision.fp8.torchao.emulate=true to emulate MXFP8 (tests only), or run on a "
+                "GPU that has the format")
 
 
 @register
@@ -18,12 +24,19 @@ class TorchaoFloat8(PrecisionBackend):
     def __init__(self, spec, plan: dict | None = None):
         super().__init__(spec, plan)
         self.plan = plan["float8"] if plan and plan.get("float8") else float8_plan(spec)
+        # resolved for the hardware by check_environment, which every engine calls before convert_module
+        self.experts_mode, self.experts_why = None, "check_environment was not called"
 
     def check_environment(self, device: dict[str, Any]) -> None:
         if compat.installed_version("torchao") is None:
             raise UnsupportedEnvironment("precision.fp8.backend=torchao but torchao is not installed",
                                          "pip install torchao")
         ao = self.spec.fp8.torchao
+        capability = tuple(device["capability"]) if device.get("capability") else None
+        self.experts_mode, self.experts_why = compat.torchao_experts_mode(ao.experts, ao.emulate, capability)
+        if self.experts_mode is None and ao.experts != "auto":  # auto refuses only a model that has experts
+            raise UnsupportedEnvironment(f"precision.fp8.torchao.experts={ao.experts}: {self.experts_why}",
+                                         _EXPERTS_FIX)
         if ao.emulate:
             return
         ok, reason = compat.torchao_fp8_hardware(ao.recipe_name, tuple(device["capability"]) if device.get("capability") else None)
@@ -49,7 +62,16 @@ class TorchaoFloat8(PrecisionBackend):
         if chosen:
             convert_to_float8_training(model, config=self.float8_linear_config(),
                                        module_filter_fn=lambda module, fqn: fqn in chosen)
-        return decisions
+        return decisions + self._convert_experts(model, rules["exclude"])
+
+    def _convert_experts(self, model, exclude) -> list[Decision]:
+        """MoE experts (3-D parameters, grouped GEMMs): in the mode check_environment resolved for this hardware."""
+        if self.experts_mode == "none" or not experts_modules(model):
+            return []
+        if self.experts_mode is None:
+            raise UnsupportedEnvironment(f"the model has MoE experts and {self.experts_why}", _EXPERTS_FIX)
+        return convert_experts(model, self.experts_mode, self.spec.fp8.torchao.emulate,
+                               lambda name: matching_pattern(name, exclude))
 
     def after_optimizer_step(self, model) -> None:
         if self.plan["precompute_float8_dynamic_scale_for_fsdp"]:

@@ -35,6 +35,19 @@ SHAPES: dict[str, dict[str, Any]] = {
                     "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
                     "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
                     "tie_word_embeddings": False},
+    # mistralai/Mixtral-8x7B-v0.1 config.json (46.70B parameters, 12.88B active per token)
+    "mixtral-8x7b": {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "vocab_size": 32000,
+                     "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+                     "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+                     "rms_norm_eps": 1e-5, "tie_word_embeddings": False},
+    # Qwen/Qwen3-30B-A3B config.json (30.53B parameters)
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
+                      "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                      "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                      "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                      "mlp_only_layers": [], "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+                      "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
     # google-bert/bert-base-cased config.json (the base model, as Accelerate's estimate-memory counts it)
     "bert-base-cased": {"model_type": "bert", "architectures": ["BertForMaskedLM"], "vocab_size": 28996, "hidden_size": 768, "num_hidden_layers": 12,
                         "num_attention_heads": 12, "intermediate_size": 3072, "max_position_embeddings": 512,
@@ -202,32 +215,59 @@ def _decisions(meta: MetaModel, spec: Spec):
     return infos, decide(infos, fp8.modules.exclude, fp8.modules.skip_first_last, multiple)
 
 
+def _experts(meta: MetaModel, spec: Spec) -> list[tuple[str, int, str | None]]:
+    """(name, weight-GEMM FLOPs per token, why it stays in high precision or None) of each MoE experts module: a
+    token meets `num_experts_per_tok` experts, each a GEMM per 3-D weight (backends/experts.py converts them)."""
+    from fp8dist.backends.experts import experts_modules
+    from fp8dist.backends.module_filter import matching_pattern
+
+    fp8 = spec.fp8
+    top_k = getattr(meta.model.config, "num_experts_per_tok", 1)
+    mode = {"auto": "float8" if not fp8.torchao.emulate else "mxfp8"}.get(fp8.torchao.experts, fp8.torchao.experts)
+    found = []
+    for name, module in experts_modules(meta.model):
+        weights = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+        flops = top_k * sum(2 * w.shape[1] * w.shape[2] for w in weights)
+        sizes = {size for w in weights for size in w.shape[1:]}
+        if fp8.backend != "torchao":
+            why = f"the {fp8.backend} backend converts nn.Linear only; experts are 3-D parameters"
+        elif mode == "none":
+            why = "precision.fp8.torchao.experts=none"
+        elif pattern := matching_pattern(name, fp8.modules.exclude):
+            why = f"excluded by pattern {pattern!r}"
+        elif any(size % compat.TORCHAO_EXPERTS_DIM_MULTIPLE[mode] for size in sizes):
+            why = f"expert sizes are not multiples of {compat.TORCHAO_EXPERTS_DIM_MULTIPLE[mode]} ({mode})"
+        else:
+            why = None
+        found.append((name, flops, why))
+    return found
+
+
 def fp8_coverage(meta: MetaModel, spec: Spec) -> dict[str, Any]:
-    """Share of the GEMM FLOPs of one token that run in FP8 under the config's module filter, the Linears left
-    out and why, and the converted ones below torchao's size heuristics. Attention's own matmuls (QK^T, AV) never
-    run in FP8: fp8dist installs no FP8 attention (compat.TE_INERT_FIELDS)."""
+    """Share of the weight-GEMM FLOPs of one token that run in FP8 under the config's module filter (what the
+    audit measures as gemm_flops.fp8_share), the modules left out and why, and the converted Linears below
+    torchao's size heuristics. MoE experts count with the experts a token is routed to (top-k). Attention's own
+    matmuls (QK^T, AV) multiply activations, not weights, and are not weight GEMMs."""
     fp8 = spec.fp8
     infos, decisions = _decisions(meta, spec)
+    experts = _experts(meta, spec)
     if not fp8.enabled:
         return {"backend": "none", "fp8_share": 0.0, "linears": len(infos), "converted": 0, "left_out": [],
-                "too_small_to_gain": []}
+                "too_small_to_gain": [], "experts": len(experts)}
     by_fqn = {i.fqn: i for i in infos}
     flops = {i.fqn: 2 * i.in_features * i.out_features for i in infos}
-    config = meta.model.config
-    heads = getattr(config, "num_attention_heads", 0)
-    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
-    attention = 2 * 2 * spec.train.seq_len * heads * head_dim * len(_blocks(meta.model, spec))  # per token
     converted = [d.fqn for d in decisions if d.convert]
     small = []
     if fp8.backend == "torchao":
         small = [fqn for fqn in converted if compat.torchao_too_small_to_gain(
             fp8.torchao.recipe_name, by_fqn[fqn].out_features, by_fqn[fqn].in_features)]
-    in_fp8 = sum(flops[f] for f in converted)
-    total = sum(flops.values()) + attention
+    in_fp8 = sum(flops[f] for f in converted) + sum(n for _, n, why in experts if why is None)
+    total = sum(flops.values()) + sum(n for _, n, _ in experts)
     return {"backend": fp8.backend, "fp8_share": in_fp8 / total if total else 0.0, "linears": len(infos),
             "converted": len(converted),
-            "left_out": [{"fqn": d.fqn, "reason": d.reason} for d in decisions if not d.convert],
-            "too_small_to_gain": small}
+            "left_out": [{"fqn": d.fqn, "reason": d.reason} for d in decisions if not d.convert]
+                        + [{"fqn": name, "reason": why} for name, _, why in experts if why],
+            "too_small_to_gain": small, "experts": len(experts)}
 
 
 def fp8_extra_bytes(meta: MetaModel, spec: Spec) -> tuple[int, str]:
@@ -308,8 +348,9 @@ def render_table(result: dict[str, Any], markdown: bool = False) -> str:
                    "optimizer_step": "Optimizer step"}
     cells = [human(ph[k]) for k in phase_names] + [human(ph[r["highest_phase"]])]
     cov = r["fp8_coverage"]
-    coverage = (f"FP8 coverage: {cov['fp8_share']:.1%} of GEMM FLOPs ({cov['converted']} of {cov['linears']} Linears "
-                f"converted)" if cov["backend"] != "none" else "FP8 coverage: none (no FP8 backend)")
+    experts = f", {cov['experts']} MoE experts modules" if cov.get("experts") else ""
+    coverage = (f"FP8 coverage: {cov['fp8_share']:.1%} of weight-GEMM FLOPs ({cov['converted']} of {cov['linears']} "
+                f"Linears converted{experts})" if cov["backend"] != "none" else "FP8 coverage: none (no FP8 backend)")
     left = "; ".join(f"{item['fqn']} ({item['reason']})" for item in cov["left_out"][:8])
     more = f" and {len(cov['left_out']) - 8} more" if len(cov["left_out"]) > 8 else ""
     if cov["too_small_to_gain"]:

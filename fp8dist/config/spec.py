@@ -60,6 +60,7 @@ class TorchaoSpec:
     emulate: bool
     pad_inner_dim: bool
     precompute_float8_dynamic_scale_for_fsdp: bool
+    experts: str  # auto | none | float8 | mxfp8: MoE expert weights (backends/experts.py)
 
 
 @dataclass(frozen=True)

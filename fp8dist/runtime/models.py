@@ -61,7 +61,28 @@ def tiny_config(arch: str):
         from transformers import GPT2Config
 
         return GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256)
+    if arch in MOE_CONFIGS:
+        return tiny_moe_config(arch)
     raise ValueError(f"no tiny config for {arch!r}")
+
+
+# Mixture-of-Experts shapes: 8 experts, top-2, every expert size a multiple of 32 (MXFP8 blocks).
+MOE_CONFIGS = {
+    "mixtral": ("MixtralConfig", dict(intermediate_size=64, num_local_experts=8, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=128, moe_intermediate_size=64, num_experts=8,
+                                         num_experts_per_tok=2, decoder_sparse_step=1, head_dim=16)),
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=64, num_experts=8, num_experts_per_tok=2)),
+}
+
+
+def tiny_moe_config(arch: str):
+    import transformers
+
+    class_name, experts = MOE_CONFIGS[arch]
+    return getattr(transformers, class_name)(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=256, tie_word_embeddings=False,
+                                             bos_token_id=1, eos_token_id=2, pad_token_id=0, **experts)
 
 
 def causal_lm_batch(vocab_size: int) -> Callable[[int, int, int], dict]:
@@ -83,7 +104,8 @@ def _from_hf_config(config, dtype: str, seed: int) -> Any:
     return AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
 
 
-BUILTIN = {"tiny-llama": tiny_llama_config, "small-llama": small_llama_config}
+BUILTIN = {"tiny-llama": tiny_llama_config, "small-llama": small_llama_config,
+           "tiny-mixtral": lambda: tiny_moe_config("mixtral")}
 
 
 def check_model_name(name: str) -> None:

@@ -143,6 +143,8 @@ def float8_plan(spec: Spec, torchao_version: str | None = None, te_version: str 
         "precompute_float8_dynamic_scale_for_fsdp": bool(
             all_gather and ao.precompute_float8_dynamic_scale_for_fsdp and spec.engine == "fsdp2"),
         "module_filter": {**modules, "require_dims_multiple_of": None if ao.pad_inner_dim else FP8_DIM_MULTIPLE},
+        # MoE experts (grouped GEMMs); `auto` is resolved on the machine that runs (compat.torchao_experts_mode)
+        "experts": ao.experts,
     }
 
 

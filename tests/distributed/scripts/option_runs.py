@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 2 tests/distributed/scripts/option_runs.py [CASE_ID ...]
 
-Each case builds tiny-llama fresh, prepares it with fp8dist's engine (FSDP2 or DeepSpeed) and trains
+Each case builds its model (tiny-llama unless it names another) fresh, prepares it with fp8dist's engine (FSDP2 or DeepSpeed) and trains
 `train.steps` steps through the library's train steps. Rank 0 prints one line per case:
 a `case` result line per case (fp8dist.runtime.ranks.emit; any rank whose case failed prints `{"error": ...}` too), the facts that tests/distributed/test_option_runs.py checks.
 """
@@ -106,9 +106,15 @@ def run_fsdp2(case, spec, loaded) -> dict:
         "mesh": list(next(run.model.parameters()).device_mesh.shape), "checkpointed_blocks": checkpointed(run.model),
         "float8_all_gather_weights": sum(1 for p in run.model.parameters()
                                          if type(p.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"),
-        "loaded_from_files": loaded_from_files,
+        "loaded_from_files": loaded_from_files, "experts": experts_implementation(run.model),
         "skipped_steps": skipped, "skipped_by_rank": all_skipped, "loss_scales": scales, **audit_facts(run.audit_report),
     }
+
+
+def experts_implementation(model) -> str | None:
+    """The transformers experts implementation a MoE model runs (None: not a MoE model)."""
+    config = getattr(model, "config", None)
+    return getattr(config, "_experts_implementation", None) if hasattr(config, "num_experts_per_tok") else None
 
 
 def checkpointed(model) -> int:
@@ -152,7 +158,8 @@ def run_deepspeed(case, spec, loaded) -> dict:
              "optimizer": type(engine.basic_optimizer).__name__, "compiled": engine.is_compiled,
              "master_dtype": probes.summarize(master)[0] if master else None,
              "float8_linears": float8_linears(engine.module), "skipped_steps": engine.skipped_steps,
-             "checkpointed_blocks": checkpointed(engine.module), "loaded_from_files": loaded_from_files}
+             "checkpointed_blocks": checkpointed(engine.module), "loaded_from_files": loaded_from_files,
+             "experts": experts_implementation(engine.module)}
     engine.destroy()
     return facts
 
@@ -180,7 +187,7 @@ def main(ids: list[str]) -> int:
             spec = load_config(merge(RUN_BASE, case.config))
             preflight(spec)
             loaded = (load_for_run(saved_tiny_llama(), spec) if spec.parallel.cpu_ram_efficient_loading
-                      else load_model("tiny-llama", spec.precision.load_dtype, seed=spec.train.seed))
+                      else load_model(case.model, spec.precision.load_dtype, seed=spec.train.seed))
             facts = (run_deepspeed if spec.engine == "deepspeed" else run_fsdp2)(case, spec, loaded)
             facts["finite"] = all(math.isfinite(v) for v in facts["losses"])
         except Exception as exc:  # report, then let the next case run (the peers raised the same or time out)

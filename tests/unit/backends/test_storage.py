@@ -136,8 +136,21 @@ def test_library_gemms_are_recorded_and_the_libraries_restored(library_modules):
     assert other == Counter({("te.general_gemm", ("bf16", "bf16")): 1})
     assert probes.low_precision_format(fp8) == "fp8"
     assert probes.describe_fp8(fp8) == "e4m3xe4m3: 2, e4m3xe5m2: 2"
-    assert len(recorder.notes) == 1 and "emulated in 16-bit" in recorder.notes[0]
+    assert len(recorder.notes) == 2 and "emulated in 16-bit" in recorder.notes[1]
+    assert "counted by calls, not FLOPs" in recorder.notes[0]
+    # TE's GEMMs count FLOPs from their operands' shapes (the stand-in storages have none): 2 * 2*2*2
+    assert recorder.ledger.flops == {("transformer_engine", "bf16"): 16, ("transformer_engine", "fp8_e4m3"): 0}
     assert (te2.general_gemm, te1.fp8_gemm, Gemm.__dict__["fp8_gemm"]) == originals
+
+
+def test_te_gemm_flops_follow_the_layout():
+    from fp8dist.audit.library_gemms import te_gemm_flops
+
+    weight, inp, grad = torch.empty(32, 16), torch.empty(8, 16), torch.empty(8, 32)  # N=32, K=16, M=8
+    flops = 2 * 8 * 32 * 16
+    assert te_gemm_flops(weight, inp, "TN") == flops  # forward
+    assert te_gemm_flops(weight, grad, "NN") == flops  # input gradient
+    assert te_gemm_flops(inp, grad, "NT") == flops  # weight gradient
 
 
 def test_recorder_touches_nothing_when_no_library_is_loaded():

@@ -12,7 +12,8 @@ from fp8dist.runtime.models import tiny_config
 from tests.conftest import ROOT, run_cli
 
 # Published parameter counts of the public checkpoints whose shapes are built in.
-PUBLISHED = {"llama-3-8b": 8_030_261_248, "llama-3-70b": 70_553_706_496, "bert-base-cased": 108_310_272}
+PUBLISHED = {"llama-3-8b": 8_030_261_248, "llama-3-70b": 70_553_706_496, "bert-base-cased": 108_310_272,
+             "mixtral-8x7b": 46_702_792_704, "qwen3-30b-a3b": 30_532_122_624}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -77,10 +78,28 @@ def test_fp8_coverage_follows_the_module_filter():
     coverage = estimate("llama-3-8b", spec, 8)["fp8_coverage"]
     assert coverage["converted"] == coverage["linears"] - 1  # lm_head excluded
     assert any(item["fqn"] == "lm_head" and "excluded" in item["reason"] for item in coverage["left_out"])
-    assert 0.7 < coverage["fp8_share"] < 1.0  # lm_head and attention's own matmuls stay in bf16
+    assert 0.7 < coverage["fp8_share"] < 1.0  # lm_head stays in bf16
     small = estimate("tiny-llama", spec, 2)["fp8_coverage"]
     assert small["too_small_to_gain"] and small["converted"] + len(small["left_out"]) == small["linears"]
     assert estimate("tiny-llama", load_config(ROOT / "configs" / "fsdp2-bf16.yaml"), 2)["fp8_coverage"]["fp8_share"] == 0
+
+
+@pytest.mark.parametrize("experts", ["none", "mxfp8"])
+def test_moe_coverage_counts_the_experts_as_the_audit_measures_them(experts):
+    """estimate's FP8 share of weight-GEMM FLOPs (top-k experts per token) within a few points of the share the
+    audit measures on the same model and config (tests/unit/audit/test_gemm_flops.py runs the step)."""
+    from tests.unit.audit.test_gemm_flops import _converted_mixtral
+
+    spec = load_config({"engine": "fsdp2", "precision": {"preset": "torchao-float8", "fp8": {"torchao": {
+        "emulate": True, "experts": experts}}}})
+    coverage = estimate("tiny-mixtral", spec, 2)["fp8_coverage"]
+    # enough tokens that MXFP8's padding of each expert's rows to 32 (real FLOPs, not in the estimate) is small
+    measured = _converted_mixtral(experts, tokens=(8, 256))["fp8_share"]
+    assert abs(coverage["fp8_share"] - measured) < 0.05, (coverage["fp8_share"], measured)
+    left_out = {item["fqn"] for item in coverage["left_out"]}
+    assert ("model.layers.0.mlp.experts" in left_out) == (experts == "none")
+    big = estimate("mixtral-8x7b", spec, 8)["fp8_coverage"]["fp8_share"]
+    assert (big > 0.95) if experts == "mxfp8" else (big < 0.2)  # experts are ~89% of Mixtral's weight GEMMs
 
 
 def test_json_contract_and_formats():
