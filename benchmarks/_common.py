@@ -75,3 +75,16 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore")
     for name in ("torchao", "deepspeed", "DeepSpeed", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def launcher_losses(config: str, steps: int, model: str = "tiny-llama") -> list[float]:
+    """The per-step losses of `torchrun launch/train.py` (2 CPU ranks) for a config and model."""
+    from fp8dist.runtime.loop import losses  # launch/train.py's step lines
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(ROOT / "launch" / "train.py"), "--fp8dist-config", config, "--model", model, "--steps", str(steps)]
+    done = subprocess.run(command, capture_output=True, text=True, env=cpu_env(), cwd=ROOT)
+    values = losses(done.stdout)
+    if done.returncode != 0 or len(values) != steps:
+        raise SystemExit(f"{config}: exit {done.returncode}, {len(values)} losses\n{done.stderr[-3000:]}")
+    return values

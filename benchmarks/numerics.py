@@ -13,34 +13,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ROOT, cpu_env, result  # noqa: E402
-
-sys.path.insert(0, str(ROOT))
-from fp8dist.runtime.loop import losses as train_losses  # noqa: E402  (launch/train.py's step lines)
+from _common import ROOT, launcher_losses, result  # noqa: E402
 
 RUNS = {"bf16": "fsdp2-bf16", "float8 tensorwise": "fsdp2-torchao-float8", "float8 rowwise": "fsdp2-torchao-rowwise"}
-
-
-def losses(config: str, steps: int) -> list[float]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(ROOT / "launch" / "train.py"), "--fp8dist-config", str(ROOT / "configs" / f"{config}.yaml"),
-               "--steps", str(steps)]
-    done = subprocess.run(command, capture_output=True, text=True, env=cpu_env(), cwd=ROOT)
-    values = train_losses(done.stdout)
-    if done.returncode != 0 or len(values) != steps:
-        raise SystemExit(f"{config}: exit {done.returncode}, {len(values)} losses\n{done.stderr[-3000:]}")
-    return values
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
     steps = parser.parse_args().steps
-    curves = {name: losses(config, steps) for name, config in RUNS.items()}
+    curves = {name: launcher_losses(str(ROOT / "configs" / f"{config}.yaml"), steps) for name, config in RUNS.items()}
     shown = sorted({0, 1, 4, 9, 19, steps - 1} & set(range(steps)))
     print(f"{'step':>6s}" + "".join(f"{name:>20s}" for name in curves))
     for i in shown:

@@ -29,6 +29,7 @@ BENCHMARKS = {
     "checkpoint_io": ("checkpoint_io.py", ["--quick"]),
     "cli_latency": ("cli_latency.py", ["--runs", "3"]),
     "numerics": ("numerics.py", ["--steps", "10"]),
+    "moe": ("moe.py", ["--steps", "10"]),
     "gpu_throughput": ("gpu_throughput.py", ["--steps", "5", "--warmup", "2"]),
 }
 GPU_REFUSED = 2  # gpu_throughput.py's exit code without an FP8 GPU

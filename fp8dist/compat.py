@@ -73,7 +73,18 @@ TORCHAO_RECIPE_MIN_CAPABILITY = {
     "tensorwise": FP8_MIN_CAPABILITY,
     "rowwise": ROWWISE_MIN_CAPABILITY,
     "rowwise_with_gw_hp": ROWWISE_MIN_CAPABILITY,
+    "mxfp8": BLOCKWISE_MIN_CAPABILITY,
 }
+# GEMMs a torchao recipe runs in high precision by design, per phase: `rowwise_with_gw_hp` keeps the weight
+# gradient's GEMM in the original precision (torchao 0.18 torchao/float8/config.py, ROWWISE_WITH_GW_HP:
+# "grad_weight ... computed in high precision"). The audit allows exactly these.
+TORCHAO_HIGH_PRECISION_GEMMS = {
+    "rowwise_with_gw_hp": {"weight_gradient": "rowwise_with_gw_hp computes the weight gradient in high precision"},
+}
+# torchao's MXFP8 training Linear (torchao 0.18 prototype/moe_training/mxfp8_linear.py MXFP8Linear): e4m3 values with
+# one e8m0 scale per block of 32 along the contracted dim, in forward (K), input gradient (N) and weight gradient
+# (the tokens): in/out features and the tokens of a micro-batch must be multiples of the block.
+TORCHAO_MX_BLOCK = 32
 
 
 # MoE experts as grouped GEMMs (torchao 0.18 torchao/prototype/moe_training/):
@@ -85,7 +96,7 @@ TORCHAO_RECIPE_MIN_CAPABILITY = {
 TORCHAO_EXPERTS_MIN_CAPABILITY: dict[str, Capability] = {"mxfp8": BLOCKWISE_MIN_CAPABILITY,
                                                          "float8": ROWWISE_MIN_CAPABILITY}
 TORCHAO_EXPERTS_EMULATED = {"mxfp8"}
-TORCHAO_EXPERTS_DIM_MULTIPLE = {"mxfp8": 32, "float8": 16}
+TORCHAO_EXPERTS_DIM_MULTIPLE = {"mxfp8": TORCHAO_MX_BLOCK, "float8": 16}
 
 
 def torchao_experts_mode(requested: str, emulate: bool, capability: Capability | None) -> tuple[str | None, str]:

@@ -101,3 +101,21 @@ def conv_first():
 
 def raises():
     raise RuntimeError("weights file /data/ckpt.pt is missing")
+
+
+def _tiny_moe(arch):
+    import transformers
+
+    from fp8dist.runtime.models import tiny_moe_config
+
+    torch.manual_seed(0)
+    config = tiny_moe_config(arch)
+    return {"model": transformers.AutoModelForCausalLM.from_config(config), "make_batch": causal_lm_batch(256)}
+
+
+def tiny_qwen3_moe():
+    return _tiny_moe("qwen3_moe")
+
+
+def tiny_olmoe():
+    return _tiny_moe("olmoe")

@@ -109,6 +109,12 @@ RUNS = [
     Run("fsdp2-moe-experts-none",
         {"precision": {"preset": "torchao-float8", "fp8": {"torchao": {**EMULATE, "experts": "none"}}}},
         {"experts": "grouped_mm", "audit_passed": False, "audit_failing": ["gemm"]}, model="tiny-mixtral"),
+    Run("ds-zero2-torchao-mxfp8-linears",
+        {**DS, "precision": {"preset": "torchao-float8", "fp8": {"torchao": {**EMULATE, "recipe_name": "mxfp8"}}}},
+        {"mx_linears": 14, "zero_stage": 2}),
+    Run("fsdp2-torchao-mxfp8-linears",
+        {"precision": {"preset": "torchao-float8", "fp8": {"torchao": {**EMULATE, "recipe_name": "mxfp8"}}}},
+        {"mx_linears": 14, "float8_all_gather_weights": 0}),
     Run("fsdp2-torchao-gw-hp-int8-states",
         {"precision": {"fp8": {"backend": "torchao", "torchao": {**EMULATE, "recipe_name": "rowwise_with_gw_hp"}}},
          "optimizer": {"state_dtype": "int8"}},
@@ -180,6 +186,14 @@ REFUSALS = [
             "environment", "fp8_gpu"),
     Refusal("torchao-float8-experts-emulated", {"precision": {"preset": "torchao-float8", "fp8": {"torchao": {
         **EMULATE, "experts": "float8"}}}}, "no emulated mode", "environment"),
+    Refusal("mxfp8-pad-inner-dim", {"precision": {"preset": "torchao-float8", "fp8": {"torchao": {
+        **EMULATE, "recipe_name": "mxfp8", "pad_inner_dim": True}}}}, "MXFP8Linear has no padding"),
+    Refusal("mxfp8-tokens-not-a-block", {"precision": {"preset": "torchao-float8", "fp8": {"torchao": {
+        **EMULATE, "recipe_name": "mxfp8"}}}, "train": {"seq_len": 48, "micro_batch_size": 1}}, "blocks of 32 tokens"),
+    Refusal("mxfp8-float8-all-gather", {"precision": {"preset": "torchao-float8", "fp8": {"torchao": {
+        **EMULATE, "recipe_name": "mxfp8", "enable_fsdp_float8_all_gather": True}}}}, "needs tensorwise scaling"),
+    Refusal("mxfp8-without-hardware", {"precision": {"preset": "torchao-float8", "fp8": {"torchao": {
+        "emulate": False, "recipe_name": "mxfp8"}}}}, "refusing FP8", "environment", "mx_gpu"),
     Refusal("torchao-explicit-no-emulate", {"precision": {"preset": "torchao-float8",
                                                           "fp8": {"torchao": {"emulate": False}}}},
             "refusing FP8", "environment", "fp8_gpu"),
@@ -253,9 +267,9 @@ REFUSALS = [
             "only hybrid sharding has shard groups"),
     Refusal("sharding-conflicts-with-zero-stage", {**DS, "parallel": {"sharding": "full"}, "deepspeed": {"zero_stage": 2}},
             "conflicts with parallel.sharding=full"),
-    Refusal("offload-conflicts-with-deepspeed-key", {**DS, "parallel": {"offload": "none"},
-                                                     "deepspeed": {"offload_optimizer": "cpu"}},
-            "conflicts with parallel.offload=none"),
+    Refusal("offload-conflicts-with-deepspeed-key", {**DS, "parallel": {"sharding": "full", "offload": "params"},
+                                                     "deepspeed": {"offload_param": "none"}},
+            "conflicts with parallel.offload=params"),
     Refusal("ds-offload-params-zero2", {**DS, "parallel": {"offload": "params"}}, "offloads parameters only under ZeRO-3"),
     Refusal("ds-efficient-loading-zero2", {**DS, "parallel": {"cpu_ram_efficient_loading": True}},
             "built partitioned inside deepspeed.zero.Init"),

@@ -14,7 +14,8 @@ and hold most of the weight-GEMM FLOPs. So every matmul is followed back to the 
 - **Phases**: a marked matmul inside its module's forward (or its activation-checkpoint recompute) is the
   forward GEMM; outside it, in backward, the input-gradient GEMM. The weight-gradient GEMM multiplies two
   activations; it is the backward matmul whose output has a parameter's shape, attributed to the latest
-  forward of a parameter of that shape not yet given its weight gradient (backward runs in reverse order).
+  forward (not recompute) of a parameter of that shape not yet given its weight gradient (backward runs in
+  reverse order).
 - **FLOPs** from the shapes: 2*M*N*K; grouped GEMMs count the rows up to their last offset.
 
 Attention's own matmuls (activation x activation) are not weight GEMMs and are left out.
@@ -29,6 +30,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fp8dist.backends.module_filter import ROUTER_REASON, is_router
 from fp8dist.backends.storage import storage
 
 LOW_PRECISION = ("fp8", "fp4")
@@ -109,6 +111,8 @@ class WeightGemmLedger:
         self.marks: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.lineage: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.flops: dict[tuple[str, str], int] = defaultdict(int)   # (module, format) -> FLOPs
+        # (module, phase) -> FLOPs of its high-precision weight GEMMs; phase: forward, input_gradient, weight_gradient
+        self.high_precision_phases: dict[tuple[str, str], int] = defaultdict(int)
         self.activation_flops = 0
         self.running: dict[str, int] = defaultdict(int)             # modules inside their forward now
         self._awaiting_wgrad: dict[tuple[int, ...], list[str]] = defaultdict(list)
@@ -158,6 +162,9 @@ class WeightGemmLedger:
 
     def format_of(self, tensor: torch.Tensor) -> str:
         own = storage(tensor).format
+        scale = getattr(tensor, "scale", None)  # torchao's MXTensor: FP8 `qdata` with e8m0 block scales
+        if own.startswith(LOW_PRECISION) and isinstance(scale, torch.Tensor) and storage(scale).format == BLOCK_SCALE:
+            return combine({own, BLOCK_SCALE})
         if own.startswith(LOW_PRECISION):
             return own
         return next((f for part in _parts(tensor) if (f := self.lineage.get(part)) is not None), own)
@@ -198,17 +205,27 @@ class WeightGemmLedger:
             return
         flops = gemm_flops(name, args, out)
         fmt = self._operand_format(operands)
+        in_backward = torch._C._current_graph_task_id() != -1
         mark = next((m for m in map(self._mark_of, operands) if m is not None), None)
         if mark is not None:
-            if self.running[mark.module] > 0:  # forward (or its recompute): its weight gradient comes later
-                self._awaiting_wgrad[mark.shape].append(mark.module)
-            self.flops[(mark.module, fmt)] += flops
+            if self.running[mark.module] > 0:  # forward, or its recompute in backward
+                if not in_backward:  # its weight gradient comes later (a recompute's belongs to the first forward,
+                    # and checkpointing may stop recomputing before a block's last GEMM)
+                    self._awaiting_wgrad[mark.shape].append(mark.module)
+                self._count(mark.module, fmt, "forward", flops)
+            else:
+                self._count(mark.module, fmt, "input_gradient", flops)
             return
-        owner = self._weight_gradient_owner(out) if torch._C._current_graph_task_id() != -1 else None
+        owner = self._weight_gradient_owner(out) if in_backward else None
         if owner is None:
             self.activation_flops += flops
         else:
-            self.flops[(owner, fmt)] += flops
+            self._count(owner, fmt, "weight_gradient", flops)
+
+    def _count(self, module: str, fmt: str, phase: str, flops: int) -> None:
+        self.flops[(module, fmt)] += flops
+        if not is_low_precision(fmt):
+            self.high_precision_phases[(module, phase)] += flops
 
     def _operand_format(self, operands: list[torch.Tensor]) -> str:
         formats = [self.format_of(t) for t in operands[:2]]
@@ -236,22 +253,13 @@ def is_low_precision(fmt: str) -> bool:
     return fmt.startswith(LOW_PRECISION) or fmt.startswith("mx")
 
 
-def is_router(name: str, module: torch.nn.Module, parent: torch.nn.Module | None) -> bool:
-    """An MoE router: a `*Router` class (transformers 5 `MixtralTopKRouter`, ...) or a `gate` / `router` beside an
-    `experts` module. Every FP8 recipe that handles MoE keeps routers in high precision (torchao
-    prototype/moe_training, torchtitan): top-k selection on FP8 logits changes which experts run."""
-    leaf = name.rsplit(".", 1)[-1]
-    return "Router" in type(module).__name__ or (leaf in ("gate", "router") and parent is not None
-                                                  and hasattr(parent, "experts"))
-
-
-ROUTER_REASON = "MoE router: kept in high precision by design (top-k on FP8 logits changes which experts run)"
-
-
-def summarize(ledger: WeightGemmLedger, kept: dict[str, str], fp8_expected: bool) -> dict:
+def summarize(ledger: WeightGemmLedger, kept: dict[str, str], fp8_expected: bool,
+              phases_by_design: dict[str, str] | None = None) -> dict:
     """The audit JSON's `gemm_flops`. `kept`: module -> why the config keeps it in high precision (the FP8
-    backend's exclusions). A high-precision weight GEMM is `allowed` when the config says so (or no FP8 is
-    configured); any other is what the gemm row fails on."""
+    backend's exclusions); `phases_by_design`: phase -> why the recipe runs that GEMM of every converted module
+    in high precision (compat.TORCHAO_HIGH_PRECISION_GEMMS). A high-precision weight GEMM is `allowed` when the
+    config says so (or no FP8 is configured); any other is what the gemm row fails on."""
+    phases_by_design = phases_by_design or {}
     total = sum(ledger.flops.values())
     by_format: dict[str, int] = defaultdict(int)
     high: dict[str, int] = defaultdict(int)
@@ -268,6 +276,8 @@ def summarize(ledger: WeightGemmLedger, kept: dict[str, str], fp8_expected: bool
             reason, allowed = ROUTER_REASON, True
         elif module in kept:
             reason, allowed = kept[module], True
+        elif (by_design := _by_design(ledger, module, phases_by_design)) is not None:
+            reason, allowed = by_design, True
         else:
             reason, allowed = _not_converted(module, ledger), False
         rows.append({"module": module, "share": share(flops), "reason": reason, "allowed": allowed})
@@ -275,6 +285,14 @@ def summarize(ledger: WeightGemmLedger, kept: dict[str, str], fp8_expected: bool
             "by_format": {fmt: share(n) for fmt, n in sorted(by_format.items())},
             "high_precision": rows, "weight_gemm_flops": total,
             "activation_gemm_flops": ledger.activation_flops}
+
+
+def _by_design(ledger: WeightGemmLedger, module: str, phases_by_design: dict[str, str]) -> str | None:
+    """The recipe's reason when every high-precision GEMM of `module` is in a phase the recipe keeps so."""
+    phases = {phase for (name, phase), flops in ledger.high_precision_phases.items() if name == module and flops}
+    if phases and phases <= set(phases_by_design):
+        return "; ".join(phases_by_design[phase] for phase in sorted(phases))
+    return None
 
 
 def _not_converted(module: str, ledger: WeightGemmLedger) -> str:

@@ -25,7 +25,9 @@ import sys
 from typing import Any
 
 import fp8dist.audit.probes as probes
-from fp8dist.audit.gemm_flops import summarize as summarize_gemm_flops
+import fp8dist.compat as compat
+from fp8dist.audit.gemm_flops import clean_name, summarize as summarize_gemm_flops
+from fp8dist.backends.module_filter import LinearInfo, decide, linear_infos
 from fp8dist.audit.expected import expected, normalize
 from fp8dist.audit.report import build, table, verdict
 from fp8dist.audit.wire import REDUCTIONS, WireRecorder
@@ -35,6 +37,7 @@ from fp8dist.config.spec import Spec
 from fp8dist.engines.optim import full_precision_by_design
 from fp8dist.engines.registry import inspector_for
 from fp8dist.errors import Fp8distError
+from fp8dist.translate.fsdp2 import float8_plan
 
 ON_MISMATCH = ("warn", "raise", "ignore", "defer")  # defer: decide later with Watch.conclude
 FLOAT8_WIRE = {"uint8", "fp8_e4m3", "fp8_e5m2"}  # gloo carries float8 as uint8 (engines/collectives.py)
@@ -54,6 +57,25 @@ def model_name(module) -> str:
     """The Hugging Face name or path of the model, else its class (FSDP2's FSDP<Class> wrapper class left out)."""
     path = getattr(getattr(module, "config", None), "name_or_path", "")
     return path or next(c.__name__ for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
+
+
+def _numel(param) -> int:
+    """Elements of the whole parameter (ZeRO-3: `ds_numel`, its partition's module tensor is empty)."""
+    return getattr(param, "ds_numel", None) or param.numel()
+
+
+def _stored(param):
+    """What a rank stores of a parameter: ZeRO-3's partition, FSDP2's local shard, else the tensor."""
+    return param.ds_tensor if hasattr(param, "ds_tensor") else local(param)
+
+
+def _stepped(optimizer) -> list:
+    """The module parameters an optimizer steps: DeepSpeed's ZeRO optimizers keep them in `bit16_groups` (stage
+    1/2) or `fp16_groups` (stage 3), DeepSpeed 0.19.8; a torch optimizer in its param groups."""
+    groups = getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "fp16_groups", None)
+    if groups is None:
+        groups = [group["params"] for group in getattr(optimizer, "param_groups", [])]
+    return [p for group in groups for p in group]
 
 
 def _spec(config) -> Spec:
@@ -193,8 +215,11 @@ class Watch:
     def _weigh_gemms(self, gemm: dict) -> None:
         """The FLOP view of the gemm row: the share of weight-GEMM FLOPs in FP8, and the modules whose weight GEMMs
         ran in high precision although the config converts them (the row then shows their format too)."""
-        kept = {d.fqn: d.reason for d in self.inspector.decisions if not d.convert}
-        flops = summarize_gemm_flops(self.matmuls.ledger, kept, self.spec.fp8.enabled)
+        decisions = self.inspector.decisions or self._config_decisions()
+        kept = {d.fqn: d.reason for d in decisions if not d.convert}
+        by_design = (compat.TORCHAO_HIGH_PRECISION_GEMMS.get(self.spec.fp8.torchao.recipe_name, {})
+                     if self.spec.fp8.backend == "torchao" else {})
+        flops = summarize_gemm_flops(self.matmuls.ledger, kept, self.spec.fp8.enabled, by_design)
         self.observed["_gemm_flops"] = flops
         if not flops["weight_gemm_flops"]:
             return
@@ -207,6 +232,18 @@ class Watch:
                                                       + formats))
             gemm["detail"] += "; weight GEMMs in high precision: " + "; ".join(
                 f"{row['module']} {row['share']:.1%} of the FLOPs ({row['reason']})" for row in stray)
+
+    def _config_decisions(self) -> list:
+        """Which Linears the config keeps in high precision, for a model fp8dist did not convert (Accelerate, HF
+        Trainer, a hand-written loop): its module filter applied to the model as it is, the rule every fp8dist
+        backend applies (backends/module_filter.py)."""
+        if self.spec.fp8.backend in ("none", "msamp"):  # MS-AMP: table A's scope, not a module filter
+            return []
+        plan = float8_plan(self.spec)
+        rules = plan["module_filter"]
+        infos = [LinearInfo(clean_name(i.fqn), i.in_features, i.out_features, i.router)
+                 for i in linear_infos(self.inspector.module)]
+        return decide(infos, rules["exclude"], rules["skip_first_last"], rules["require_dims_multiple_of"])
 
     def _no_master_expected(self) -> bool:
         return expected(self.spec, self.nproc)["master_weights"][0] == "n/a"

@@ -11,6 +11,20 @@ class LinearInfo:
     fqn: str
     in_features: int
     out_features: int
+    router: bool = False  # an MoE router (is_router): stays in high precision
+
+
+ROUTER_REASON = "MoE router: kept in high precision by design (top-k on FP8 logits changes which experts run)"
+
+
+def is_router(name: str, module, parent) -> bool:
+    """An MoE router: a `*Router` class (transformers 5 `MixtralTopKRouter`, ...) or a `gate` / `router` beside an
+    `experts` module (transformers 5 afmoe's is an nn.Linear). Every FP8 recipe that handles MoE keeps routers in
+    high precision (torchao prototype/moe_training, torchtitan): top-k selection on FP8 logits changes which
+    experts run."""
+    leaf = name.rsplit(".", 1)[-1]
+    return "Router" in type(module).__name__ or (leaf in ("gate", "router") and parent is not None
+                                                  and hasattr(parent, "experts"))
 
 
 @dataclass(frozen=True)
@@ -34,7 +48,9 @@ def decide(linears: Sequence[LinearInfo], exclude: Iterable[str], skip_first_las
     out = []
     for info in linears:
         pattern = matching_pattern(info.fqn, exclude)
-        if pattern:
+        if info.router:
+            out.append(Decision(info.fqn, False, ROUTER_REASON))
+        elif pattern:
             out.append(Decision(info.fqn, False, f"excluded by pattern {pattern!r}"))
         elif info.fqn in edges:
             out.append(Decision(info.fqn, False, "first/last Linear (skip_first_last)"))
@@ -49,5 +65,6 @@ def decide(linears: Sequence[LinearInfo], exclude: Iterable[str], skip_first_las
 def linear_infos(model) -> list[LinearInfo]:
     import torch
 
-    return [LinearInfo(name, m.in_features, m.out_features) for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear)]
+    modules = dict(model.named_modules())
+    return [LinearInfo(name, m.in_features, m.out_features, is_router(name, m, modules.get(name.rpartition(".")[0])))
+            for name, m in modules.items() if isinstance(m, torch.nn.Linear)]

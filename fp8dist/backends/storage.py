@@ -2,8 +2,8 @@
 
 Logical `.dtype` lies for every low-precision container the audit meets, so each is read by its storage:
 - DTensor (FSDP2 shards): `.to_local()`;
-- torchao: `Float8TrainingTensor._data`, `WeightWithDynamicFloat8CastTensor._tensor`, low-bit optimizer
-  state `.codes` (torchao 0.18 torchao/float8/float8_training_tensor.py, fsdp_utils.py, optim/subclass_*.py);
+- torchao: `Float8TrainingTensor._data`, `WeightWithDynamicFloat8CastTensor._tensor`, `MXTensor.qdata`, low-bit
+  optimizer state `.codes` (torchao 0.18 torchao/float8/float8_training_tensor.py, fsdp_utils.py, optim/subclass_*.py);
 - Transformer Engine quantized tensors (`Float8Tensor`, `MXFP8Tensor`, `Float8BlockwiseQTensor`,
   `NVFP4Tensor` and their `*Storage` bases, `*TensorBase` up to 2.8): uint8 buffers `_data` / `_rowwise_data` /
   `_columnwise_data` / `_transpose`, the format in `_fp8_dtype` / `_fp4_dtype`, a `tex.DType` such as
@@ -28,7 +28,8 @@ ENUM_NAMES = {"kFloat8E4M3": "fp8_e4m3", "kFloat8E5M2": "fp8_e5m2", "kFloat4E2M1
               "kFloat16": "fp16", "kBFloat16": "bf16", "kFloat32": "fp32"}
 TE_FORMAT_ATTRS = ("_fp8_dtype", "_fp4_dtype")
 TE_BUFFER_ATTRS = ("_data", "_rowwise_data", "_columnwise_data", "_transpose")
-WRAPPER_ATTRS = ("_data", "codes", "_tensor")  # torchao: the inner tensor that holds the bytes
+# torchao: the inner tensor that holds the bytes (`qdata`: MXTensor, torchao 0.18 prototype/mx_formats/mx_tensor.py)
+WRAPPER_ATTRS = ("_data", "codes", "_tensor", "qdata")
 # torchao's low-bit optimizer states keep their codes in uint8; what they hold is named by the class
 # (torchao 0.18 torchao/optim/subclass_8bit.py, subclass_4bit.py; subclass_fp8.py's codes are float8 already).
 CODE_FORMATS = {"OptimState8bit": "int8", "OptimState4bit": "int4"}

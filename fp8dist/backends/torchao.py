@@ -59,10 +59,27 @@ class TorchaoFloat8(PrecisionBackend):
         decisions = decide(linear_infos(model), rules["exclude"], rules["skip_first_last"],
                            rules["require_dims_multiple_of"], "; precision.fp8.torchao.pad_inner_dim=true pads instead")
         chosen = {d.fqn for d in decisions if d.convert}
-        if chosen:
+        if chosen and self.plan["float8_linear_config"]["recipe_name"] == "mxfp8":
+            self._to_mxfp8_linears(model, chosen)
+        elif chosen:
             convert_to_float8_training(model, config=self.float8_linear_config(),
                                        module_filter_fn=lambda module, fqn: fqn in chosen)
         return decisions + self._convert_experts(model, rules["exclude"])
+
+    def _to_mxfp8_linears(self, model, chosen: set[str]) -> None:
+        """torchao's MXFP8Linear is an nn.Linear whose forward quantizes both operands of all three GEMMs to MXFP8
+        (torchao 0.18 prototype/moe_training/mxfp8_linear.py): the chosen Linears become one in place, keeping
+        their parameters (and so the loader's and the engines' view of them)."""
+        from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+
+        preference = KernelPreference.EMULATED if self.spec.fp8.torchao.emulate else KernelPreference.AUTO
+        for fqn, module in model.named_modules():
+            if fqn in chosen:
+                module.__class__ = MXFP8Linear
+                module.kernel_preference, module.wgrad_with_hp = preference, False
+                module.scale_calculation_mode = ScaleCalculationMode.RCEIL
 
     def _convert_experts(self, model, exclude) -> list[Decision]:
         """MoE experts (3-D parameters, grouped GEMMs): in the mode check_environment resolved for this hardware."""

@@ -5,8 +5,11 @@ seconds. Per-parameter bytes of each store come from the audit's expected dtypes
 (audit/expected.py `implied_bytes_per_param`, the same rules the audit checks a real run against), then
 divided by the ranks each engine shards that store over. Activations are measured on the meta device: one
 forward of a `micro_batch_size x seq_len` batch in the compute dtype, summing the tensors autograd saves for
-backward (parameters excluded), attributed to the transformer blocks, so full activation checkpointing can
-be computed too (every block keeps its input, one block at a time is recomputed).
+backward (parameters excluded; attention as flash attention keeps it), attributed to the transformer blocks,
+so the config's `parallel.activation_checkpointing` can be counted: `full` (every block keeps its input) and
+`selective` (its input and the op outputs the engines' selective policy saves), each plus one block recomputed
+in backward. The transient peaks of backward (gathered weights in flight, the logits' gradient) and, from step 2
+on, the optimizer's states give the highest phase.
 """
 from __future__ import annotations
 
@@ -147,12 +150,18 @@ def _blocks(model, spec: Spec) -> list:
 
 
 def activation_bytes(meta: MetaModel, spec: Spec) -> dict[str, int]:
-    """Bytes autograd saves for backward in one micro-batch forward, without and with full activation
-    checkpointing, measured on the meta device in the compute dtype. A tensor saved by several ops (the
-    input of q/k/v_proj) or through several views counts once, at the size of its base; attention is counted
-    as flash / memory-efficient SDPA keeps it (no S x S tensors)."""
+    """Bytes kept for backward in one micro-batch forward, per activation-checkpointing mode, measured on the
+    meta device in the compute dtype. `none`: what autograd saves; a tensor saved by several ops (the input of
+    q/k/v_proj) or through several views counts once, at the size of its base; attention is counted as flash
+    attention keeps it (no S x S tensors). `full`: every block keeps its input, and one block at a
+    time is recomputed in backward (its `none` bytes). `selective`: every block keeps its input and the op
+    outputs the engines' selective policy saves (engines/activation_checkpointing.py SavePolicy), plus one
+    block recomputed."""
     import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
 
+    from fp8dist.engines.activation_checkpointing import SavePolicy
     from fp8dist.engines.base import forward_loss
 
     model, t = meta.model, spec.train
@@ -163,12 +172,34 @@ def activation_bytes(meta: MetaModel, spec: Spec) -> dict[str, int]:
     block_inputs = [0] * len(blocks)
     outside = [0]
     seen: dict[int, torch.Tensor] = {}  # keeps every counted base alive, so that ids are not reused
+    selective = [0] * len(blocks)
+    policies: dict[int, SavePolicy] = {}
+
+    class SelectiveKeeps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            index = current[0]
+            if index is not None and policies.setdefault(index, SavePolicy()).keeps(func):
+                for tensor in [o for o in (out if isinstance(out, (tuple, list)) else [out])
+                               if isinstance(o, torch.Tensor)]:
+                    selective[index] += tensor.numel() * tensor.element_size()
+            return out
+
+    class FlashAttention(TorchFunctionMode):
+        """Attention as flash attention keeps it for backward (q, k, v, output, logsumexp): the meta device runs
+        the math SDPA, which saves fp32 copies and S x S scores no GPU run keeps. torch's CPU flash kernel has a
+        meta implementation (and takes grouped k/v heads), so it stands in."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.nn.functional.scaled_dot_product_attention:
+                query, key, value = args[:3]
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    query, key, value, 0.0, bool(kwargs.get("is_causal")), scale=kwargs.get("scale"))[0]
+            return func(*args, **kwargs)
 
     def pack(tensor):
         base = tensor._base if tensor._base is not None else tensor
-        if tuple(base.shape[-2:]) == (t.seq_len, t.seq_len):
-            return tensor  # S x S attention probabilities / masks: saved by the meta device's math SDPA only;
-            # flash and memory-efficient attention (what a GPU run uses) keep none
         if id(base) not in params and id(base) not in seen:
             seen[id(base)] = base
             size = base.numel() * base.element_size()
@@ -191,7 +222,8 @@ def activation_bytes(meta: MetaModel, spec: Spec) -> dict[str, int]:
     ids = torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta")
     batch = {"input_ids": ids, **({"labels": ids} if meta.causal_lm else {})}
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), FlashAttention(), \
+                SelectiveKeeps():
             forward_loss(model, batch)
     except Exception as exc:  # noqa: BLE001 - an op without a meta kernel, a model that needs other inputs
         raise Fp8distError(f"cannot run {type(model).__name__} on the meta device to measure activations: "
@@ -199,19 +231,43 @@ def activation_bytes(meta: MetaModel, spec: Spec) -> dict[str, int]:
     finally:
         for handle in handles:
             handle.remove()
-    none = outside[0] + sum(per_block)
-    full = outside[0] + sum(block_inputs) + (max(per_block) if per_block else 0)
-    return {"none": none, "full": full}
+    recomputed = max(per_block) if per_block else 0
+    kept = {"none": outside[0] + sum(per_block), "full": outside[0] + sum(block_inputs),
+            "selective": outside[0] + sum(block_inputs) + sum(selective)}
+    return {**{mode: n + (recomputed if mode != "none" else 0) for mode, n in kept.items()},
+            "kept": kept, "recomputed_block": recomputed}
+
+
+def transient_bytes(meta: MetaModel, spec: Spec, shards: dict[str, int]) -> dict[str, int]:
+    """Bytes that exist only for a moment of the step, on top of the stores: the gathered weights of the wrap units
+    in flight when weights are sharded (the unit computing and the one prefetched: FSDP2's default prefetch of
+    one, torch 2.13 _fully_shard/_fsdp_state.py; ZeRO-3 prefetches likewise), and the gradient of the logits,
+    which a causal LM's loss upcasts to fp32 (transformers 5 loss/loss_utils.py ForCausalLMLoss) and which
+    reaches the bf16 lm_head output as a compute-dtype copy."""
+    from fp8dist.dtypes import get as dtype_info
+
+    compute = dtype_info(spec.precision.compute_dtype).bits // 8
+    units = 0
+    if shards["weights"] > 1:
+        sizes = sorted((sum(p.numel() for p in block.parameters()) for block in _blocks(meta.model, spec)),
+                       reverse=True)
+        units = sum(sizes[:2]) * compute
+    logits = 0
+    vocab = getattr(meta.model.config, "vocab_size", 0)
+    if meta.causal_lm and vocab:
+        logits = spec.train.micro_batch_size * spec.train.seq_len * vocab * (4 + compute)
+    return {"unsharded_units": units, "logits_gradient": logits}
 
 
 def _decisions(meta: MetaModel, spec: Spec):
     """(Linear facts, the backend's module-filter decision for each), as the backend would decide."""
     from fp8dist.backends.module_filter import decide, linear_infos
+    from fp8dist.translate.fsdp2 import torchao_dims_multiple
 
     fp8 = spec.fp8
     infos = linear_infos(meta.model)
     multiple = {"te": compat.TE_RECIPES[fp8.te.recipe].dim_multiple, "msamp": None,  # backends/msamp.py: no dims rule
-                "torchao": None if fp8.torchao.pad_inner_dim else 16}.get(fp8.backend)
+                "torchao": torchao_dims_multiple(fp8.torchao)}.get(fp8.backend)
     return infos, decide(infos, fp8.modules.exclude, fp8.modules.skip_first_last, multiple)
 
 
@@ -305,14 +361,18 @@ def estimate(name: str, spec: Spec, world: int) -> dict[str, Any]:
     # Buffers (RoPE tables, BERT's position ids) stay whole on every rank, in their own dtype.
     per_rank["buffers"] = sum(b.numel() * b.element_size() for b in meta.model.buffers())
     per_rank["fp8_extras"] = extras
-    per_rank["activations"] = activations["none"]
+    per_rank["activations"] = activations[spec.parallel.activation_checkpointing]
     host = offloaded(spec)
     per_rank["total"] = sum(per_rank[store] for store in STORES if store not in host)
     device = {store: 0 if store in host else per_rank[store] for store in STORES}
     model = device["weights"] + device["master_weights"] + device["buffers"]
-    phases = {"model": model, "gradients": model + device["gradients"],
-              "backward_pass": model + device["gradients"] + device["activations"] + extras,
-              "optimizer_step": model + device["gradients"] + device["optimizer"]}
+    transient = transient_bytes(meta, spec, shards)
+    backward = model + device["gradients"] + device["activations"] + extras + sum(transient.values())
+    # seed 004's phases count the first step, before the optimizer's states exist; from step 2 on they are there
+    # during every backward pass, which is where a run peaks (what published peaks measure)
+    phases = {"model": model, "gradients": model + device["gradients"], "backward_pass": backward,
+              "optimizer_step": model + device["gradients"] + device["optimizer"],
+              "later_backward_pass": backward + device["optimizer"]}
     highest = max(phases, key=phases.get)
     return {
         "model": name, "shape_only": meta.shape_only, "parameters": params, "world_size": world,
@@ -320,8 +380,11 @@ def estimate(name: str, spec: Spec, world: int) -> dict[str, Any]:
         "micro_batch_size": spec.train.micro_batch_size, "seq_len": spec.train.seq_len,
         "bytes_per_param": per_param, "shards": shards, "per_rank_bytes": per_rank,
         "offloaded_to_host": sorted(host),
-        "activations_bytes": {"none": activations["none"], "full_checkpointing": activations["full"]},
+        "activations_bytes": {"none": activations["none"], "full_checkpointing": activations["full"],
+                              "selective_checkpointing": activations["selective"],
+                              "mode": spec.parallel.activation_checkpointing},
         "phases_bytes": phases, "highest_phase": highest, "fp8_extras_counted": extras_how,
+        "transient_bytes": transient,
         "fp8_coverage": coverage,
     }
 
@@ -345,7 +408,7 @@ def render_table(result: dict[str, Any], markdown: bool = False) -> str:
     store_rows = [(store.replace("_", " ") + (" (host)" if store in host else ""), human(pr[store]))
                   for store in STORES] + [("total on the device", human(pr["total"]))]
     phase_names = {"model": "Model", "gradients": "Gradients", "backward_pass": "Backward pass",
-                   "optimizer_step": "Optimizer step"}
+                   "optimizer_step": "Optimizer step", "later_backward_pass": "Backward, step 2+"}
     cells = [human(ph[k]) for k in phase_names] + [human(ph[r["highest_phase"]])]
     cov = r["fp8_coverage"]
     experts = f", {cov['experts']} MoE experts modules" if cov.get("experts") else ""
@@ -359,17 +422,21 @@ def render_table(result: dict[str, Any], markdown: bool = False) -> str:
     act = r["activations_bytes"]
     notes = [coverage + (f"; left out: {left}" if left else "") + more,
              f"activations per micro batch: {human(act['none'])} without checkpointing, "
-             f"{human(act['full_checkpointing'])} with full activation checkpointing",
+             f"{human(act['selective_checkpointing'])} selective, {human(act['full_checkpointing'])} full "
+             f"(counted: {act['mode']})",
+             f"transient in backward: {human(r['transient_bytes']['unsharded_units'])} of gathered weights, "
+             f"{human(r['transient_bytes']['logits_gradient'])} of logits gradient",
              f"fp8 extras: {r['fp8_extras_counted']}"]
     if markdown:
         lines = [f"**{head}**", "", "| store | per rank |", "|---|---|"]
         lines += [f"| {name} | {value} |" for name, value in store_rows]
-        lines += ["", "| Model | Gradients | Backward pass | Optimizer step | Highest |", "|---|---|---|---|---|",
+        lines += ["", "| Model | Gradients | Backward pass | Optimizer step | Backward, step 2+ | Highest |",
+                  "|---|---|---|---|---|---|",
                   "| " + " | ".join(cells) + " |", ""] + [f"- {note}" for note in notes]
         return "\n".join(lines) + "\n"
     width = max(len(name) for name, _ in store_rows)
     lines = [head, ""] + [f"{name.ljust(width)}  {value}" for name, value in store_rows]
-    headers = ["Model", "Gradients", "Backward pass", "Optimizer step", "Highest"]
+    headers = ["Model", "Gradients", "Backward pass", "Optimizer step", "Backward, step 2+", "Highest"]
     widths = [max(len(h), len(c)) for h, c in zip(headers, cells)]
     lines += ["", "  ".join(h.ljust(w) for h, w in zip(headers, widths)),
               "  ".join(c.ljust(w) for c, w in zip(cells, widths)), ""] + notes

@@ -3,9 +3,8 @@ document (the DeepSpeed JSON, the FSDP2 plan, or the Accelerate config file); `-
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from fp8dist.commands.output import dump_json, emit, write_atomic
+from fp8dist.commands.output import check_output, dump_json, emit, write_atomic
 from fp8dist.config.load import load_config
 from fp8dist.errors import ExitCode, Fp8distError
 from fp8dist.formats.accelerate.translate import accelerate_file, render
@@ -45,9 +44,7 @@ def _accelerate(args, spec) -> int:
     document, plan = accelerate_file(spec, args.deepspeed_version, args.torchao_version)
     beside = None
     if args.output:
-        target = Path(args.output)
-        if target.is_dir() or not target.parent.exists():
-            write_atomic(args.output, "")  # raises the -o error; nothing is written
+        target = check_output(args.output)
         if "deepspeed_config" in document:
             beside = target.with_name(target.name.rsplit(".", 1)[0] + ".deepspeed.json")
             document["deepspeed_config"]["deepspeed_config_file"] = str(beside.resolve())

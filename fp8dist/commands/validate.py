@@ -5,6 +5,7 @@ import sys
 
 from fp8dist.commands.output import dump_json
 from fp8dist.config.load import load_config
+from fp8dist.config.reading import dump_yaml
 from fp8dist.errors import ExitCode, Fp8distError
 
 
@@ -38,6 +39,4 @@ def said(notes, prefix: str, strict: bool) -> bool:
 
 
 def as_yaml(document) -> str:
-    import yaml
-
-    return yaml.safe_dump(document, sort_keys=False, default_flow_style=None)
+    return dump_yaml(document, default_flow_style=None)

@@ -1,8 +1,9 @@
 """Load a config: safe YAML -> omegaconf (overrides, interpolation) -> plain dict -> schema -> rules -> spec.
 
-YAML is parsed by fp8dist itself before omegaconf sees it, so that hostile files are refused in
-bounded time and memory: size cap, no binary, only the YAML core tags (a `!!python/...` tag is never
-constructed), bounded nesting, bounded alias expansion (billion laughs), duplicate keys refused.
+The file is read and parsed by fp8dist.config.reading (bounded, plain data only) before omegaconf sees it.
+Interpolation resolves references to other keys of the config only: an omegaconf resolver (`${oc.env:NAME}`,
+any `${name:...}`) is refused, since it reaches outside the file (an untrusted config would copy secrets from the
+environment into the files fp8dist writes).
 """
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import copy
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import yaml
-
+import fp8dist.config.reading as reading
 import fp8dist.config.rules as rules
 
 import fp8dist.config.schema as schema
@@ -20,129 +20,30 @@ import fp8dist.config.vocabulary as vocabulary
 from fp8dist.config.spec import Spec
 from fp8dist.errors import ConfigError, Issue
 
-MAX_FILE_BYTES = 1 << 20
-MAX_DEPTH = 32
-MAX_EXPANDED_NODES = 20_000
-_CORE_TAGS = {f"tag:yaml.org,2002:{name}" for name in
-              ("str", "int", "float", "bool", "null", "map", "seq", "timestamp", "binary", "merge", "set", "omap", "pairs")}
-
-
-def _fail(source: str, message: str, fix: str | None = None, value: Any = None) -> ConfigError:
-    issue = Issue("", message, fix=fix) if value is None else Issue("", message, value, fix)
-    return ConfigError([issue], source)
-
-
-def read_text(path: str | Path) -> str:
-    source = str(path)
-    p = Path(path)
-    if not p.exists():
-        raise _fail(source, "file not found", "check the path")
-    if p.is_dir():
-        raise _fail(source, "is a directory, not a YAML file", "pass a .yaml file inside it")
-    size = p.stat().st_size
-    if size > MAX_FILE_BYTES:
-        raise _fail(source, f"file is {size} bytes, larger than the {MAX_FILE_BYTES}-byte limit for a config",
-                    "a precision config is a few dozen lines; check that this is the right file")
-    raw = p.read_bytes()
-    if b"\x00" in raw:
-        raise _fail(source, "binary file (contains NUL bytes)", "pass a YAML text file")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise _fail(source, f"not UTF-8 text ({exc.reason} at byte {exc.start})", "save the file as UTF-8") from None
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, (list, dict)):
-                raise yaml.constructor.ConstructorError(None, None, "a mapping key must be a scalar",
-                                                        key_node.start_mark)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _check_events(text: str, source: str) -> None:
-    """Walk parser events (no recursion, no construction): depth and tags."""
-    depth = 0
-    for event in yaml.parse(text, Loader=yaml.SafeLoader):
-        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-            depth += 1
-            if depth > MAX_DEPTH:
-                raise _fail(source, f"nesting deeper than {MAX_DEPTH} levels",
-                            "a config is a few levels deep; check the file")
-        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-            depth -= 1
-        tag = getattr(event, "tag", None)
-        if tag and tag != "!" and tag not in _CORE_TAGS:
-            raise _fail(source, f"YAML tag {tag!r} is not allowed (line {event.start_mark.line + 1})",
-                        "remove the tag: configs hold plain maps, lists, strings and numbers")
-
-
-def _check_expansion(root: yaml.Node, source: str) -> None:
-    """Count nodes as if every alias were expanded, sharing work per node (billion-laughs guard)."""
-    sizes: dict[int, int] = {}
-    order: list[yaml.Node] = []
-    stack, seen = [root], set()
-    while stack:  # iterative post-order over the node graph
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        order.append(node)
-        stack.extend(_children(node))
-    for node in reversed(order):
-        total = 1 + sum(sizes.get(id(child), 1) for child in _children(node))
-        if total > MAX_EXPANDED_NODES:
-            raise _fail(source, f"YAML aliases expand to more than {MAX_EXPANDED_NODES} nodes",
-                        "remove the recursive anchors/aliases (a 'billion laughs' file)")
-        sizes[id(node)] = total
-
-
-def _children(node: yaml.Node) -> list[yaml.Node]:
-    if isinstance(node, yaml.MappingNode):
-        return [n for pair in node.value for n in pair]
-    if isinstance(node, yaml.SequenceNode):
-        return list(node.value)
-    return []
-
-
-def parse_yaml(text: str, source: str) -> Any:
-    try:
-        _check_events(text, source)
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        if root is None:
-            raise _fail(source, "empty file", "write a mapping, e.g. `precision: {preset: bf16}`")
-        _check_expansion(root, source)
-        loader = _StrictLoader(text)
-        try:
-            return loader.get_single_data()
-        finally:
-            loader.dispose()
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise _fail(source, f"not valid YAML{where}: {problem}", "fix the YAML syntax") from None
+_REFERENCE_ONLY = ("interpolation may only name another key of the config, e.g. ${precision.load_dtype}; "
+                   "write the value itself")
+_ABSENT = object()
 
 
 def apply_overrides(document: dict[str, Any], overrides: Sequence[str], source: str) -> dict[str, Any]:
-    """Merge `key=value` overrides (omegaconf dotlist syntax) and resolve `${...}` interpolations."""
+    """Merge `key=value` overrides (values read as YAML, like the file) and resolve `${...}` references to other
+    keys; a resolver is refused (resolver_calls), and so is a `${` left after resolving (literal_interpolations)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    bad = [o for o in overrides if "=" not in o or not o.split("=", 1)[0].strip()]
-    if bad:
-        raise ConfigError([Issue("", "override is not KEY=VALUE", o, "write e.g. precision.load_dtype=bf16")
-                           for o in bad], source)
+    values = _override_values(overrides, source)
     try:
-        merged = OmegaConf.merge(OmegaConf.create(document), OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.create(document)
+        for key, value in values:
+            OmegaConf.update(merged, key, value, merge=True)
+        unresolved = OmegaConf.to_container(merged, resolve=False)
+    except (OmegaConfBaseException, ValueError, TypeError) as exc:
+        raise ConfigError([Issue("", f"cannot apply the overrides: {str(exc).splitlines()[0]}",
+                                 fix="check the KEY=VALUE words")], source) from None
+    issues = resolver_calls(unresolved)
+    if issues:
+        raise ConfigError(issues, source)
+    try:
         resolved = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or ""
@@ -152,7 +53,62 @@ def apply_overrides(document: dict[str, Any], overrides: Sequence[str], source: 
                                      "and must not refer to itself)")], source) from None
     except (RecursionError, ValueError, TypeError) as exc:
         raise ConfigError([Issue("", f"cannot build the config: {exc}")], source) from None
+    issues = literal_interpolations(resolved, "after interpolation (an escaped \\${...})")
+    if issues:
+        raise ConfigError(issues, source)
     return resolved
+
+
+def _override_values(overrides: Sequence[str], source: str) -> list[tuple[str, Any]]:
+    """(key, value) of each KEY=VALUE override, the value read by the config file's YAML reader; every malformed
+    override is named."""
+    values, issues = [], []
+    for override in overrides:
+        key, equals, text = override.partition("=")
+        if not equals or not key.strip():
+            issues.append(Issue("", "override is not KEY=VALUE", override, "write e.g. precision.load_dtype=bf16"))
+            continue
+        try:
+            values.append((key, reading.parse_yaml(text, f"override {override}") if text.strip() else None))
+        except ConfigError as exc:
+            issues += [Issue(key, f"the value of override {override!r}: {issue.message}", fix=issue.fix)
+                       for issue in exc.issues]
+    if issues:
+        raise ConfigError(issues, source)
+    return values
+
+
+def resolver_calls(document: Any) -> list[Issue]:
+    """One issue per string of `document` that calls an omegaconf resolver (`${oc.env:HOME}`, `${oc.decode:...}`,
+    any registered `${name:...}`), found with omegaconf's own grammar, so what is refused is what it would call."""
+    from omegaconf.errors import GrammarParseError
+    from omegaconf.grammar_parser import OmegaConfGrammarParser, parse
+
+    issues = []
+    for path, text in reading.strings(document):
+        if "${" not in text:
+            continue
+        try:
+            tree = parse(text)
+        except GrammarParseError:
+            continue  # not an interpolation omegaconf can resolve: refused when it resolves
+        nodes = [tree]
+        while nodes:
+            node = nodes.pop()
+            if isinstance(node, OmegaConfGrammarParser.InterpolationResolverContext):
+                issues.append(Issue(path, "calls an omegaconf resolver, which reaches outside the config (oc.env "
+                                    "reads the environment)", text, _REFERENCE_ONLY))
+                break
+            nodes.extend(getattr(node, "children", None) or ())
+    return sorted(issues, key=lambda issue: issue.path)
+
+
+def literal_interpolations(document: Any, where: str) -> list[Issue]:
+    """One issue per string of `document` that holds `${` where it must be taken as written (`where`): fp8dist
+    reads `${` in a config as an interpolation, so the config it prints could not be read back the same."""
+    return sorted((Issue(path, f"holds `${{` {where}, which fp8dist would read as an interpolation", text,
+                         "write the value without `${`") for path, text in reading.strings(document) if "${" in text),
+                  key=lambda issue: issue.path)
 
 
 def deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
@@ -197,10 +153,50 @@ def resolve(document: Any, source: str = "<config>") -> dict[str, Any]:
         layered = deep_merge(layered, schema.presets()[preset]["values"])
     layered = deep_merge(layered, document)
     layered["precision"]["preset"] = preset
-    issues = schema.validate(layered) or vocabulary.derive(layered, written, document) or rules.check(layered, explicit=document)
+    issues = schema.validate(layered)
+    if not issues:
+        anyway = _unwritten(document)
+        own = _changed(document, anyway)
+        issues = vocabulary.derive(layered, _changed(written, anyway), own) or rules.check(layered, explicit=own)
     if issues:
         raise ConfigError(issues, source)
     return layered
+
+
+def written_settings(document: Mapping[str, Any]) -> dict[str, Any]:
+    """What a valid document sets: its keys whose values differ from what the config holds without them."""
+    document = vocabulary.normalize(_unbool_off(document))
+    return _changed(document, _unwritten(document))
+
+
+def _unwritten(document: Mapping[str, Any]) -> dict[str, Any]:
+    """What each key holds when the user does not write it: defaults < preset, and the DeepSpeed keys that the
+    document's `parallel` section decides (fp8dist.config.vocabulary). `document` is valid."""
+    preset = (document.get("precision") or {}).get("preset")
+    anyway = schema.defaults()
+    if preset:
+        anyway = deep_merge(anyway, schema.presets()[preset]["values"])
+    vocabulary_only = {key: document[key] for key in ("engine", "parallel") if key in document}
+    decided = deep_merge(anyway, vocabulary_only)
+    vocabulary.derive(decided, vocabulary_only)
+    anyway["deepspeed"] = decided["deepspeed"]
+    return anyway
+
+
+def _changed(written: Mapping[str, Any], anyway: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of `written` that differs from `anyway`. A key written at the value it holds anyway sets nothing:
+    it is neither a setting that does nothing on this engine nor a conflict with `parallel`. So the resolved config
+    that `validate` prints, which holds every key, reads back the same."""
+    out = {}
+    for key, value in written.items():
+        base = anyway.get(key, _ABSENT)
+        if isinstance(value, Mapping) and isinstance(base, Mapping):
+            inner = _changed(value, base)
+            if inner:
+                out[key] = inner
+        elif type(value) is not type(base) or value != base:
+            out[key] = value
+    return out
 
 
 def load_config(config: str | Path | Mapping[str, Any] | Any = None,
@@ -214,11 +210,12 @@ def load_config(config: str | Path | Mapping[str, Any] | Any = None,
         source, document = "<defaults>", {}
     elif isinstance(config, (str, Path)):
         source = str(config)
-        document = parse_yaml(read_text(config), source)
+        document = reading.read_file(config)
         if not isinstance(document, Mapping):
             document = resolve(document, source)  # raises the top-level error
     elif isinstance(config, Mapping):
         source, document = "<dict>", dict(config)
+        reading.check_plain(document, source)
     else:
         from omegaconf import DictConfig, OmegaConf
 
@@ -226,17 +223,8 @@ def load_config(config: str | Path | Mapping[str, Any] | Any = None,
             raise ConfigError([Issue("", f"cannot load a config from {type(config).__name__}",
                                      fix="pass a YAML path, a dict or an omegaconf DictConfig")])
         source, document = "<omegaconf>", OmegaConf.to_container(config, resolve=False)
-    if overrides or _has_interpolation(document):
+        reading.check_plain(document, source)
+    if overrides or any("${" in text for _, text in reading.strings(document)):
         document = apply_overrides(document, overrides, source)
     resolved = resolve(document, source)
-    return Spec.from_dict(resolved, source=source, notes=tuple(rules.notes(resolved, document)))
-
-
-def _has_interpolation(node: Any) -> bool:
-    if isinstance(node, str):
-        return "${" in node
-    if isinstance(node, Mapping):
-        return any(_has_interpolation(k) or _has_interpolation(v) for k, v in node.items())
-    if isinstance(node, list):
-        return any(_has_interpolation(v) for v in node)
-    return False
+    return Spec.from_dict(resolved, source=source, notes=tuple(rules.notes(resolved, written_settings(document))))

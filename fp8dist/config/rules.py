@@ -132,6 +132,8 @@ def _torchao(doc, _):
             issues.append(Issue("precision.fp8.torchao.enable_fsdp_float8_all_gather",
                                 f"float8 all-gather is an FSDP2 feature, engine is '{engine}'", True,
                                 "set it to auto/false, or use engine=fsdp2"))
+    if ao["recipe_name"] == "mxfp8":
+        issues += _mxfp8(doc, ao)
     if ao["emulate"] and doc["compile"]:
         issues.append(Issue("precision.fp8.torchao.emulate", "emulated float8 does not work with torch.compile",
                             True, "set compile=false, or emulate=false on FP8 hardware"))
@@ -188,6 +190,23 @@ def _te(doc, _):
                             f"(train.micro_batch_size * train.seq_len = {tokens}) to be a multiple of {multiple} "
                             "(pytorch/utils.py assert_dim_for_fp8_exec fails the forward otherwise)", train["seq_len"],
                             f"set train.seq_len to a multiple of {multiple} (e.g. {-(-train['seq_len'] // multiple) * multiple})"))
+    return issues
+
+
+def _mxfp8(doc, ao) -> list[Issue]:
+    """torchao's MXFP8 Linear: blocks of 32 along every contracted dim, the tokens included; no padding, no float8
+    all-gather (compat.TORCHAO_MX_BLOCK)."""
+    issues, block, train = [], compat.TORCHAO_MX_BLOCK, doc["train"]
+    if ao["pad_inner_dim"]:
+        issues.append(Issue("precision.fp8.torchao.pad_inner_dim", "MXFP8Linear has no padding: a Linear whose dims "
+                            f"are not multiples of {block} stays in high precision", True,
+                            "set precision.fp8.torchao.pad_inner_dim=false"))
+    tokens = train["micro_batch_size"] * train["seq_len"]
+    if tokens % block:
+        issues.append(Issue("train.seq_len", f"MXFP8 quantizes the weight gradient's inputs in blocks of {block} "
+                            f"tokens: train.micro_batch_size * train.seq_len = {tokens} is not a multiple of {block}",
+                            train["seq_len"], f"set train.seq_len to a multiple of {block} "
+                                              f"(e.g. {-(-train['seq_len'] // block) * block})"))
     return issues
 
 

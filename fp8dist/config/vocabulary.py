@@ -2,8 +2,10 @@
 
 One config keeps its meaning when `engine` switches: `parallel.sharding` and `parallel.offload` decide the
 DeepSpeed keys `deepspeed.zero_stage`, `offload_optimizer` and `offload_param` unless those are written too,
-in which case they must agree (a conflict names both keys: no silent precedence). FSDP2 reads `parallel`
-only (its old `fsdp2.reshard_after_forward` / `fsdp2.offload` keys moved here).
+in which case they must agree (a conflict names both keys: no silent precedence). A key written at the value
+it holds anyway (`parallel.offload: none`, the default) decides nothing (fp8dist.config.load written_settings: the
+resolved config `validate` prints reads back the same). FSDP2 reads `parallel` only (its old
+`fsdp2.reshard_after_forward` / `fsdp2.offload` keys moved here).
 
 | sharding  | FSDP2 (fully_shard)                                     | DeepSpeed                               |
 |-----------|---------------------------------------------------------|-----------------------------------------|
@@ -34,8 +36,9 @@ DEEPSPEED_OFFLOAD = {"none": ("none", "none"), "optimizer": ("cpu", "none"), "pa
 def normalize(document: Mapping[str, Any]) -> Mapping[str, Any]:
     """FSDP1 / Accelerate strategy names rewritten to the vocabulary's, before validation."""
     parallel = document.get("parallel")
-    if isinstance(parallel, Mapping) and parallel.get("sharding") in SHARDING_ALIASES:
-        document = {**document, "parallel": {**parallel, "sharding": SHARDING_ALIASES[parallel["sharding"]]}}
+    sharding = parallel.get("sharding") if isinstance(parallel, Mapping) else None
+    if isinstance(sharding, str) and sharding in SHARDING_ALIASES:  # any other value is the schema's to refuse
+        document = {**document, "parallel": {**parallel, "sharding": SHARDING_ALIASES[sharding]}}
     return document
 
 

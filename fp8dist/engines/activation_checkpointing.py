@@ -37,17 +37,27 @@ def _save_ops() -> set:
     return ops
 
 
+class SavePolicy:
+    """torchtitan's op-level selective policy for one checkpointed block: the outputs it keeps (matmuls, attention,
+    `max`), every second `mm` recomputed instead. One instance per forward (or recompute) of a block, so both
+    pick the same mms; fp8dist's estimate runs the same policy to count what selective checkpointing keeps."""
+
+    def __init__(self):
+        self.save, self.mm_seen = _save_ops(), 0
+
+    def keeps(self, op) -> bool:
+        if op == torch.ops.aten.mm.default:
+            self.mm_seen += 1
+            return self.mm_seen % 2 == 1
+        return op in self.save
+
+
 def _selective_context():
-    save, mm_counts = _save_ops(), defaultdict(int)
-    mm = {torch.ops.aten.mm.default}
+    policies = {"forward": SavePolicy(), "recompute": SavePolicy()}
 
     def policy(ctx, op, *args, **kwargs):
-        if op in mm:  # count forward and recompute separately, so both pick the same mm to save
-            key = "recompute" if ctx.is_recompute else "forward"
-            mm_counts[key] += 1
-            if mm_counts[key] % 2 == 0:
-                return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+        keeps = policies["recompute" if ctx.is_recompute else "forward"].keeps(op)
+        return CheckpointPolicy.MUST_SAVE if keeps else CheckpointPolicy.PREFER_RECOMPUTE
 
     contexts = create_selective_checkpoint_contexts(policy)
     if _CACHES is not None:  # kept_for_backward() is counting: its forward cache holds what is kept
@@ -71,7 +81,10 @@ def kept_for_backward() -> Iterator[Callable[[], int]]:
     seen: dict[int, tuple[int, Any]] = {}  # data_ptr -> (bytes, storage kept alive so no address is reused)
 
     def pack(tensor):
-        if isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter):
+        base = getattr(tensor, "_base", None)
+        # a parameter, or a view of one (the transposed weight a matmul saves), is not an activation
+        if isinstance(tensor, torch.Tensor) and not isinstance(base if base is not None else tensor,
+                                                               torch.nn.Parameter):
             inner = getattr(tensor, "_data", tensor)
             try:
                 storage = inner.untyped_storage()

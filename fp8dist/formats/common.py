@@ -1,17 +1,18 @@
 """What the importers of other tools' files share (pure: no torch, no accelerate import): reading a YAML or JSON
-file with the loader's safety (fp8dist/config/load.py: size cap, no binary, no YAML tags, bounded nesting and
-aliases; JSON the same way: size, binary, depth, duplicate keys), the notes an import writes, its refusal, and the
+file with the loader's safety (fp8dist/config/reading.py: regular files only, size cap, no binary, no YAML tags,
+bounded nesting and aliases, plain data; JSON the same way), the notes an import writes, its refusal, and the
 value readers. The importers themselves: fp8dist.formats.{accelerate,axolotl,deepspeed}.importer; the dispatch:
 fp8dist.formats.importing.
 """
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-import fp8dist.config.load as load
+import fp8dist.config.reading as reading
 import fp8dist.dtypes as dtypes
 from fp8dist.errors import ConfigError, Fp8distError, Issue
 
@@ -73,6 +74,14 @@ class Notes(list):
         self.append(f"resolved: {key} -> {_short(resolved)} ({why})")
 
 
+def comment_line(text: str) -> str:
+    """`text` as one YAML comment line: whitespace runs (line breaks included) become one space, and a character
+    YAML cannot hold in a comment (a control character from a file name, a key or a value) is written as its
+    escape."""
+    flat = " ".join(text.split())
+    return "# " + "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in flat)
+
+
 def _short(value: Any, limit: int = 80) -> str:
     text = json.dumps(value) if not isinstance(value, str) else value
     text = " ".join(text.split())
@@ -80,62 +89,36 @@ def _short(value: Any, limit: int = 80) -> str:
 
 
 # -- reading -------------------------------------------------------------------------------------------------
-def read_json_text(text: str, source: str) -> Any:
-    """JSON with the loader's bounds: duplicate keys refused, nesting bounded, errors without a traceback."""
-    def pairs(items):
-        seen = {}
-        for key, value in items:
-            if key in seen:
-                raise ImportProblem([Issue(key, "duplicate key", fix="keep one of them")], source)
-            seen[key] = value
-        return seen
-
+def _as_import_problem(read, source: str):
+    """What `read` returns; a refusal of fp8dist.config.reading as this import's problem (same issues)."""
     try:
-        document = json.loads(text, object_pairs_hook=pairs)
-    except RecursionError:
-        raise ImportProblem([Issue("", f"nesting deeper than {load.MAX_DEPTH} levels",
-                                   fix="a config is a few levels deep; check the file")], source) from None
-    except json.JSONDecodeError as exc:
-        raise ImportProblem([Issue("", f"not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}",
-                                   fix="fix the JSON syntax")], source) from None
-    _check_depth(document, source)
-    return document
+        return read()
+    except ConfigError as exc:
+        raise ImportProblem(exc.issues, source) from None
 
 
-def _check_depth(document: Any, source: str) -> None:
-    stack = [(document, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > load.MAX_DEPTH:
-            raise ImportProblem([Issue("", f"nesting deeper than {load.MAX_DEPTH} levels",
-                                       fix="a config is a few levels deep; check the file")], source)
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+def read_json_text(text: str, source: str) -> Any:
+    """JSON with the loader's bounds (fp8dist.config.reading.parse_json)."""
+    return _as_import_problem(lambda: reading.parse_json(text, source), source)
 
 
 def read_document(path: str | Path) -> tuple[Any, str]:
     """(parsed document, raw text) of a YAML or JSON file, refused like the loader refuses a hostile config."""
     source = str(path)
-    try:
-        text = load.read_text(path)
-    except ConfigError as exc:
-        raise ImportProblem(exc.issues, source) from None
-    stripped = text.lstrip()
-    if source.endswith(".json") or stripped.startswith(("{", "[")):
+    text = _as_import_problem(lambda: reading.read_text(path), source)
+    if source.endswith(".json") or text.lstrip().startswith(("{", "[")):
         return read_json_text(text, source), text
-    try:
-        return load.parse_yaml(text, source), text
-    except ConfigError as exc:
-        raise ImportProblem(exc.issues, source) from None
+    return _as_import_problem(lambda: reading.parse_yaml(text, source), source), text
 
 
 def read_beside(path: str, base: Path, key: str, source: str) -> tuple[Any, str]:
-    """A file another config names (a DeepSpeed JSON): relative paths from the launch directory, else beside it."""
-    candidates = [Path(path)] if Path(path).is_absolute() else [Path(path), base / path]
+    """A file another config names (a DeepSpeed JSON): relative paths from the launch directory, else beside it.
+    os.path.isfile, as the tools test it: a value that cannot be a path (too long, a NUL byte) is no file."""
+    candidates = [path] if os.path.isabs(path) else [path, str(base / path)]
     for candidate in candidates:
-        if candidate.is_file():
+        if os.path.isfile(candidate):
             document, _ = read_document(candidate)
-            return document, str(candidate)
+            return document, candidate
     raise ImportProblem([Issue(key, "names a file that does not exist (looked in the current directory and beside "
                                f"{source})", path, "give the path of the DeepSpeed JSON, or copy it beside the config")],
                         source)

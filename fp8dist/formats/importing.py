@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import fp8dist.config.load as load
+import fp8dist.config.reading as reading
 from fp8dist.errors import ConfigError, Issue
 from fp8dist.formats.accelerate import importer as accelerate
 from fp8dist.formats.axolotl import importer as axolotl
-from fp8dist.formats.common import KINDS, TITLE, Imported, ImportProblem, WrongShape, read_document
+from fp8dist.formats.common import (KINDS, TITLE, Imported, ImportProblem, WrongShape, comment_line,
+                                   read_document)
 from fp8dist.formats.deepspeed import importer as deepspeed
 
 IMPORTERS = {"accelerate": accelerate.convert, "axolotl": axolotl.convert, "deepspeed": deepspeed.convert}
@@ -93,6 +95,10 @@ def import_file(path: str | Path, kind: str | None = None) -> str:
     if kind not in KINDS:
         raise ImportProblem([Issue("--from", f"unknown kind; one of {', '.join(KINDS)}", kind)], source)
     imported = convert(kind, document, text, source)
+    unreadable = reading.plain_data_issues(imported.document) + load.literal_interpolations(
+        imported.document, f"(as the {TITLE[kind]} has it)")
+    if unreadable:  # the output would not read back as the same config
+        raise ImportProblem(unreadable, source, kind)
     try:
         load.resolve(imported.document, source)
     except ConfigError as exc:
@@ -117,9 +123,6 @@ def convert(kind: str, document: Mapping[str, Any], text: str, source: str) -> I
 
 
 def render(imported: Imported, source: str) -> str:
-    import yaml
-
-    lines = [f"# fp8dist config imported from {source} ({TITLE[imported.kind]}) by `fp8dist import`."]
-    lines += [f"# {' '.join(note.split())}" for note in imported.notes]
-    body = yaml.safe_dump(imported.document, sort_keys=False, default_flow_style=False, width=4096)
-    return "\n".join(lines) + "\n" + body
+    lines = [comment_line(f"fp8dist config imported from {source} ({TITLE[imported.kind]}) by `fp8dist import`.")]
+    lines += [comment_line(note) for note in imported.notes]
+    return "\n".join(lines) + "\n" + reading.dump_yaml(imported.document, default_flow_style=False, width=4096)

@@ -75,14 +75,21 @@ MOE_CONFIGS = {
 }
 
 
-def tiny_moe_config(arch: str):
+def tiny_moe_config(arch: str, **sizes):
     import transformers
 
     class_name, experts = MOE_CONFIGS[arch]
-    return getattr(transformers, class_name)(vocab_size=256, hidden_size=64, num_hidden_layers=2,
-                                             num_attention_heads=4, num_key_value_heads=2,
-                                             max_position_embeddings=256, tie_word_embeddings=False,
-                                             bos_token_id=1, eos_token_id=2, pad_token_id=0, **experts)
+    shape = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    shape.update(sizes)
+    return getattr(transformers, class_name)(max_position_embeddings=256, tie_word_embeddings=False,
+                                             bos_token_id=1, eos_token_id=2, pad_token_id=0, **{**experts, **shape})
+
+
+def small_mixtral_config():
+    """~9M parameters, 8 experts of 256 x 256, top-2 (benchmarks: the experts hold most GEMM FLOPs, as in
+    public MoE models)."""
+    return tiny_moe_config("mixtral", vocab_size=1024, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
+                           num_attention_heads=8, num_key_value_heads=4)
 
 
 def causal_lm_batch(vocab_size: int) -> Callable[[int, int, int], dict]:
@@ -105,7 +112,7 @@ def _from_hf_config(config, dtype: str, seed: int) -> Any:
 
 
 BUILTIN = {"tiny-llama": tiny_llama_config, "small-llama": small_llama_config,
-           "tiny-mixtral": lambda: tiny_moe_config("mixtral")}
+           "tiny-mixtral": lambda: tiny_moe_config("mixtral"), "small-mixtral": small_mixtral_config}
 
 
 def check_model_name(name: str) -> None:

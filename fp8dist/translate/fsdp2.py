@@ -115,6 +115,14 @@ def loss_scaling_plan(spec: Spec) -> dict[str, Any] | None:
             "min_loss_scale": ls.min_loss_scale}
 
 
+def torchao_dims_multiple(ao) -> int | None:
+    """What a Linear's dims must be a multiple of to convert: 16 for float8's _scaled_mm (None: pad_inner_dim pads
+    instead), 32 for MXFP8's blocks."""
+    if ao.recipe_name == "mxfp8":
+        return compat.TORCHAO_MX_BLOCK
+    return None if ao.pad_inner_dim else FP8_DIM_MULTIPLE
+
+
 def float8_plan(spec: Spec, torchao_version: str | None = None, te_version: str | None = None) -> dict[str, Any] | None:
     fp8 = spec.fp8
     if fp8.backend == "none":
@@ -142,7 +150,7 @@ def float8_plan(spec: Spec, torchao_version: str | None = None, te_version: str 
         "force_recompute_fp8_weight_in_bwd": {"value": recompute, "reason": reason},
         "precompute_float8_dynamic_scale_for_fsdp": bool(
             all_gather and ao.precompute_float8_dynamic_scale_for_fsdp and spec.engine == "fsdp2"),
-        "module_filter": {**modules, "require_dims_multiple_of": None if ao.pad_inner_dim else FP8_DIM_MULTIPLE},
+        "module_filter": {**modules, "require_dims_multiple_of": torchao_dims_multiple(ao)},
         # MoE experts (grouped GEMMs); `auto` is resolved on the machine that runs (compat.torchao_experts_mode)
         "experts": ao.experts,
     }

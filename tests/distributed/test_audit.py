@@ -100,3 +100,20 @@ def test_overrides_reach_the_ranks():
     assert bf16_rows["communication"]["expected"] == bf16_rows["communication"]["observed"] == "bf16", bf16_rows
     sent = {name: checks(r)[0]["communication_bytes"]["reduce_scatter"] for name, r in (("fp32", fp32), ("bf16", bf16))}
     assert sent["bf16"]["bf16"]["bytes"] * 2 == sent["fp32"]["fp32"]["bytes"], sent
+
+
+@pytest.mark.parametrize("model", ["tiny-mixtral", "tests.audit_factories:tiny_qwen3_moe",
+                                   "tests.audit_factories:tiny_olmoe"])
+def test_moe_experts_in_fp8_pass_and_a_linear_only_conversion_fails_naming_them(model):
+    """The gemm row counts FLOPs: with the experts' grouped GEMMs in MXFP8 (emulated) the audit passes on 2 ranks
+    with most weight-GEMM FLOPs in FP8; converting the Linears only leaves the experts in bf16, and it fails."""
+    converted = audit(model, "fsdp2-moe-mxfp8")
+    assert converted.returncode == 0, converted.stdout[-3000:] + converted.stderr[-3000:]
+    data, _ = checks(converted)
+    assert data["gemm_flops"]["fp8_share"] >= 0.75 and data["gemm_flops"]["by_format"]["mxfp8"] > 0.5
+    linears_only = audit(model, "fsdp2-moe-mxfp8", overrides=["precision.fp8.torchao.experts=none"])
+    assert linears_only.returncode == 1
+    data, by_phase = checks(linears_only)
+    assert not by_phase["gemm"]["ok"] and "model.layers.0.mlp.experts" in by_phase["gemm"]["detail"]
+    stray = [row["module"] for row in data["gemm_flops"]["high_precision"] if not row["allowed"]]
+    assert stray == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]

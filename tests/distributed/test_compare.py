@@ -97,3 +97,14 @@ def test_json_stays_strict_when_a_loss_is_not_finite():
 
     report = json.loads(as_json(verdict({"config": [1.0, float("nan")], "baseline": [1.0, 1.1]}, 0.05)))
     assert report["passed"] is False and report["max_relative_gap"] is None and report["losses"]["config"][1] is None
+
+
+def test_moe_experts_in_mxfp8_track_bf16():
+    """An MoE pair on the same weights and batches: experts (and Linears) in FP8 vs the bf16 baseline, 8 steps."""
+    result = compare("--config", CONFIGS / "fsdp2-moe-mxfp8.yaml", "--baseline", CONFIGS / "fsdp2-bf16.yaml",
+                     "--model", "tiny-mixtral", "--steps", "8", "--format", "json", "--tolerance", "0.05")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["passed"] is True and report["max_relative_gap"] <= 0.05, report
+    assert len(report["losses"]["config"]) == len(report["losses"]["baseline"]) == 8
+    assert report["losses"]["config"] != report["losses"]["baseline"]

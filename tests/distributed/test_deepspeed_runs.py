@@ -29,7 +29,8 @@ def test_torchao_float8_zero3_under_deepspeed():
 
 
 @pytest.mark.parametrize("config,needs", [
-    ("msamp-o3", ["MS-AMP is not installed", "0.12.4-0.17.4", "needs a CUDA GPU", "fix: run on a CUDA GPU machine"]),
+    ("msamp-o3", ["MS-AMP is not installed", "0.12.4-0.17.4", "needs a CUDA GPU", "environment of its own",
+                  "fix: write the DeepSpeed JSON"]),
     ("deepspeed-te", ["Transformer Engine is not installed", "fix: on a CUDA machine"]),
 ])
 def test_gpu_only_backends_refused_cleanly_here(config, needs):

@@ -29,7 +29,9 @@ KWARGS = ["deepspeed-bf16-zero1", "deepspeed-bf16-zero2", "deepspeed-bf16-zero3"
 # config -> the key Accelerate cannot express (accelerator_kwargs refuses it; docs/accelerate.md says why)
 REFUSED = {"deepspeed-zero3-efficient": "parallel.activation_checkpointing", "fp16-amp": "precision.loss_scaling",
            "fsdp2-float8-efficient": "parallel.cpu_ram_efficient_loading", "fsdp2-replicate": "precision.master_weights",
-           "fsdp2-torchao-float8": "precision.load_dtype"}
+           "fsdp2-torchao-float8": "precision.load_dtype",
+           # Accelerate converts nn.Linear only: MoE experts would stay in bf16
+           "fsdp2-moe-mxfp8": "precision.fp8.torchao.experts", "deepspeed-moe-mxfp8": "precision.fp8.torchao.experts"}
 GPU_ONLY = {"deepspeed-fp16", "deepspeed-te", "te", "msamp-o1", "msamp-o2", "msamp-o3"}
 VARIANTS = {  # a refused example with the refused key changed: what Accelerate can run of it
     "fsdp2-torchao-float8-fp32-load": "engine: fsdp2\nprecision:\n  preset: torchao-float8\n  load_dtype: fp32\n"

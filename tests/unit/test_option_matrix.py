@@ -47,6 +47,8 @@ def has_capability(name: str) -> bool:
         return torch.cuda.is_available()
     if name == "fp8_gpu":
         return torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= (8, 9)
+    if name == "mx_gpu":
+        return torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= (10, 0)
     if name == "deepspeed_fp16":
         from deepspeed.accelerator import get_accelerator
 

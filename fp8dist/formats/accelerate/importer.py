@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import os
 import re
 from pathlib import Path
 from typing import Any, Mapping
@@ -225,10 +226,11 @@ def _deepspeed(config: dict[str, Any], raw_mixed: Any, mixed: str, notes: Notes,
 
 
 def _deepspeed_file(value: str, source: str) -> tuple[Any, str]:
-    """HfDeepSpeedConfig's reading order (accelerate 1.15 utils/deepspeed.py): a path, JSON text, base64 JSON."""
+    """HfDeepSpeedConfig's reading order (accelerate 1.15 utils/deepspeed.py): a path (os.path.exists, so a value too
+    long to be a path is none), JSON text, base64 JSON (urlsafe_b64decode, which reads standard base64 too)."""
     if value.lstrip().startswith("{"):
         return read_json_text(value, f"{source}: deepspeed_config_file"), "inline JSON"
-    if not Path(value).exists() and not (Path(source).parent / value).exists():
+    if not os.path.exists(value) and not os.path.exists(Path(source).parent / value):
         try:
             decoded = base64.urlsafe_b64decode(value.encode()).decode("utf-8")
         except (binascii.Error, UnicodeDecodeError, ValueError):

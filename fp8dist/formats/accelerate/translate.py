@@ -20,6 +20,7 @@ from typing import Any
 import fp8dist.compat as compat
 from fp8dist.config.spec import Spec
 from fp8dist.errors import ConfigError, Fp8distError, Issue
+from fp8dist.formats.common import comment_line
 from fp8dist.translate.deepspeed import to_deepspeed
 from fp8dist.translate.fsdp2 import float8_plan
 
@@ -261,6 +262,18 @@ def _fp8_plan(spec: Spec, mode: str, torchao_version: str | None, issues: list[I
 
 def _torchao_plan(spec: Spec, mode: str, torchao_version: str | None, issues: list[Issue]) -> dict[str, Any]:
     ao, modules = spec.fp8.torchao, spec.fp8.modules
+    if ao.recipe_name == "mxfp8":
+        issues.append(Issue("precision.fp8.torchao.recipe_name", "Accelerate's torchao path builds a Float8LinearConfig "
+                            "(accelerate 1.15 utils/ao.py convert_model_to_fp8_ao); torchao's MXFP8 Linear is another "
+                            "module it does not apply", ao.recipe_name,
+                            "use tensorwise, rowwise or rowwise_with_gw_hp for Accelerate, or train with fp8dist's "
+                            "runtime (launch/train.py, fp8dist.engines)"))
+        return {}
+    if ao.experts in ("float8", "mxfp8"):
+        issues.append(Issue("precision.fp8.torchao.experts", "Accelerate converts nn.Linear layers only; MoE experts "
+                            "would stay in bf16", ao.experts,
+                            "set precision.fp8.torchao.experts=none (and accept bf16 experts under Accelerate), or "
+                            "train with fp8dist's runtime"))
     plan = float8_plan(spec, torchao_version)
     linear = plan["float8_linear_config"]
     recompute = plan["force_recompute_fp8_weight_in_bwd"]["value"]
@@ -422,7 +435,8 @@ def render(document: dict[str, Any], plan: dict[str, Any], spec: Spec, source: s
     batch = ("" if spec.engine == "deepspeed" else
              f", micro batch {t.micro_batch_size} x accumulation {t.gradient_accumulation_steps}, clipping "
              f"{t.gradient_clipping}")
-    lines = [f"# Accelerate {compat.fmt(compat.ACCELERATE_KNOWN[:2])} config translated by fp8dist from {source}.",
+    lines = [comment_line(f"Accelerate {compat.fmt(compat.ACCELERATE_KNOWN[:2])} config translated by fp8dist from "
+                          f"{source}."),
              "# accelerate launch --config_file THIS --num_processes N your_script.py   (fp8dist configs do not fix N)",
              f"{LOAD_DTYPE_MARK}{spec.precision.load_dtype}   (the torch_dtype your script loads the model in; "
              "an Accelerate file has no place for it)",
@@ -431,5 +445,5 @@ def render(document: dict[str, Any], plan: dict[str, Any], spec: Spec, source: s
     same, reason = compat.accelerate_matches(compat.parse_version(installed) if installed else None)
     if not same:
         lines.append(f"# note: {reason}")
-    lines += [f"# note: {note}" for note in plan["notes"]]
+    lines += [comment_line(f"note: {note}") for note in plan["notes"]]
     return "\n".join(lines) + "\n" + yaml.safe_dump(document, sort_keys=False, default_flow_style=False, width=4096)

@@ -14,13 +14,15 @@ Every key is in KEYS with its class (fp8dist/formats/keys.py: kept, no effect, r
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import fp8dist.compat as compat
 from fp8dist.errors import Issue
 from fp8dist.formats.accelerate.sections import fsdp_settings, note_accelerate_refusals
-from fp8dist.formats.common import Imported, ImportProblem, Notes, integer, mapping, read_beside, truthy
+from fp8dist.formats.common import (Imported, ImportProblem, Notes, WrongShape, integer, mapping, read_beside,
+                                   truthy)
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
 from fp8dist.formats.keys import Table, disabled, kept, no_effect, one_or_unset, refused
 
@@ -347,9 +349,10 @@ def _number(value: Any) -> Any:
     """YAML 1.1 (PyYAML, as Axolotl reads it) leaves `2e-5` a string; Axolotl's pydantic model makes it a float."""
     if isinstance(value, str):
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
             return value
+        return number if math.isfinite(number) else value  # "nan" and "inf" are no settings
     return value
 
 
@@ -357,10 +360,12 @@ def _train_and_optimizer(cfg: dict[str, Any], out: dict[str, Any], notes: Notes,
                          deepspeed: bool) -> None:
     train = out.setdefault("train", {})
     for key, target in _TRAIN.items():
-        value = _number(cfg.get(key))
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            cfg.pop(key)
-            train.setdefault(target, int(value) if target != "gradient_clipping" and float(value).is_integer() else value)
+        if cfg.get(key) is None:  # left out or written without a value: Axolotl's default
+            continue
+        value = _number(cfg.pop(key))
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise WrongShape(key, value, "a number")
+        train.setdefault(target, int(value) if target != "gradient_clipping" and float(value).is_integer() else value)
     if not train:
         out.pop("train")
     optimizer = out.setdefault("optimizer", {})

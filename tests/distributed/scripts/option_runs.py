@@ -37,6 +37,10 @@ def float8_linears(model) -> int:
     return sum(1 for m in model.modules() if type(m).__name__ == "Float8Linear")
 
 
+def mx_linears(model) -> int:
+    return sum(1 for m in model.modules() if type(m).__name__ == "MXFP8Linear")
+
+
 def _checksum(model) -> float:
     return float(sum(p.detach().float().sum() for p in probes.trainable(model)
                      for p in [p.to_local() if hasattr(p, "to_local") else p]))
@@ -102,7 +106,7 @@ def run_fsdp2(case, spec, loaded) -> dict:
                         for name, m in run.model.named_modules() if name in run.wrapped) and bool(run.wrapped),
         "root_is_fsdp": isinstance(run.model, FSDPModule),
         "reduce_scatters_per_step": reduce_scatters[0] // spec.train.steps,
-        "fsdp_units": len(units), "float8_linears": float8_linears(run.model),
+        "fsdp_units": len(units), "float8_linears": float8_linears(run.model), "mx_linears": mx_linears(run.model),
         "mesh": list(next(run.model.parameters()).device_mesh.shape), "checkpointed_blocks": checkpointed(run.model),
         "float8_all_gather_weights": sum(1 for p in run.model.parameters()
                                          if type(p.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"),
@@ -157,7 +161,8 @@ def run_deepspeed(case, spec, loaded) -> dict:
     facts = {**audit_facts(engine.fp8dist_run.audit_report), "losses": losses, "zero_stage": engine.zero_optimization_stage(),
              "optimizer": type(engine.basic_optimizer).__name__, "compiled": engine.is_compiled,
              "master_dtype": probes.summarize(master)[0] if master else None,
-             "float8_linears": float8_linears(engine.module), "skipped_steps": engine.skipped_steps,
+             "float8_linears": float8_linears(engine.module), "mx_linears": mx_linears(engine.module),
+             "skipped_steps": engine.skipped_steps,
              "checkpointed_blocks": checkpointed(engine.module), "loaded_from_files": loaded_from_files,
              "experts": experts_implementation(engine.module)}
     engine.destroy()

@@ -110,3 +110,37 @@ def test_without_fp8_in_the_config_nothing_is_held_against_it():
     ledger.flops[("model.layers.0.mlp.experts", "bf16")] = 10
     result = summarize(ledger, {}, fp8_expected=False)
     assert result["fp8_share"] == 0.0 and result["high_precision"][0]["allowed"]
+
+
+def test_dense_mxfp8_linears_count_as_mxfp8():
+    """recipe_name=mxfp8: torchao's MXFP8Linear multiplies MXTensors (FP8 qdata, e8m0 block scales), in all three
+    GEMMs of each converted Linear."""
+    spec = load_config({"engine": "fsdp2", "precision": {"preset": "torchao-float8", "fp8": {"torchao": {
+        "emulate": True, "recipe_name": "mxfp8"}}}})
+    backend = get_backend(spec)
+    backend.check_environment({"capability": None})
+    model = _from_hf_config(tiny_config("llama"), "bf16", 0)
+    decisions = backend.convert_module(model)
+    assert sum(d.convert for d in decisions) == 14 and type(model.lm_head).__name__ == "Linear"
+    result = summarize(_step(model), {d.fqn: d.reason for d in decisions if not d.convert}, True)
+    assert set(result["by_format"]) == {"mxfp8", "bf16"} and result["fp8_share"] > 0.8
+    assert [row["module"] for row in result["high_precision"]] == ["lm_head"]
+
+
+def test_a_recipe_that_keeps_the_weight_gradient_in_high_precision_is_held_to_that_only():
+    """rowwise_with_gw_hp runs each converted Linear's weight-gradient GEMM in bf16 by design
+    (compat.TORCHAO_HIGH_PRECISION_GEMMS): allowed there, and nowhere else."""
+    import fp8dist.compat as compat
+
+    spec = load_config({"engine": "fsdp2", "precision": {"fp8": {"backend": "torchao", "torchao": {
+        "emulate": True, "recipe_name": "rowwise_with_gw_hp"}}}})
+    backend = get_backend(spec)
+    backend.check_environment({"capability": None})
+    model = _from_hf_config(tiny_config("llama"), "bf16", 0)
+    kept = {d.fqn: d.reason for d in backend.convert_module(model) if not d.convert}
+    ledger = _step(model)
+    phases = {phase for (module, phase) in ledger.high_precision_phases if module != "lm_head"}
+    assert phases == {"weight_gradient"}
+    assert not all(row["allowed"] for row in summarize(ledger, kept, True)["high_precision"])
+    by_design = compat.TORCHAO_HIGH_PRECISION_GEMMS["rowwise_with_gw_hp"]
+    assert all(row["allowed"] for row in summarize(ledger, kept, True, by_design)["high_precision"])

@@ -101,3 +101,33 @@ def test_an_excluded_or_misshapen_experts_module_keeps_all_experts_and_says_why(
     odd.intermediate_size = 48
     decisions = experts.convert(_from_hf_config(odd, "bf16", 0), "mxfp8", True, lambda name: None)
     assert not any(d.convert for d in decisions) and "multiples of 32" in decisions[0].reason
+
+
+def test_accelerate_cannot_carry_mx_linears_or_fp8_experts():
+    from fp8dist.errors import ConfigError
+    from fp8dist.formats.accelerate.translate import to_accelerate
+
+    for torchao in ({"recipe_name": "mxfp8"}, {"experts": "mxfp8"}):
+        spec = load_config({"engine": "fsdp2", "precision": {"preset": "torchao-float8", "fp8": {"torchao": {
+            "emulate": True, **torchao}}}})
+        with pytest.raises(ConfigError) as err:
+            to_accelerate(spec)
+        key = next(iter(torchao))
+        assert f"precision.fp8.torchao.{key}" in str(err.value) and "fix:" in str(err.value)
+
+
+def test_an_nn_linear_router_stays_in_high_precision():
+    """Routers are kept in high precision by every FP8 recipe that handles MoE; transformers' afmoe has an
+    nn.Linear `gate` beside its `experts`, which the Linear filter would otherwise convert."""
+    from fp8dist.backends.module_filter import decide, linear_infos
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(64, 8)
+            self.experts = torch.nn.ModuleList([torch.nn.Linear(64, 64)])
+            self.up = torch.nn.Linear(64, 64)
+
+    decisions = {d.fqn: d for d in decide(linear_infos(torch.nn.Sequential(Block())), [], False, None)}
+    assert not decisions["0.gate"].convert and "MoE router" in decisions["0.gate"].reason
+    assert decisions["0.up"].convert and decisions["0.experts.0"].convert

@@ -1,0 +1,56 @@
+"""Mixture-of-Experts: where the FLOPs run, and what converting the experts costs in loss.
+
+    python benchmarks/moe.py [--steps N]
+
+On `small-mixtral` (built in: 4 layers, 8 experts of 256 x 256, top-2), FSDP2 on 2 gloo ranks:
+- the FP8 share of weight-GEMM FLOPs that `fp8dist audit` measures (gemm_flops.fp8_share) with the experts in
+  MXFP8 (configs/fsdp2-moe-mxfp8.yaml, emulated on CPU) and with Linears only (`experts=none`, what a Linear-only
+  FP8 conversion gives). Goal: >= 0.85 with the experts converted.
+- the loss of that config against bf16 (configs/fsdp2-bf16.yaml) over the same steps, seed and batches, through
+  the real launcher (`torchrun launch/train.py`): the largest relative gap. Goal: <= 0.02.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import ROOT, cpu_env, launcher_losses, result  # noqa: E402
+
+MODEL = "small-mixtral"
+MOE_CONFIG = str(ROOT / "configs" / "fsdp2-moe-mxfp8.yaml")
+
+
+def fp8_share(*overrides: str) -> float:
+    command = [sys.executable, "-m", "fp8dist", "audit", MODEL, "--config", MOE_CONFIG, *overrides, "--nproc", "2",
+               "--format", "json"]
+    done = subprocess.run(command, capture_output=True, text=True, env=cpu_env(), cwd=ROOT)
+    if done.returncode not in (0, 1):  # 1: the audit failed (expected with experts=none)
+        raise SystemExit(f"audit {overrides}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout)["gemm_flops"]["fp8_share"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=50)
+    steps = parser.parse_args().steps
+    converted, linear_only = fp8_share(), fp8_share("precision.fp8.torchao.experts=none")
+    print(f"FP8 share of weight-GEMM FLOPs on {MODEL}: experts in MXFP8 {converted:.3f}, Linears only "
+          f"{linear_only:.3f}")
+    result("moe_fp8_share_experts_mxfp8", converted, ">=0.85", "audit gemm_flops.fp8_share, experts converted")
+    result("moe_fp8_share_linears_only", linear_only, "info", "audit gemm_flops.fp8_share, experts=none")
+    fp8 = launcher_losses(MOE_CONFIG, steps, MODEL)
+    bf16 = launcher_losses(str(ROOT / "configs" / "fsdp2-bf16.yaml"), steps, MODEL)
+    gaps = [abs(a - b) / abs(b) for a, b in zip(fp8, bf16)]
+    worst = max(range(steps), key=gaps.__getitem__)
+    print(f"loss over {steps} steps: largest relative gap {gaps[worst]:.5f} at step {worst + 1}; final "
+          f"{fp8[-1]:.4f} (experts MXFP8) vs {bf16[-1]:.4f} (bf16)")
+    result("moe_loss_gap_experts_mxfp8_vs_bf16", gaps[worst], "<=0.02",
+           f"max over {steps} steps of |loss_fp8 - loss_bf16| / loss_bf16")
+
+
+if __name__ == "__main__":
+    main()
