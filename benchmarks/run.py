@@ -30,6 +30,7 @@ BENCHMARKS = {
     "cli_latency": ("cli_latency.py", ["--runs", "3"]),
     "numerics": ("numerics.py", ["--steps", "10"]),
     "moe": ("moe.py", ["--steps", "10"]),
+    "lora": ("lora.py", ["--steps", "2"]),
     "gpu_throughput": ("gpu_throughput.py", ["--steps", "5", "--warmup", "2"]),
 }
 GPU_REFUSED = 2  # gpu_throughput.py's exit code without an FP8 GPU

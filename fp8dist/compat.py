@@ -560,3 +560,14 @@ def deepspeed_default_communication(section: str | None) -> str:
     """communication_data_type when the config leaves it out: the 16-bit section's dtype, else fp32
     (deepspeed 0.19.8 runtime/engine.py DeepSpeedEngine.communication_data_type)."""
     return {"fp16": "fp16", "bf16": "bf16"}.get(section or "", "fp32")
+
+# --- PEFT's LoRA module names -------------------------------------------------------------------
+# peft 0.21 tuners/lora/layer.py LoraLayer.adapter_layer_names ("lora_A", "lora_B", "lora_embedding_A",
+# "lora_embedding_B"): an adapter's own modules are named `<target>.lora_A.<adapter>`; the Linear it adapts
+# becomes `<target>.base_layer`. FP8 filters (fp8dist's and the one fp8dist hands Accelerate) leave them out.
+LORA_MODULE_PREFIX = "lora_"
+
+
+def is_lora_module(fqn: str) -> bool:
+    """A LoRA adapter's own module or parameter (lora_A / lora_B / lora_embedding_*), by PEFT's names."""
+    return any(part.startswith(LORA_MODULE_PREFIX) for part in fqn.split("."))

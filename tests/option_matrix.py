@@ -38,6 +38,13 @@ class Refusal:
 
 
 DS = {"engine": "deepspeed"}
+
+
+def LORA_FACTS(adapted: int, frozen: int) -> dict:
+    """What an adapter run reports: 2 adapter tensors per adapted Linear, all stepped; the frozen tensors at the
+    load dtype (bf16) with no gradient and no optimizer state."""
+    return {"trainable_tensors": 2 * adapted, "stepped_tensors": 2 * adapted, "frozen_tensors": frozen,
+            "frozen_dtype": "bf16", "frozen_with_gradient": 0, "frozen_with_state": 0}
 EMULATE = {"emulate": True}
 
 
@@ -153,6 +160,20 @@ RUNS = [
     Run("ds-fp16-amp-autocast", {**DS, "precision": {"preset": "fp16-amp"}}, {"zero_stage": 2}),
     Run("ds-torchao-float8", {**DS, "precision": {"preset": "torchao-float8", "fp8": {"torchao": EMULATE}}},
         {"float8_linears": 14}),
+    # LoRA: the frozen base keeps the load dtype (FSDP2: in torchao's float8 all-gather wrapper), no gradient and
+    # no optimizer state; only the adapters are stepped, in the master dtype
+    Run("fsdp2-lora-float8",
+        {"adapter": {"kind": "lora", "r": 4, "alpha": 16, "dropout": 0.05,
+                     "target_modules": ["q_proj", "v_proj", "up_proj"], "base_dtype": "auto"},
+         "precision": {"preset": "torchao-float8", "fp8": {"torchao": EMULATE}}},
+        {"float8_linears": 14, "float8_all_gather_weights": 14, **LORA_FACTS(adapted=6, frozen=21)}),
+    Run("fsdp2-lora-bf16-qwen2", {"adapter": {"kind": "lora"}, "precision": {"preset": "bf16"}},
+        LORA_FACTS(adapted=14, frozen=27), model="tiny-qwen2"),
+    Run("ds-zero2-lora-qwen2", {**DS, "adapter": {"kind": "lora"}, "deepspeed": {"zero_stage": 2}},
+        {"zero_stage": 2, **LORA_FACTS(adapted=14, frozen=27)}, model="tiny-qwen2"),
+    Run("ds-zero3-lora", {**DS, "adapter": {"kind": "lora", "target_modules": ["q_proj", "v_proj"]},
+                          "deepspeed": {"zero_stage": 3}},
+        {"zero_stage": 3, **LORA_FACTS(adapted=4, frozen=21)}),
 ]
 
 TE = {"precision": {"fp8": {"backend": "te"}}}
@@ -297,6 +318,14 @@ REFUSALS = [
     Refusal("ds-fp8-states", {**DS, "optimizer": {"state_dtype": "fp8"}}, "torchao optimizer for FSDP2"),
     Refusal("fsdp2-low-bit-states-sgd", {"optimizer": {"name": "sgd", "state_dtype": "int8"}},
             "states come from torchao's low-bit AdamW"),
+    Refusal("adapter-settings-without-kind", {"adapter": {"r": 16}}, "adapter settings do nothing"),
+    *[Refusal(f"adapter-base-{dtype}", {"adapter": {"kind": "lora", "base_dtype": dtype}}, "bitsandbytes")
+      for dtype in ("nf4", "int8")],
+    Refusal("adapter-msamp", {"adapter": {"kind": "lora"}, "precision": {"preset": "msamp-o2"}},
+            "MS-AMP casts every Linear weight"),
+    Refusal("adapter-te", merge(te(), {"adapter": {"kind": "lora"}}), "Transformer Engine under LoRA"),
+    Refusal("adapter-efficient-loading", {"adapter": {"kind": "lora"}, "parallel": {"cpu_ram_efficient_loading": True}},
+            "the adapters are not in the model directory"),
     Refusal("fsdp2-state-dtype-mismatch", {"optimizer": {"state_dtype": "bf16"}}, "torch.optim keeps states"),
     # Moved keys are refused with their new name.
     Refusal("moved-deepspeed-fp16", {**DS, "deepspeed": {"fp16": {"loss_scale": 0}}},
@@ -366,6 +395,7 @@ def active(path: str, resolved: dict) -> bool:
         "precision.fp8.modules.": fp8["backend"] != "none",
         "precision.loss_scaling.": compute_dtype(resolved) == "fp16",
         "fsdp2.": resolved["engine"] == "fsdp2",
+        "adapter.base_dtype": resolved["adapter"]["kind"] != "none",
         "deepspeed.": resolved["engine"] == "deepspeed",
     }
     return all(on for prefix, on in gates.items() if path.startswith(prefix))
@@ -448,6 +478,8 @@ AUDIT_ROWS = {  # what the audit shows for a key: the phases whose expected dtyp
     "precision.fp8.modules.exclude": "FP8 modules list",
     "precision.fp8.modules.skip_first_last": "FP8 modules list",
     "precision.fp8.torchao.pad_inner_dim": "FP8 modules list",
+    "adapter.kind": "frozen_weights, frozen_state (lora: the other rows cover the adapters only)",
+    "adapter.base_dtype": "frozen_weights",
 }
 
 

@@ -15,7 +15,7 @@ from fp8dist.engines.registry import facts_for
 # exp_avg_sq; fp8dist's SGD has no momentum).
 STATES_PER_PARAM = {"adam": 2, "adamw": 2, "sgd": 0}
 PHASES = ("loading", "preparation", "weights", "master_weights", "training", "gemm", "weight_gradients",
-          "optimizer", "communication", "weight_all_gather")
+          "optimizer", "communication", "weight_all_gather", "frozen_weights", "frozen_state")
 MULTI_RANK_PHASES = {"communication", "weight_all_gather"}
 
 
@@ -56,10 +56,19 @@ def expected(spec: Spec, nproc: int = 1) -> dict[str, tuple[str, str]]:
         cells = _msamp_row(spec)
         for phase in ("gemm", "communication", "weights", "master_weights", "weight_gradients", "optimizer"):
             row[phase] = (cells[phase], f"table A, MS-AMP {spec.fp8.msamp.opt_level}")
+    if spec.adapter.enabled:
+        row["frozen_state"] = ("none", "adapter.kind=lora: the frozen base gets no gradient and no optimizer state")
     if nproc < 2:
         for phase in MULTI_RANK_PHASES:
             row.pop(phase, None)
     return {phase: row[phase] for phase in PHASES if phase in row}
+
+
+def frozen_bytes_per_param(spec: Spec) -> float:
+    """Bytes per frozen parameter (an adapter run's base): its weight only, in the frozen_weights dtype."""
+    if not spec.adapter.enabled:
+        return 0.0
+    return float(FAMILY_BYTES[normalize(expected(spec)["frozen_weights"][0])])
 
 
 def implied_bytes_per_param(spec: Spec) -> dict[str, float]:

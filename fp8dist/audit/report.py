@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from fp8dist.audit.expected import expected, normalize
+from fp8dist.backends.module_filter import ADAPTER_REASON
 from fp8dist.config.spec import Spec
 
 
@@ -31,7 +32,8 @@ def build(spec: Spec, model: str, observed: dict[str, Any], nproc: int,
     per_param = {k: round(v, 2) for k, v in observed.get("_bytes", {}).items()}
     return {"passed": all(c["ok"] for c in checks), "model": model, "engine": spec.engine,
             "config": spec.source, "preset": spec.precision.preset, "nproc": nproc, "checks": checks,
-            "bytes_per_param": per_param, "fp8_modules": observed.get("_decisions", []),
+            "bytes_per_param": per_param, "parameters": observed.get("_parameters"),
+            "frozen_bytes_per_param": observed.get("_frozen_bytes"), "fp8_modules": observed.get("_decisions", []),
             "gemm_flops": observed.get("_gemm_flops"),
             "communication_bytes": observed.get("_comm"), "outside_scope": outside}
 
@@ -53,6 +55,10 @@ def table(result: dict[str, Any]) -> str:
     if result["bytes_per_param"]:
         lines.append("")
         lines.append("bytes per parameter: " + ", ".join(f"{k} {v}" for k, v in result["bytes_per_param"].items()))
+    counts = result.get("parameters")
+    if counts and counts["frozen"]:
+        lines.append(f"parameters: {counts['trainable']:,} trainable (the bytes above), {counts['frozen']:,} frozen at "
+                     f"{result['frozen_bytes_per_param']} bytes per parameter")
     flops = result.get("gemm_flops")
     if flops and flops["weight_gemm_flops"]:
         formats = ", ".join(f"{fmt} {share:.1%}" for fmt, share in flops["by_format"].items())
@@ -68,9 +74,11 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"  - {names}: {sum(r['share'] for r in rows):.1%} in high precision ({reason})")
     converted = [m for m in result["fp8_modules"] if m["convert"]]
     if result["fp8_modules"]:
+        kept = [m for m in result["fp8_modules"] if not m["convert"]]
+        adapters = [m for m in kept if m["reason"] == ADAPTER_REASON]
         lines.append(f"FP8 modules: {len(converted)} of {len(result['fp8_modules'])} converted; kept: " +
-                     ("; ".join(f"{m['fqn']} ({m['reason']})" for m in result["fp8_modules"] if not m["convert"])
-                      or "none"))
+                     ("; ".join([f"{m['fqn']} ({m['reason']})" for m in kept if m not in adapters]
+                                + ([f"{len(adapters)} Linears: {ADAPTER_REASON}"] if adapters else [])) or "none"))
     for phase, why in result.get("outside_scope", {}).items():
         lines.append(f"  - {phase}: not part of this audit ({why})")
     lines.append("")

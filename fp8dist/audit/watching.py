@@ -27,13 +27,14 @@ from typing import Any
 import fp8dist.audit.probes as probes
 import fp8dist.compat as compat
 from fp8dist.audit.gemm_flops import clean_name, summarize as summarize_gemm_flops
-from fp8dist.backends.module_filter import LinearInfo, decide, linear_infos
+from fp8dist.backends.module_filter import LinearInfo, decide, is_adapter, linear_infos
 from fp8dist.audit.expected import expected, normalize
 from fp8dist.audit.report import build, table, verdict
 from fp8dist.audit.wire import REDUCTIONS, WireRecorder
 from fp8dist.backends.storage import is_scaling_tensor
 from fp8dist.config.load import load_config
 from fp8dist.config.spec import Spec
+from fp8dist.engines.inspector import local
 from fp8dist.engines.optim import full_precision_by_design
 from fp8dist.engines.registry import inspector_for
 from fp8dist.errors import Fp8distError
@@ -148,6 +149,33 @@ class Watch:
         if separate and masters:
             self._bytes["master"] = probes.nbytes(masters) / covered
         self._covered = max(covered, 1)
+        self._observe_frozen()
+
+    def _observe_frozen(self) -> None:
+        """Trainable vs frozen. Under `adapter` the base is every parameter that is not a LoRA adapter's (PEFT's
+        names, backends/module_filter.is_adapter), whatever the loop did with it: stored in the expected dtype
+        (an fp32 copy of a bf16 base is a mismatch), with no gradient and never stepped by the optimizer."""
+        named = list(self.inspector.module.named_parameters())
+        frozen = [(n, p) for n, p in named if not p.requires_grad]
+        self.observed["_parameters"] = {"trainable": sum(_numel(p) for _, p in named if p.requires_grad),
+                                        "frozen": sum(_numel(p) for _, p in frozen)}
+        stored = [_stored(p) for _, p in frozen]
+        if stored:
+            self.observed["_frozen_bytes"] = round(probes.nbytes(stored) / max(sum(t.numel() for t in stored), 1), 2)
+        if not self.spec.adapter.enabled:
+            return
+        base = [(n, p) for n, p in named if not is_adapter(n)]
+        value, counts = probes.summarize(_stored(p) for _, p in base)
+        self.observed["frozen_weights"] = _obs(value, f"the base weights (every parameter outside the adapters): "
+                                                      f"{counts}")
+        stepped = {id(p) for p in _stepped(self.inspector.optimizer)}
+        kept = {"gradients": [n for n, p in base if p.requires_grad or p.grad is not None],
+                "optimizer": [n for n, p in base if id(p) in stepped]}
+        kept = {kind: names for kind, names in kept.items() if names}
+        detail = "; ".join(f"{kind} for {len(names)} base tensors ({', '.join(names[:3])}"
+                           f"{' ...' if len(names) > 3 else ''})" for kind, names in kept.items())
+        self.observed["frozen_state"] = _obs("+".join(kept) or "none", detail or
+                                             f"{len(base)} base tensors: no gradient, not stepped by the optimizer")
 
     def _record_gradients(self, grads: list, where: str) -> None:
         if self._gradients is None or (not self._gradients["numel"] and grads):  # the first step that has them
@@ -258,7 +286,7 @@ class Watch:
                                     f"gradient reductions on the wire (scalars left out): "
                                     f"{ {k: v for k, v in record.items() if k in REDUCTIONS} }")
         gathered = set(wire.dtypes({"all_gather"}))
-        float8_weights = sum(1 for p in self.inspector.parameters()
+        float8_weights = sum(1 for p in self.inspector.module.parameters()  # frozen ones too (an adapter run's base)
                              if "Float8" in type(getattr(p, "_local_tensor", p)).__name__)
         if float8_weights and gathered & FLOAT8_WIRE:
             gather = "fp8"

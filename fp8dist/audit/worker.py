@@ -26,6 +26,10 @@ def loading_cell(loaded) -> dict[str, Any]:
         value, counts = probes.summarize_counts(loaded.materialize.file_formats())
         return {"observed": value, "detail": f"RAM-efficient loading: read shard by shard from the safetensors "
                 f"files, which hold {counts}", "measured": True}
+    if any(not p.requires_grad for p in loaded.model.parameters()):  # adapter runs: the adapters are made, not loaded
+        value, counts = probes.summarize(p for p in loaded.model.parameters() if not p.requires_grad)
+        return {"observed": value, "detail": f"the frozen base after loading (the adapters are new): {counts}",
+                "measured": True}
     value, counts = probes.summarize(probes.trainable(loaded.model))
     return {"observed": value, "detail": f"parameters after loading: {counts}", "measured": True}
 

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Iterable, Sequence
 
+from fp8dist.compat import is_lora_module
+
 
 @dataclass(frozen=True)
 class LinearInfo:
@@ -27,6 +29,23 @@ def is_router(name: str, module, parent) -> bool:
                                                   and hasattr(parent, "experts"))
 
 
+ADAPTER_REASON = "LoRA adapter (trained, kept in the master dtype)"
+# PEFT 0.21 names (compat.LORA_MODULE_PREFIX): a targeted Linear becomes `<name>.base_layer` inside a LoRA layer,
+# its adapters `<name>.lora_A.<adapter>`; a PeftModel adds `base_model.model.` in front (peft_model.py,
+# tuners_utils.py BaseTuner.model).
+_PEFT_PREFIX = "base_model.model."
+
+
+is_adapter = is_lora_module  # a LoRA adapter's own Linear: never converted, trained in the master dtype
+
+
+def base_name(fqn: str) -> str:
+    """The name the Linear had before PEFT wrapped it: exclusion patterns written for the base model match the
+    same modules in an adapter run."""
+    fqn = fqn[len(_PEFT_PREFIX):] if fqn.startswith(_PEFT_PREFIX) else fqn
+    return fqn.replace(".base_layer", "")
+
+
 @dataclass(frozen=True)
 class Decision:
     fqn: str
@@ -44,11 +63,14 @@ def decide(linears: Sequence[LinearInfo], exclude: Iterable[str], skip_first_las
     """One decision per Linear, in model order. `dim_multiple` None means no divisibility rule;
     `dim_hint` is appended to the reason of a layer that breaks it (how to convert it anyway)."""
     exclude = list(exclude)
-    edges = {linears[0].fqn, linears[-1].fqn} if (skip_first_last and linears) else set()
+    bases = [info for info in linears if not is_adapter(info.fqn)]
+    edges = {bases[0].fqn, bases[-1].fqn} if (skip_first_last and bases) else set()
     out = []
     for info in linears:
-        pattern = matching_pattern(info.fqn, exclude)
-        if info.router:
+        pattern = matching_pattern(base_name(info.fqn), exclude)
+        if is_adapter(info.fqn):
+            out.append(Decision(info.fqn, False, ADAPTER_REASON))
+        elif info.router:
             out.append(Decision(info.fqn, False, ROUTER_REASON))
         elif pattern:
             out.append(Decision(info.fqn, False, f"excluded by pattern {pattern!r}"))

@@ -198,6 +198,7 @@ def worker(model_name: str, baseline: str, config: str, steps: int, data: str,
     from fp8dist.engines.registry import facts_for
     from fp8dist.runtime import loop, process_group
     from fp8dist.runtime.data import SYNTHETIC_BATCHES, file_batches, token_stream
+    from fp8dist.runtime.adapters import apply_adapter
     from fp8dist.runtime.models import load_model
 
     result: dict[str, Any] = {}
@@ -211,6 +212,8 @@ def worker(model_name: str, baseline: str, config: str, steps: int, data: str,
         for name, spec in specs.items():
             loaded = load_model(model_name, "fp32", seed=seed)
             loaded.model.to(torch_dtype(spec.precision.load_dtype))
+            torch.manual_seed(seed)  # LoRA's lora_A draws its initial values: the same ones in both runs
+            loaded.model = apply_adapter(loaded.model, spec.adapter, spec.precision.weight_dtype)
             if make_batch is None:
                 make_batch = loaded.make_batch
                 if data:

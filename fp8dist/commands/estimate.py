@@ -133,6 +133,18 @@ def shard_counts(spec: Spec, world: int) -> dict[str, int]:
     return facts_for(spec).shard_counts(spec, world)
 
 
+def adapted_counts(meta: MetaModel, spec: Spec) -> tuple[int, int]:
+    """(trainable, frozen) parameters: with `adapter`, PEFT's LoRA applied to the meta model (its adapters built on
+    meta too: no storage), as the run's loading applies it."""
+    import torch
+
+    from fp8dist.runtime.adapters import apply_adapter, split_parameters
+
+    with torch.device("meta"):
+        model = apply_adapter(meta.model, spec.adapter, spec.precision.weight_dtype)
+    return split_parameters(model)
+
+
 def bytes_per_param(spec: Spec) -> dict[str, float]:
     from fp8dist.audit.expected import implied_bytes_per_param
 
@@ -350,11 +362,16 @@ def estimate(name: str, spec: Spec, world: int) -> dict[str, Any]:
     if world < 1:
         raise Fp8distError(f"--world-size must be at least 1, got {world}")
     compute = spec.precision.compute_dtype
+    from fp8dist.audit.expected import frozen_bytes_per_param
+
     meta = build_meta_model(name, compute)
-    params = sum(p.numel() for p in meta.model.parameters())
+    trainable, frozen = adapted_counts(meta, spec)
+    params = trainable + frozen
     per_param = bytes_per_param(spec)
     shards = shard_counts(spec, world)
-    per_rank = {store: math.ceil(params * per_param[store] / shards[store]) for store in per_param}
+    # the trainable parameters carry every store; the frozen ones (an adapter run's base) their weight only
+    per_rank = {store: math.ceil(trainable * per_param[store] / shards[store]) for store in per_param}
+    per_rank["weights"] += math.ceil(frozen * frozen_bytes_per_param(spec) / shards["weights"])
     activations = activation_bytes(meta, spec)
     coverage = fp8_coverage(meta, spec)
     extras, extras_how = fp8_extra_bytes(meta, spec)
@@ -376,6 +393,8 @@ def estimate(name: str, spec: Spec, world: int) -> dict[str, Any]:
     highest = max(phases, key=phases.get)
     return {
         "model": name, "shape_only": meta.shape_only, "parameters": params, "world_size": world,
+        "trainable_parameters": trainable, "frozen_parameters": frozen,
+        "frozen_bytes_per_param": frozen_bytes_per_param(spec),
         "engine": spec.engine, "config": spec.source, "preset": spec.precision.preset,
         "micro_batch_size": spec.train.micro_batch_size, "seq_len": spec.train.seq_len,
         "bytes_per_param": per_param, "shards": shards, "per_rank_bytes": per_rank,
@@ -427,6 +446,10 @@ def render_table(result: dict[str, Any], markdown: bool = False) -> str:
              f"transient in backward: {human(r['transient_bytes']['unsharded_units'])} of gathered weights, "
              f"{human(r['transient_bytes']['logits_gradient'])} of logits gradient",
              f"fp8 extras: {r['fp8_extras_counted']}"]
+    if r["frozen_parameters"]:
+        notes.insert(0, f"adapter: {r['trainable_parameters'] / 1e6:,.2f}M trainable parameters carry masters, "
+                        f"gradients and optimizer states; {r['frozen_parameters'] / 1e6:,.2f}M frozen ones their "
+                        f"weights only, at {r['frozen_bytes_per_param']:g} bytes per parameter")
     if markdown:
         lines = [f"**{head}**", "", "| store | per rank |", "|---|---|"]
         lines += [f"| {name} | {value} |" for name, value in store_rows]

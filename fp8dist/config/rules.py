@@ -352,3 +352,39 @@ def _parallel(doc, _):
         issues.append(Issue("parallel.sharding", "hybrid is ZeRO-3 + hpZ on DeepSpeed, and MS-AMP does not run "
                             "ZeRO-3 (Azure/MS-AMP#182)", "hybrid", "set parallel.sharding=grad_op"))
     return issues
+
+
+@rule
+def _adapter(doc, explicit):
+    """LoRA composes with torchao's float8 conversion (the frozen base Linears convert, the adapters do not: a
+    module filter on the names). MS-AMP and Transformer Engine replace or wrap every Linear's weight in their
+    own types, under PEFT's layers; neither path runs here (both need a CUDA GPU), so neither is claimed."""
+    ad, issues = doc["adapter"], []
+    written = explicit.get("adapter") if isinstance(explicit.get("adapter"), Mapping) else {}
+    if ad["kind"] == "none":
+        extra = sorted(k for k in written if k != "kind")
+        if extra:
+            issues.append(Issue(f"adapter.{extra[0]}", f"adapter settings do nothing with adapter.kind=none "
+                                f"({', '.join('adapter.' + k for k in extra)})", written[extra[0]],
+                                "set adapter.kind=lora, or remove them"))
+        return issues
+    if ad["base_dtype"] != "auto":
+        issues.append(Issue("adapter.base_dtype", f"a {ad['base_dtype']} base (QLoRA) runs on bitsandbytes' CUDA "
+                            "kernels, which fp8dist does not run", ad["base_dtype"],
+                            "set adapter.base_dtype=auto (the base stays in precision.load_dtype, or FP8 with "
+                            "precision.fp8.backend=torchao)"))
+    backend = doc["precision"]["fp8"]["backend"]
+    if backend == "msamp":
+        issues.append(Issue("precision.fp8.backend", "MS-AMP casts every Linear weight to its ScalingTensor and its "
+                            "optimizer steps them all; frozen base weights under LoRA adapters are not a regime it "
+                            "has", "msamp", "use precision.fp8.backend=torchao with the adapter, or adapter.kind=none"))
+    if backend == "te":
+        issues.append(Issue("precision.fp8.backend", "Transformer Engine under LoRA is not a path fp8dist runs: "
+                            "fp8dist applies PEFT before FP8 conversion, while PEFT's TE layers (peft 0.21 "
+                            "tuners/lora/te.py) wrap te.Linear modules that already exist and cannot merge", "te",
+                            "use precision.fp8.backend=torchao with the adapter, or adapter.kind=none"))
+    if doc["parallel"]["cpu_ram_efficient_loading"]:
+        issues.append(Issue("parallel.cpu_ram_efficient_loading", "the adapters are not in the model directory's "
+                            "files, and shard-on-read loads only what the files hold", True,
+                            "set parallel.cpu_ram_efficient_loading=false with adapter.kind=lora"))
+    return issues

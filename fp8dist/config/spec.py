@@ -149,6 +149,20 @@ class TrainSpec:
 
 
 @dataclass(frozen=True)
+class AdapterSpec:
+    kind: str  # none | lora
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: Any  # "auto" | tuple[str, ...]
+    base_dtype: str  # auto (nf4 / int8 are refused by the rules)
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind != "none"
+
+
+@dataclass(frozen=True)
 class CheckpointSpec:
     keep_last: int
 
@@ -192,6 +206,7 @@ class Spec:
     precision: PrecisionSpec
     optimizer: OptimizerSpec
     train: TrainSpec
+    adapter: AdapterSpec
     checkpoint: CheckpointSpec
     audit: AuditSpec
     parallel: ParallelSpec

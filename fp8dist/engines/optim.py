@@ -21,6 +21,12 @@ def offloads_optimizer(spec: Spec) -> bool:
     return spec.engine == "deepspeed" and spec.deepspeed.offload_optimizer != "none"
 
 
+def trainable_parameters(model) -> list:
+    """The parameters the optimizer steps: frozen ones (an adapter run's base weights) get no state, and no fp32
+    partition under DeepSpeed's ZeRO optimizers."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def build_optimizer(params, spec: Spec):
     import torch
 

@@ -55,9 +55,11 @@ def check_destination(out_dir: str | os.PathLike) -> None:
 
 
 def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None = None,
-              shard_bytes: int = compat.HF_MAX_SHARD_BYTES) -> Exported:
+              shard_bytes: int = compat.HF_MAX_SHARD_BYTES, merge: bool = False) -> Exported:
     """Write the model of `checkpoint` (one checkpoint, or a --checkpoint-dir: its newest complete one) to
-    `out_dir` in Hugging Face format, in `dtype` (fp32 | bf16 | fp16; default the run's load dtype)."""
+    `out_dir` in Hugging Face format, in `dtype` (fp32 | bf16 | fp16; default the run's load dtype). An adapter
+    run's checkpoint holds the adapters only: it is written as a PEFT adapter directory, or with `merge` as the
+    base (read again from the run's MODEL) with the adapters merged in."""
     from fp8dist.engines.checkpoint import HF_CONFIG_DIR, find_latest, read_manifest
 
     path = find_latest(checkpoint)
@@ -76,6 +78,10 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
     if dtype not in ("fp32", "bf16", "fp16"):
         raise Fp8distError(f"--dtype {dtype}: not an export dtype\n  fix: use fp32, bf16 or fp16")
     check_destination(out_dir)
+    lora = manifest["config"].get("adapter", {}).get("kind", "none") != "none"
+    if merge and not lora:
+        raise Fp8distError(f"--merge: {path} is a full fine-tune's checkpoint, with no adapter to merge"
+                           "\n  fix: drop --merge (the export is the whole trained model already)")
 
     from safetensors.torch import save_file
 
@@ -88,6 +94,8 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
     try:
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger and progress prints: not our output
             reader = _unless_unreadable(path, lambda: _reader(path, manifest))
+        if lora:
+            return _export_adapter(reader, manifest, path, scratch, out, dtype, merge)
         narrower = sorted(d for d in getattr(reader, "stored", ()) if d.itemsize < target.itemsize)
         if narrower:
             stored = dtypes.name_of(narrower[0])
@@ -114,18 +122,44 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
         config = json.loads(config_file.read_text(encoding="utf-8"))
         config["dtype"] = dtypes.torch_name(dtype)
         (scratch / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        (scratch / MARKER).write_text(json.dumps({"checkpoint": str(path.absolute()), "step": manifest["step"],
-                                                  "dtype": dtype, "files": names}, indent=1) + "\n")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(scratch, 0o777 & ~umask)  # mkdtemp makes it private; an export is an ordinary directory
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(scratch, out)
+        _publish(scratch, out, path, manifest, dtype, names)
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     return Exported(out, dtype, tuple(names), tensors, total)
+
+
+def _publish(scratch: Path, out: Path, path: Path, manifest: dict, dtype: str, names: list[str]) -> None:
+    """The marker, ordinary permissions, and the finished scratch directory renamed to OUT_DIR."""
+    (scratch / MARKER).write_text(json.dumps({"checkpoint": str(path.absolute()), "step": manifest["step"],
+                                              "dtype": dtype, "files": names}, indent=1) + "\n")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(scratch, 0o777 & ~umask)  # mkdtemp makes it private; an export is an ordinary directory
+    if out.exists():
+        shutil.rmtree(out)
+    os.rename(scratch, out)
+
+
+def _export_adapter(reader, manifest: dict, path: Path, scratch: Path, out: Path, dtype: str, merge: bool) -> Exported:
+    """The adapters of the checkpoint (the frozen base is not in it) as a PEFT adapter directory, or merged."""
+    from fp8dist.backends.module_filter import is_adapter
+    from fp8dist.dtypes import torch_dtype
+    from fp8dist.runtime.adapters import write_adapter, write_merged
+
+    keys = [key for key in reader.sizes(torch_dtype(dtype)) if is_adapter(key)]
+    tensors = {key: _plain(value, torch_dtype(dtype)) for key, value in reader.read(keys)}
+    model_name = manifest["model"]["name"]
+    if merge:
+        adapter_dir = Path(tempfile.mkdtemp(prefix="adapter-", dir=scratch))
+        write_adapter(tensors, manifest["config"], model_name, adapter_dir)
+        write_merged(adapter_dir, manifest["config"], model_name, dtype, scratch)
+        shutil.rmtree(adapter_dir)
+    else:
+        write_adapter(tensors, manifest["config"], model_name, scratch)
+    names = sorted(f.name for f in scratch.glob("*.safetensors"))
+    _publish(scratch, out, path, manifest, dtype, names)
+    return Exported(out, dtype, tuple(names), len(tensors), sum((out / name).stat().st_size for name in names))
 
 
 def _unless_unreadable(path: Path, read):

@@ -27,6 +27,7 @@ import torch
 from fp8dist.errors import Fp8distError
 import fp8dist.dtypes as dtypes
 from fp8dist.dtypes import torch_dtype
+from fp8dist.runtime.adapters import apply_adapter
 from fp8dist.runtime.models import LoadedModel, causal_lm_batch, check_model_name, load_model
 from fp8dist.translate.deepspeed import to_deepspeed
 
@@ -219,9 +220,13 @@ def check_efficient_loading(name: str, spec) -> None:
 def load_for_run(name: str, spec, plan: dict | None = None) -> LoadedModel:
     """MODEL as the run needs it (`fp8dist.load_model`): RAM-efficiently where `parallel.cpu_ram_efficient_loading`
     says so (a local Hugging Face directory only), else fully on every rank (fp8dist.runtime.models.load_model).
-    `plan`: the run's DeepSpeed translation, when the caller made it already (ZeRO-3 builds under zero.Init)."""
+    `plan`: the run's DeepSpeed translation, when the caller made it already (ZeRO-3 builds under zero.Init).
+    With `adapter.kind=lora` the adapters are added here, before the engine converts and shards (the rules refuse
+    them with RAM-efficient loading)."""
     if not spec.parallel.cpu_ram_efficient_loading:
-        return load_model(name, spec.precision.load_dtype, seed=spec.train.seed)
+        loaded = load_model(name, spec.precision.load_dtype, seed=spec.train.seed)
+        loaded.model = apply_adapter(loaded.model, spec.adapter, spec.precision.weight_dtype)
+        return loaded
     check_efficient_loading(name, spec)
     if spec.engine == "deepspeed":
         return load_zero3(Path(name), spec, plan or to_deepspeed(spec))

@@ -111,7 +111,7 @@ def _from_hf_config(config, dtype: str, seed: int) -> Any:
     return AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
 
 
-BUILTIN = {"tiny-llama": tiny_llama_config, "small-llama": small_llama_config,
+BUILTIN = {"tiny-llama": tiny_llama_config, "small-llama": small_llama_config, "tiny-qwen2": lambda: tiny_config("qwen2"),
            "tiny-mixtral": lambda: tiny_moe_config("mixtral"), "small-mixtral": small_mixtral_config}
 
 

@@ -84,6 +84,12 @@ def left_to_runtime(spec: Spec) -> list[str]:
                    "(fp8dist.load_model does it; the JSON cannot); " + _HOW)
     if spec.compile:
         out.append(f"compile: fp8dist's runtime calls engine.compile() after deepspeed.initialize; {_HOW}")
+    if spec.adapter.enabled:
+        out.append(f"adapter.kind={spec.adapter.kind}: DeepSpeed has no adapter setting; fp8dist's loading applies PEFT's "
+                   "LoRA and its engine gives the optimizer the adapters only, so the JSON alone trains the full "
+                   "model; run `deepspeed launch/train.py --fp8dist-config CONFIG`, or load the model with "
+                   "fp8dist.load_model(MODEL, spec) before fp8dist.engines.deepspeed.initialize(model, spec) (or "
+                   "apply peft.get_peft_model yourself and give DeepSpeed an optimizer over the trainable parameters)")
     return out
 
 

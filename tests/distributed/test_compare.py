@@ -108,3 +108,16 @@ def test_moe_experts_in_mxfp8_track_bf16():
     assert report["passed"] is True and report["max_relative_gap"] <= 0.05, report
     assert len(report["losses"]["config"]) == len(report["losses"]["baseline"]) == 8
     assert report["losses"]["config"] != report["losses"]["baseline"]
+
+
+def test_a_lora_run_against_its_full_fine_tune(tmp_path):
+    """The config's `adapter` is applied by compare too: with LoRA's B at zero the first step's loss is the full
+    fine-tune's exactly (same weights, same batch), then the two runs train different parameters and part."""
+    lora = tmp_path / "lora.yaml"
+    lora.write_text((CONFIGS / "fsdp2-bf16.yaml").read_text() + "\nadapter:\n  kind: lora\n  r: 4\n")
+    result = compare("--config", lora, "--baseline", CONFIGS / "fsdp2-bf16.yaml", "--steps", "4", "--format", "json",
+                     "--tolerance", "0.05")
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = json.loads(result.stdout)["losses"]
+    assert losses["config"][0] == losses["baseline"][0]
+    assert losses["config"][1:] != losses["baseline"][1:]

@@ -25,11 +25,12 @@ pytestmark = pytest.mark.distributed
 SCRIPT = ROOT / "tests" / "distributed" / "scripts" / "frontend_runs.py"
 LAUNCHED = ["deepspeed-bf16-zero1", "deepspeed-bf16-zero2", "deepspeed-bf16-zero3", "deepspeed-offload"]
 KWARGS = ["deepspeed-bf16-zero1", "deepspeed-bf16-zero2", "deepspeed-bf16-zero3", "deepspeed-offload", "deepspeed-torchao-float8", "fp32",
-          "fsdp2-bf16-pure", "fsdp2-bf16", "fsdp2-grad-op", "fsdp2-hybrid", "fsdp2-offload", "fsdp2-torchao-rowwise"]
+          "fsdp2-bf16-pure", "fsdp2-bf16", "fsdp2-grad-op", "fsdp2-hybrid", "fsdp2-offload", "fsdp2-torchao-rowwise",
+          "deepspeed-lora-zero3"]
 # config -> the key Accelerate cannot express (accelerator_kwargs refuses it; docs/accelerate.md says why)
 REFUSED = {"deepspeed-zero3-efficient": "parallel.activation_checkpointing", "fp16-amp": "precision.loss_scaling",
            "fsdp2-float8-efficient": "parallel.cpu_ram_efficient_loading", "fsdp2-replicate": "precision.master_weights",
-           "fsdp2-torchao-float8": "precision.load_dtype",
+           "fsdp2-torchao-float8": "precision.load_dtype", "fsdp2-lora-float8": "precision.load_dtype",
            # Accelerate converts nn.Linear only: MoE experts would stay in bf16
            "fsdp2-moe-mxfp8": "precision.fp8.torchao.experts", "deepspeed-moe-mxfp8": "precision.fp8.torchao.experts"}
 GPU_ONLY = {"deepspeed-fp16", "deepspeed-te", "te", "msamp-o1", "msamp-o2", "msamp-o3"}

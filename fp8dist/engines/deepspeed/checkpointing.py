@@ -10,7 +10,10 @@ from fp8dist.errors import Fp8distError
 class Checkpointing(EngineCheckpointing):
     """Every rank writes its optimizer partition (the engine keeps its LR scheduler and loss scaler in them), under
     the tag `deepspeed`. ZeRO partitions are tied to the world size that wrote them (DeepSpeed refuses another one
-    without its universal-checkpoint conversion), so this is not reshardable."""
+    without its universal-checkpoint conversion), so this is not reshardable. Frozen parameters (an adapter run's
+    base) are left out of the module file (`exclude_frozen_parameters`, DeepSpeed 0.19.8 runtime/engine.py
+    save_checkpoint) and not required on load (`load_module_strict=False`): a resume reads them from the model
+    directory again, as loading did."""
 
     engine = "deepspeed"
     reshardable = False
@@ -22,11 +25,15 @@ class Checkpointing(EngineCheckpointing):
         super().__init__(ds.module, model_name, None if scheduler is ds.lr_scheduler else scheduler)
         self.run, self.ds = run, ds
 
+    def _frozen(self) -> bool:
+        return any(not p.requires_grad for p in self.ds.module.parameters())
+
     def shape(self, param) -> list[int]:
         return list(getattr(param, "ds_shape", param.shape))  # ZeRO-3 parameters are empty outside forward
 
     def write(self, directory: Path) -> None:
-        self.ds.save_checkpoint(str(directory), tag=self.TAG, client_state={}, save_latest=False)
+        self.ds.save_checkpoint(str(directory), tag=self.TAG, client_state={}, save_latest=False,
+                                exclude_frozen_parameters=self._frozen())
         self.run.saved_checkpoint = True
 
     def read(self, directory: Path) -> None:
@@ -36,7 +43,7 @@ class Checkpointing(EngineCheckpointing):
             raise Fp8distError("DeepSpeed ZeRO-3 cannot load a checkpoint into an engine that has saved one"
                                "\n  fix: build a new engine with fp8dist.engines.deepspeed.initialize, then resume")
         path, _ = self.ds.load_checkpoint(str(directory), tag=self.TAG, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+                                          load_lr_scheduler_states=True, load_module_strict=not self._frozen())
         if path is None:
             raise Fp8distError(f"{directory}: DeepSpeed found no checkpoint under tag {self.TAG!r}"
                                f"\n  fix: delete {directory} to resume from the checkpoint before it")

@@ -22,7 +22,8 @@ from fp8dist.engines.base import Engine, FirstStepAudit, forward_loss
 from fp8dist.engines.blocks import wrap_units
 from fp8dist.engines.deepspeed.checkpointing import Checkpointing
 from fp8dist.engines.deepspeed.inspector import DeepSpeedInspector
-from fp8dist.engines.optim import build_optimizer, offloads_optimizer, rebind_optimizer, rebind_parameters
+from fp8dist.engines.optim import (build_optimizer, offloads_optimizer, rebind_optimizer, rebind_parameters,
+                                   trainable_parameters)
 from fp8dist.errors import Fp8distError, UnsupportedEnvironment
 from fp8dist.machine import device_info
 from fp8dist.translate.deepspeed import to_deepspeed
@@ -98,7 +99,8 @@ def initialize(model, spec: Spec, optimizer=None, model_parameters=None, trainin
     decisions = backend.convert_module(model)
     advise_small_gemms(spec, model)
     if optimizer is None:
-        params = model.parameters() if model_parameters is None else rebind_parameters(model_parameters, before, model)
+        params = (trainable_parameters(model) if model_parameters is None
+                  else rebind_parameters(model_parameters, before, model))
         optimizer = build_optimizer(params, spec)
     else:
         _check_client_optimizer(optimizer, spec, config)
@@ -125,7 +127,7 @@ def setup(model, spec: Spec, *, optimizer=None, audit: str | None = None, plan: 
     if materialize is not None:
         raise Fp8distError("a meta-built model cannot be given to DeepSpeed; RAM-efficient loading on DeepSpeed "
                            "builds the model inside deepspeed.zero.Init (fp8dist.runtime.loading)")
-    client = optimizer(model.parameters()) if optimizer is not None else None
+    client = optimizer(trainable_parameters(model)) if optimizer is not None else None
     engine, *_ = initialize(model, spec, optimizer=client, audit=audit, plan=plan,
                             first_step_audit=first_step_audit)
     return engine.fp8dist_run

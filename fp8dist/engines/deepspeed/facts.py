@@ -28,6 +28,9 @@ def expected_stores(spec: Spec) -> dict[str, tuple[str, str]]:
     if stage in (1, 2) and ds.offload_optimizer != "none":
         row["weight_gradients"] = ("fp32", "ZeRO-Offload accumulates the reduced gradients in fp32 CPU partitions "
                                    "(stage_1_and_2.py async_inplace_copy_grad_to_fp32_buffer_from_gpu)")
+    if spec.adapter.enabled:
+        row["frozen_weights"] = (module, "the bf16/fp16 section casts the whole module, frozen weights too; the ZeRO "
+                                 "optimizer partitions trainable parameters only")
     state = spec.optimizer_state_dtype
     if state in ("fp32", "bf16", "fp16") and p.master_weights == "none":
         # the ZeRO optimizer steps its partitions, in the dtype it built them (preparation)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from fp8dist.engines.checkpoint import EngineCheckpointing
 
@@ -14,7 +14,10 @@ class Checkpointing(EngineCheckpointing):
     number of ranks can read them back (DCP reshards). torchao's float8 weight wrappers are pickled by DCP and
     loadable because torchao registers them as safe globals (torchao 0.18 float8/fsdp_utils.py; torchtitan#651
     before it did). After a load the float8 scales precomputed for the all-gather are recomputed from the loaded
-    weights, as after an optimizer step, so the next forward is the one the uninterrupted run would have made."""
+    weights, as after an optimizer step, so the next forward is the one the uninterrupted run would have made.
+    Frozen parameters (an adapter run's base) are left out (`ignore_frozen_params`, torch 2.13
+    distributed/checkpoint/state_dict.py): a resume reads them from the model directory again, as loading did, and
+    loads the rest non-strictly so that their absence is no error."""
 
     engine = "fsdp2"
     reshardable = True
@@ -23,8 +26,12 @@ class Checkpointing(EngineCheckpointing):
         super().__init__(run.model, model_name, scheduler)
         self.run = run
 
+    def _options(self) -> StateDictOptions:
+        frozen = any(not p.requires_grad for p in self.run.model.parameters())
+        return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
     def _state(self) -> dict:
-        model_state, optim_state = get_state_dict(self.run.model, self.run.optimizer)
+        model_state, optim_state = get_state_dict(self.run.model, self.run.optimizer, options=self._options())
         return {"model": model_state, "optimizer": optim_state}
 
     def write(self, directory: Path) -> None:
@@ -34,7 +41,7 @@ class Checkpointing(EngineCheckpointing):
         state = self._state()
         dcp.load(state, checkpoint_id=directory / "dcp")
         set_state_dict(self.run.model, self.run.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+                       optim_state_dict=state["optimizer"], options=self._options())
         self.run.backend.after_optimizer_step(self.run.model)
 
     def rank_state(self) -> dict:

@@ -26,7 +26,7 @@ from fp8dist.engines.blocks import wrap_units
 from fp8dist.engines.fsdp2.checkpointing import Checkpointing
 from fp8dist.engines.inspector import Inspector
 from fp8dist.engines.loss_scaling import DynamicLossScaler, StepOutcome
-from fp8dist.engines.optim import build_optimizer
+from fp8dist.engines.optim import build_optimizer, trainable_parameters
 from fp8dist.errors import Fp8distError
 from fp8dist.machine import device_info
 from fp8dist.translate.fsdp2 import to_fsdp2
@@ -132,9 +132,12 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
     backend.check_environment(device_info())
 
     if plan["upcast_before_shard"]:
+        # Only what the optimizer steps gets a master copy: frozen weights (an adapter run's base) keep the load
+        # dtype. FSDP2 wants one original dtype among a group's trainable parameters only (torch 2.13
+        # _fsdp_param_group.py _init_mp_dtypes), so frozen bf16 beside fp32 adapters shard together.
         master = _dtype(plan["upcast_before_shard"])
         for param in model.parameters():
-            if param.is_floating_point() and param.dtype != master:
+            if param.requires_grad and param.is_floating_point() and param.dtype != master:
                 param.data = param.data.to(master)
     decisions = backend.convert_module(model)
     advise_small_gemms(spec, model)
@@ -169,7 +172,7 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
             if isinstance(module, FSDPModule):
                 module.set_custom_all_gather(ByteViewAllGather())
 
-    optimizer = (optimizer or (lambda params: build_optimizer(params, spec)))(model.parameters())
+    optimizer = (optimizer or (lambda params: build_optimizer(params, spec)))(trainable_parameters(model))
     optimizer.register_step_post_hook(lambda *_: backend.after_optimizer_step(model))
     scaler = DynamicLossScaler(spec.precision.loss_scaling) if plan["loss_scaling"] else None  # ranks agree on a skip
     model.fp8dist_decisions = decisions  # for an inspector that recognises the model (fp8dist.audit.watch)

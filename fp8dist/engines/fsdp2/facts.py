@@ -27,6 +27,9 @@ def expected_stores(spec: Spec) -> dict[str, tuple[str, str]]:
     }
     if fsdp2_layout(spec.to_dict())["shard_size"] == 1:
         row["weight_all_gather"] = ("none", "shard size 1 (parallel.sharding): nothing is sharded, nothing gathered")
+    if spec.adapter.enabled:
+        row["frozen_weights"] = (p.load_dtype, "frozen base weights are not upcast: only trainable parameters get the "
+                                 "master dtype (torchao float8 keeps their storage, casting on the fly)")
     return row
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import os
 import re
 from pathlib import Path
@@ -22,10 +23,11 @@ from fp8dist.formats.common import (Imported, ImportProblem, Notes, integer, map
                                set_path, truthy)
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
 from fp8dist.formats.accelerate.sections import fp8_section, fsdp_settings, note_accelerate_refusals
-from fp8dist.formats.accelerate.translate import LOAD_DTYPE_MARK
+from fp8dist.formats.accelerate.translate import ADAPTER_MARK, LOAD_DTYPE_MARK
 from fp8dist.formats.keys import KeyClass, Table, disabled, kept, no_effect, refused
 
 _MARK = re.compile("^" + re.escape(LOAD_DTYPE_MARK) + r"(fp32|bf16|fp16)\b", re.MULTILINE)
+_ADAPTER = re.compile("^" + re.escape(ADAPTER_MARK) + r"(\S*)", re.MULTILINE)
 # distributed_type values Accelerate runs as replicated data parallelism (accelerate 1.15 utils/dataclasses.py
 # DistributedType): fp8dist runs them as FSDP2 with nothing sharded. NO is one process.
 _DDP = {"NO", "MULTI_GPU", "MULTI_CPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
@@ -129,10 +131,32 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
             notes.dropped(key, value, f"not read with distributed_type {dist}")
             continue
         KEYS.settle(key, value, notes, issues)
+    adapter = _adapter_mark(text, issues)
+    if adapter is not None and out is not None:
+        out["adapter"] = adapter
+        notes.resolved("adapter", json.dumps(adapter), "the header fp8dist wrote when it translated this file: the "
+                       "script applies PEFT's LoRA (Accelerate itself has no adapter setting)")
     if issues:
         raise ImportProblem(issues, source, "accelerate")
     note_accelerate_refusals(out, notes, "this file")
     return Imported("accelerate", out, notes)
+
+
+def _adapter_mark(text: str, issues: list[Issue]) -> dict[str, Any] | None:
+    """The `adapter` section of fp8dist's header (translate --to accelerate writes it for a LoRA run), or None."""
+    mark = _ADAPTER.search(text)
+    if mark is None:
+        return None
+    try:
+        adapter = json.loads(mark.group(1))
+    except ValueError:
+        adapter = None
+    if not isinstance(adapter, dict):
+        issues.append(Issue("adapter", "the header line fp8dist writes for an adapter run holds no JSON object",
+                            mark.group(1)[:80], f"restore the line as fp8dist translate wrote it ({ADAPTER_MARK}"
+                            '{"kind":"lora",...}), or delete it for a full fine-tune'))
+        return None
+    return adapter
 
 
 # -- FSDP ----------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import os
 from fnmatch import fnmatchcase
 from typing import Any
 
+import fp8dist.compat as compat
 from fp8dist.config.load import load_config
 from fp8dist.config.spec import Spec
 from fp8dist.errors import Fp8distError
@@ -55,12 +56,15 @@ def hybrid_sizes(shard_size: int, world: int) -> dict[str, int]:
 class LinearFilter:
     """torchao module_filter_fn with fp8dist's rules (fp8dist/backends/module_filter.py): a Linear matching an
     exclude glob (full name or last component) stays high precision, as one whose dims are not multiples of
-    `dims_multiple_of` (None: pad_inner_dim pads them)."""
+    `dims_multiple_of` (None: pad_inner_dim pads them), and a LoRA adapter's own Linear (the script applied PEFT
+    before accelerator.prepare)."""
 
     def __init__(self, exclude, dims_multiple_of: int | None):
         self.exclude, self.dims_multiple_of = list(exclude), dims_multiple_of
 
     def __call__(self, module, fqn: str) -> bool:
+        if compat.is_lora_module(fqn):
+            return False
         if any(fnmatchcase(fqn, p) or fnmatchcase(fqn.rsplit(".", 1)[-1], p) for p in self.exclude):
             return False
         dim = self.dims_multiple_of
@@ -70,7 +74,10 @@ class LinearFilter:
 
 def accelerator_kwargs(config, *, world_size: int | None = None, deepspeed_version: str | None = None,
                        torchao_version: str | None = None) -> dict[str, Any]:
-    """Keyword arguments for `accelerate.Accelerator` equivalent to `config` (path, dict or Spec)."""
+    """Keyword arguments for `accelerate.Accelerator` equivalent to `config` (path, dict or Spec). With
+    `adapter.kind=lora` the script applies the adapters itself before `accelerator.prepare`:
+    `peft.get_peft_model(model, fp8dist.runtime.adapters.lora_config(spec.adapter), autocast_adapter_dtype=False)`
+    and an optimizer over the trainable parameters (tests/distributed/scripts/frontend_runs.py does)."""
     spec = as_spec(config)
     plan = accelerate_plan(spec, "python", deepspeed_version=deepspeed_version, torchao_version=torchao_version)
     kwargs: dict[str, Any] = {}

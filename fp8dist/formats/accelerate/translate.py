@@ -290,6 +290,12 @@ def _torchao_plan(spec: Spec, mode: str, torchao_version: str | None, issues: li
             issues.append(Issue("precision.fp8.torchao.force_recompute_fp8_weight_in_bwd", f"{why}; the torchao "
                                 f"targeted here ({plan['torchao_version']}) needs it set",
                                 ao.force_recompute_fp8_weight_in_bwd, f"build the Accelerator with {_HELPER}"))
+    if spec.adapter.enabled and (mode == "file" or modules.skip_first_last):
+        issues.append(Issue("adapter.kind", "Accelerate's own torchao filter (every nn.Linear but the first and the "
+                            "last, dims multiples of 16; accelerate 1.15 utils/ao.py filter_linear_layers) also "
+                            "converts LoRA's lora_A / lora_B Linears, so the adapters would train in float8", "lora",
+                            f"set precision.fp8.modules.skip_first_last=false and build the Accelerator with {_HELPER} "
+                            "(fp8dist's filter leaves the adapters in high precision), or train with fp8dist's runtime"))
     if mode == "file" or modules.skip_first_last:
         # Accelerate's own filter: every Linear except the first and the last, dims divisible by 16.
         if modules.exclude or not modules.skip_first_last:
@@ -425,6 +431,10 @@ def _fp8_config(fp8: dict[str, Any]) -> dict[str, Any]:
 
 
 LOAD_DTYPE_MARK = "# fp8dist: precision.load_dtype="
+# Accelerate has no adapter setting: the script applies PEFT before accelerator.prepare (Accelerate 1.15 upcasts
+# only trainable parameters to fp32 masters, utils/fsdp_utils.py fsdp2_prepare_model, so the frozen base keeps the
+# load dtype as under fp8dist's runtime). The header carries the section, and `fp8dist import` reads it back.
+ADAPTER_MARK = "# fp8dist: adapter="
 
 
 def render(document: dict[str, Any], plan: dict[str, Any], spec: Spec, source: str) -> str:
@@ -441,6 +451,15 @@ def render(document: dict[str, Any], plan: dict[str, Any], spec: Spec, source: s
              f"{LOAD_DTYPE_MARK}{spec.precision.load_dtype}   (the torch_dtype your script loads the model in; "
              "an Accelerate file has no place for it)",
              f"# your script builds the optimizer: {o.name} lr={o.lr} weight_decay={o.weight_decay}{batch}"]
+    if spec.adapter.enabled:
+        a = spec.adapter
+        targets = "all-linear" if a.target_modules == "auto" else list(a.target_modules)
+        lines += [f"{ADAPTER_MARK}{json.dumps(spec.to_dict()['adapter'], separators=(',', ':'))}",
+                  f"#   your script applies it before accelerator.prepare: peft.get_peft_model(model, LoraConfig(r={a.r}, "
+                  f"lora_alpha={a.alpha:g}, lora_dropout={a.dropout:g}, target_modules={targets!r}), "
+                  "autocast_adapter_dtype=False), and gives the optimizer the trainable parameters only (the "
+                  "adapters then start in the load dtype, as every trainable weight: Accelerate's DeepSpeed would "
+                  "keep PEFT's fp32 adapters in fp32, and its FSDP2 upcasts them to fp32 masters itself)"]
     installed = compat.installed_version("accelerate")
     same, reason = compat.accelerate_matches(compat.parse_version(installed) if installed else None)
     if not same:

@@ -39,11 +39,11 @@ _KERNEL = "a fused or alternative kernel for the same computation in the same dt
 _SCHEDULE = "fp8dist builds no learning-rate schedule; your script's scheduler is used"
 _TF32 = ("with fp32 compute it turns every matmul into TF32 (10-bit mantissa; axolotl utils/config normalize_config), "
          "which fp8dist does not do")
-_WITH_ADAPTER = "read only with `adapter` (which fp8dist refuses until it has an adapter section)"
+_WITH_ADAPTER = "read only with `adapter: lora`"
 _PARALLEL = ("fp8dist runs data parallelism (FSDP2 or DeepSpeed ZeRO) only: no tensor, context, sequence or expert "
              "parallelism")
-_ADAPTER = ("trains adapters instead of the full model (Axolotl's PEFT adapters); fp8dist has no adapter section "
-            "yet, so it would import a full fine-tune")
+_ADAPTER = ("trains another kind of adapter than LoRA on a 16/32-bit base (qlora: a 4-bit bitsandbytes base; "
+            "llama-adapter, ...), which fp8dist's `adapter` section does not run")
 KEYS = Table("Axolotl", {
     # precision (kept)
     "bf16": kept("precision.mixed_precision / load_dtype (Axolotl's default `auto`: bf16 where the GPU has it)"),
@@ -79,8 +79,10 @@ KEYS = Table("Axolotl", {
     "adam_beta2": kept("optimizer.betas[1]", example=0.95),
     "optimizer": kept("optimizer.name / state_dtype (8-bit Adam: torchao AdamW8bit on FSDP2)", example="adamw_torch"),
     # refused: what fp8dist cannot keep
-    "adapter": refused(_ADAPTER, "train the full model (remove adapter), or keep training it with Axolotl",
-                       unless=disabled, otherwise="no adapter", example="lora"),
+    "adapter": refused(_ADAPTER, "use adapter: lora on a bf16 base, or keep training it with Axolotl",
+                       unless=lambda value: disabled(value) or value == "lora",
+                       otherwise="none: no adapter; lora: kept as adapter.kind lora (with lora_r, lora_alpha, "
+                                 "lora_dropout, lora_target_modules / lora_target_linear)", example="qlora"),
     "load_in_4bit": refused("loads the frozen base in 4 bit (bitsandbytes, QLoRA)", "remove it: fp8dist trains from "
                             "bf16/fp16/fp32 weights", unless=disabled, otherwise="off"),
     "load_in_8bit": refused("loads the base in 8 bit (bitsandbytes)", "remove it: fp8dist trains from bf16/fp16/fp32 "
@@ -110,13 +112,15 @@ KEYS = Table("Axolotl", {
                                         "parallelism", example=2),
     "expert_parallel_size": refused(_PARALLEL, "set it to 1", unless=one_or_unset, otherwise="1: no expert "
                                     "parallelism", example=2),
-    "lora_r": no_effect(_WITH_ADAPTER, example=16),
-    "lora_alpha": no_effect(_WITH_ADAPTER, example=32),
-    "lora_dropout": no_effect(_WITH_ADAPTER, example=0.05),
-    "lora_target_modules": no_effect(_WITH_ADAPTER, example=["q_proj"]),
-    "lora_target_linear": no_effect(_WITH_ADAPTER),
-    "lora_fan_in_fan_out": no_effect(_WITH_ADAPTER),
-    "lora_model_dir": no_effect(_WITH_ADAPTER, example="adapter/"),
+    "lora_r": kept("adapter.r", example=16),
+    "lora_alpha": kept("adapter.alpha", example=32),
+    "lora_dropout": kept("adapter.dropout", example=0.05),
+    "lora_target_modules": kept("adapter.target_modules", example=["q_proj"]),
+    "lora_target_linear": kept("adapter.target_modules: auto (every Linear but the output layer)"),
+    "lora_fan_in_fan_out": refused("sets PEFT's fan_in_fan_out by hand", "remove it (PEFT sets it from the layer "
+                                   "type)", unless=disabled, otherwise="off"),
+    "lora_model_dir": refused("starts from saved adapter weights; fp8dist creates new adapters", "remove it",
+                              unless=disabled, otherwise="none", example="adapter/"),
     # no effect on the numerics, the layout, the trained parameters or the global batch
     **{key: no_effect(_DATA, example="x") for key in (
         "base_model", "base_model_ignore_patterns", "base_model_config", "model_type", "tokenizer_type",
@@ -245,15 +249,44 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
     _compile(cfg, out)
     _checkpointing(cfg, out, notes)
     _train_and_optimizer(cfg, out, notes, issues, bool(deepspeed))
-    if not disabled(cfg.get("adapter")):  # the adapter's refusal covers its own keys
-        for key in [k for k in cfg if k.startswith("lora_")]:
-            cfg.pop(key)
+    _adapter(cfg, out, notes, issues)
     for key, value in cfg.items():
         KEYS.settle(key, value, notes, issues)
     if issues:
         raise ImportProblem(issues, source, "axolotl")
     note_accelerate_refusals(out, notes, "this Axolotl config")
     return Imported("axolotl", out, notes)
+
+
+_LORA = {"lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout"}
+_LORA_TARGETS = ("lora_target_modules", "lora_target_linear")
+
+
+def _adapter(cfg: dict[str, Any], out: dict[str, Any], notes: Notes, issues: list[Issue]) -> None:
+    """`adapter: lora` and its keys -> `adapter`. Axolotl targets lora_target_modules plus, with lora_target_linear,
+    every Linear but the output layer (axolotl loaders/adapter.py load_lora, find_all_linear_names): fp8dist's `auto`.
+    Other kinds (`qlora`, ...) and 4/8-bit bases are refused by KEYS; without an adapter the lora_* keys are noted."""
+    kind = cfg.pop("adapter", None)
+    if kind != "lora":
+        KEYS.refuse("adapter", kind, issues)
+        for key, value in {key: cfg.pop(key) for key in [k for k in cfg if k.startswith("lora_")]}.items():
+            if value is not None:
+                notes.dropped(key, value, _WITH_ADAPTER)
+        return
+    mapped = {key: cfg.pop(key) for key in [*_LORA, *_LORA_TARGETS] if key in cfg}
+    adapter = {"kind": "lora", **{_LORA[key]: value for key, value in mapped.items() if key in _LORA
+                                  and value is not None}}
+    modules = mapped.get("lora_target_modules")
+    if truthy(mapped.get("lora_target_linear")):
+        adapter["target_modules"] = "auto"
+    elif modules:
+        adapter["target_modules"] = [modules] if isinstance(modules, str) else list(modules)
+    else:
+        issues.append(Issue("lora_target_modules", "adapter: lora names no target (neither lora_target_modules nor "
+                            "lora_target_linear), and Axolotl's choice then is PEFT's per-architecture default, "
+                            "which fp8dist does not guess", modules, "set lora_target_linear: true (fp8dist: "
+                            "target_modules auto) or list lora_target_modules"))
+    out["adapter"] = adapter
 
 
 def _batch_defaults(cfg: dict[str, Any], notes: Notes) -> None:

@@ -26,8 +26,10 @@ import torch
 from fp8dist.audit import watch
 from fp8dist.config.load import load_config
 from fp8dist.runtime.data import batches_for
-from fp8dist.engines.optim import build_optimizer
+from fp8dist.engines.optim import build_optimizer, trainable_parameters
 from fp8dist.runtime import process_group
+from fp8dist.runtime.adapters import lora_config
+from fp8dist.runtime.loading import load_for_run
 from fp8dist.runtime.models import load_model
 from fp8dist.runtime.process_group import leave
 from fp8dist.runtime.ranks import emit
@@ -72,8 +74,13 @@ def through_accelerate(config: str, launched: bool) -> dict:
     try:
         accelerator = accelerator_for(config, launched)
         loaded = load_model("tiny-llama", spec.precision.load_dtype)
-        optimizer = build_optimizer(loaded.model.parameters(), spec)
-        model, optimizer = accelerator.prepare(loaded.model, optimizer)
+        model = loaded.model
+        if spec.adapter.enabled:  # what the translated file's header tells the script to do
+            from peft import get_peft_model
+
+            model = get_peft_model(model, lora_config(spec.adapter), autocast_adapter_dtype=False)
+        optimizer = build_optimizer(trainable_parameters(model), spec)
+        model, optimizer = accelerator.prepare(model, optimizer)
         batch = batches_for(loaded.make_batch, spec, 0, dist.get_rank())[0]
         with watch(model, optimizer, spec, on_mismatch="ignore") as audit:
             loss = model(**{k: v.to(accelerator.device) for k, v in batch.items()}).loss
@@ -89,7 +96,7 @@ def through_fp8dist(config: str) -> dict:
     import torch.distributed as dist
 
     spec = load_config(config)
-    loaded = load_model("tiny-llama", spec.precision.load_dtype)
+    loaded = load_for_run("tiny-llama", spec)
     batches = batches_for(loaded.make_batch, spec, 0, dist.get_rank())
     if spec.engine == "deepspeed":
         from fp8dist.engines.deepspeed import initialize, train_step

@@ -106,13 +106,31 @@ def run_fsdp2(case, spec, loaded) -> dict:
                         for name, m in run.model.named_modules() if name in run.wrapped) and bool(run.wrapped),
         "root_is_fsdp": isinstance(run.model, FSDPModule),
         "reduce_scatters_per_step": reduce_scatters[0] // spec.train.steps,
-        "fsdp_units": len(units), "float8_linears": float8_linears(run.model), "mx_linears": mx_linears(run.model),
+        "fsdp_units": len(units), "float8_linears": float8_linears(run.model),
+        "mx_linears": mx_linears(run.model),
         "mesh": list(next(run.model.parameters()).device_mesh.shape), "checkpointed_blocks": checkpointed(run.model),
         "float8_all_gather_weights": sum(1 for p in run.model.parameters()
                                          if type(p.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"),
         "loaded_from_files": loaded_from_files, "experts": experts_implementation(run.model),
         "skipped_steps": skipped, "skipped_by_rank": all_skipped, "loss_scales": scales, **audit_facts(run.audit_report),
+        **adapter_facts(run.model, run.optimizer),
     }
+
+
+def adapter_facts(module, optimizer, stepped: list | None = None) -> dict:
+    """Trainable vs frozen parameter tensors: how many, which the optimizer steps (`stepped`: the module's
+    parameters behind DeepSpeed's flat partitions) and holds state for, and the frozen ones' stored dtype (FSDP2:
+    local shards; ZeRO-3: the partitions)."""
+    params = list(module.parameters())
+    frozen = [p for p in params if not p.requires_grad]
+    stepped = {id(p) for p in (stepped if stepped is not None else
+                               [p for group in optimizer.param_groups for p in group["params"]])}
+    stored = [getattr(p, "ds_tensor", None) if hasattr(p, "ds_tensor") else getattr(p, "_local_tensor", p)
+              for p in frozen]
+    return {"trainable_tensors": len(params) - len(frozen), "frozen_tensors": len(frozen),
+            "stepped_tensors": len(stepped), "frozen_dtype": probes.summarize(stored)[0] if frozen else None,
+            "frozen_with_gradient": sum(1 for p in frozen if p.grad is not None),
+            "frozen_with_state": sum(1 for p in frozen if id(p) in stepped or optimizer.state.get(p))}
 
 
 def experts_implementation(model) -> str | None:
@@ -164,9 +182,17 @@ def run_deepspeed(case, spec, loaded) -> dict:
              "float8_linears": float8_linears(engine.module), "mx_linears": mx_linears(engine.module),
              "skipped_steps": engine.skipped_steps,
              "checkpointed_blocks": checkpointed(engine.module), "loaded_from_files": loaded_from_files,
-             "experts": experts_implementation(engine.module)}
+             "experts": experts_implementation(engine.module),
+             **adapter_facts(engine.module, engine.basic_optimizer, zero_stepped(engine))}
     engine.destroy()
     return facts
+
+
+def zero_stepped(engine) -> list | None:
+    """The module parameters DeepSpeed's ZeRO optimizer keeps fp32 partitions of (stage 1/2 `bit16_groups`,
+    stage 3 `fp16_groups`, DeepSpeed 0.19.8); None below ZeRO-1 (the torch optimizer steps them directly)."""
+    groups = getattr(engine.optimizer, "bit16_groups", None) or getattr(engine.optimizer, "fp16_groups", None)
+    return None if groups is None else [p for group in groups for p in group]
 
 
 _SAVED: list[str] = []
@@ -192,7 +218,7 @@ def main(ids: list[str]) -> int:
             spec = load_config(merge(RUN_BASE, case.config))
             preflight(spec)
             loaded = (load_for_run(saved_tiny_llama(), spec) if spec.parallel.cpu_ram_efficient_loading
-                      else load_model(case.model, spec.precision.load_dtype, seed=spec.train.seed))
+                      else load_for_run(case.model, spec))
             facts = (run_deepspeed if spec.engine == "deepspeed" else run_fsdp2)(case, spec, loaded)
             facts["finite"] = all(math.isfinite(v) for v in facts["losses"])
         except Exception as exc:  # report, then let the next case run (the peers raised the same or time out)

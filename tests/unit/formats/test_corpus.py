@@ -29,9 +29,9 @@ REFUSED = {
     "accelerate/trl__examples_accelerate_configs_context_parallel_2gpu.yaml": ["parallelism_config.parallelism_config_cp_size"],
     "axolotl/axolotl__examples_alst_llama3-8b-deepspeed-alst.yaml": ["optimizer", "context_parallel_size"],
     "axolotl/axolotl__examples_alst_llama3-8b-fsdp2-alst.yaml": ["context_parallel_size"],
-    "axolotl/axolotl__examples_archived_dbrx_8bit-lora.yaml": ["optimizer", "load_in_8bit", "adapter"],
+    "axolotl/axolotl__examples_archived_dbrx_8bit-lora.yaml": ["optimizer", "load_in_8bit"],
     "axolotl/axolotl__examples_archived_dbrx_fft-ds-zero3.yaml": ["optimizer", "unfrozen_parameters"],
-    "axolotl/axolotl__examples_archived_openllama-3b_lora.yml": ["load_in_8bit", "adapter"],
+    "axolotl/axolotl__examples_archived_openllama-3b_lora.yml": ["load_in_8bit"],
     "axolotl/axolotl__examples_distributed-parallel_llama-3_1-8b-hsdp-tp.yaml": ["tensor_parallel_size"],
     "axolotl/axolotl__examples_distributed-parallel_qwen3-8b-fsdp-tp-cp.yaml": ["context_parallel_size", "tensor_parallel_size"],
     "axolotl/axolotl__examples_expert_parallel_qwen3_30ba3b_ep_fsdp_fft_4gpu.yaml": ["expert_parallel_size"],
@@ -39,18 +39,17 @@ REFUSED = {
     "axolotl/axolotl__examples_gpt-oss_gpt-oss-20b-fft-fsdp2-offload.yaml": ["model_quantization_config", "model_quantization_config_kwargs"],
     "axolotl/axolotl__examples_jamba_qlora_deepspeed.yaml": ["optimizer", "load_in_4bit", "adapter"],
     "axolotl/axolotl__examples_jamba_qlora_fsdp_large.yaml": ["load_in_4bit", "adapter"],
-    "axolotl/axolotl__examples_kimi-linear_kimi-48b-lora.yaml": ["load_in_8bit", "adapter"],
-    "axolotl/axolotl__examples_llama-2_gptq-lora.yml": ["gptq", "adapter"],
-    "axolotl/axolotl__examples_llama-2_lora.yml": ["load_in_8bit", "adapter"],
+    "axolotl/axolotl__examples_kimi-linear_kimi-48b-lora.yaml": ["load_in_8bit"],
+    "axolotl/axolotl__examples_llama-2_gptq-lora.yml": ["gptq"],
+    "axolotl/axolotl__examples_llama-2_lora.yml": ["load_in_8bit"],
     "axolotl/axolotl__examples_llama-2_qlora-fsdp.yml": ["load_in_4bit", "adapter"],
     "axolotl/axolotl__examples_llama-3_3b-qat-fsdp2.yaml": ["qat"],
     "axolotl/axolotl__examples_llama-3_3b-qat-nvfp4.yaml": ["qat"],
-    "axolotl/axolotl__examples_llama-3_lora-1b-ray.yml": ["optimizer", "adapter"],
+    "axolotl/axolotl__examples_llama-3_lora-1b-ray.yml": ["optimizer"],
     "axolotl/axolotl__examples_llama-3_qlora-fsdp-70b.yaml": ["load_in_4bit", "adapter"],
     "axolotl/axolotl__examples_mistral_bigstral_bigstral-ds-zero3.yaml": ["optimizer", "unfrozen_parameters"],
     "axolotl/axolotl__examples_mistral_mixtral_mixtral.yml": ["optimizer", "load_in_4bit", "adapter"],
     "axolotl/axolotl__examples_mistral_mixtral_mixtral_22.yml": ["optimizer", "unfrozen_parameters"],
-    "axolotl/axolotl__examples_mistral_mps_lora-mps.yml": ["adapter"],
     "axolotl/axolotl__examples_nemotron-h_nano-30b-a3b-qlora-cp.yaml": ["optimizer", "context_parallel_size", "load_in_4bit", "quantize_moe_experts", "adapter"],
     "axolotl/axolotl__examples_qwen3_reward-model.yaml": ["optimizer"],
     "deepspeed/deepspeedexamples__compression_cifar_config_ds_config.json": ["train_batch_size"],
@@ -79,6 +78,7 @@ AXOLOTL_LOAD_DTYPE = {
     "axolotl/axolotl__examples_gpt-oss_gpt-oss-120b-fft-fsdp2-offload.yaml": "bf16",
     "axolotl/axolotl__examples_llama-3_3b-fp8-fsdp2.yaml": "bf16",  # no bf16 key: Axolotl's default auto
     "axolotl/axolotl__examples_qwen2_adamw-pretrain-fsdp2.yaml": "bf16",  # bf16: auto
+    "axolotl/axolotl__examples_mistral_mps_lora-mps.yml": "bf16",  # bf16: auto
 }
 
 

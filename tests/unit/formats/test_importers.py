@@ -368,3 +368,14 @@ def test_translate_to_deepspeed_says_what_the_json_leaves_to_fp8dists_runtime(tm
     assert strict.returncode == 2 and not (tmp_path / "strict.json").exists() and "nothing written" in strict.stderr
     plain = run_cli("translate", ROOT / "configs" / "deepspeed-bf16-zero2.yaml", "--to", "deepspeed")
     assert plain.returncode == 0 and plain.stderr == ""
+
+
+def test_translate_to_deepspeed_says_the_adapter_is_left_to_fp8dists_loading(tmp_path):
+    result = run_cli("translate", ROOT / "configs" / "deepspeed-lora-zero3.yaml", "--to", "deepspeed")
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if ": note: " in line]
+    assert len(lines) == 1 and "adapter.kind=lora: DeepSpeed has no adapter setting" in lines[0], result.stderr
+    assert "fp8dist.load_model(MODEL, spec)" in lines[0] and "lora" not in result.stdout.lower()
+    strict = run_cli("translate", ROOT / "configs" / "deepspeed-lora-zero3.yaml", "--to", "deepspeed", "--strict",
+                     "-o", tmp_path / "strict.json")
+    assert strict.returncode == 2 and not (tmp_path / "strict.json").exists()

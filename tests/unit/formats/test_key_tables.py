@@ -28,7 +28,10 @@ def nested(dotted: str, value):
 FSDP2 = {"fsdp_version": 2, "fsdp_config": {"reshard_after_forward": True}}
 AXOLOTL_CONTEXT = {"fp8_enable_fsdp_float8_all_gather": {"fp8": True, **FSDP2}, "fsdp_version": FSDP2,
                    "fsdp": FSDP2, "dp_replicate_size": {"dp_shard_size": 2}, "tf32": {"bf16": False},
-                   "fp16": {"bf16": False}}
+                   "fp16": {"bf16": False},
+                   **{key: {"adapter": "lora", "lora_target_linear": True} for key in (
+                       "lora_r", "lora_alpha", "lora_dropout", "lora_fan_in_fan_out", "lora_model_dir")},
+                   "lora_target_modules": {"adapter": "lora"}, "lora_target_linear": {"adapter": "lora"}}
 ACCELERATE_CONTEXT = {"fp8_config": {"mixed_precision": "fp8"}}
 
 

@@ -1,0 +1,100 @@
+"""`adapter`: PEFT's LoRA applied to a loaded model, before any FP8 conversion or sharding (the engines then
+see frozen base weights, `requires_grad=False`, beside trainable adapters, and keep each group in its own
+precision: engines/fsdp2/engine.py, engines/optim.py).
+
+The engines get the model PEFT injected the adapters into (`PeftModel.get_base_model()`), not the PeftModel
+wrapper: the module names stay those of the base model plus `.base_layer` / `.lora_A.default` /
+`.lora_B.default`, so exclusion patterns, activation checkpointing and FSDP2's units find the same blocks as
+in a full fine-tune. The LoraConfig rides along as `model.fp8dist_lora_config` (export writes it back).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from fp8dist.config.spec import AdapterSpec
+from fp8dist.dtypes import torch_dtype
+from fp8dist.errors import Fp8distError
+
+# peft 0.21 utils/constants.py INCLUDE_LINEAR_LAYERS_SHORTHAND: every Linear but the output layer
+ALL_LINEAR = "all-linear"
+
+
+def lora_config(adapter: AdapterSpec):
+    from peft import LoraConfig
+
+    targets = ALL_LINEAR if adapter.target_modules == "auto" else list(adapter.target_modules)
+    return LoraConfig(r=adapter.r, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout, target_modules=targets,
+                      bias="none", task_type="CAUSAL_LM")
+
+
+def apply_adapter(model, adapter: AdapterSpec, weight_dtype: str):
+    """`model` with LoRA adapters on `adapter.target_modules` and every other parameter frozen (kind none: the
+    model as it is). PEFT creates the adapters in fp32 over a 16-bit base (peft 0.21 get_peft_model
+    `autocast_adapter_dtype=True`); they are then given the dtype the optimizer steps, `weight_dtype` (the master
+    dtype, or the load dtype without masters), as every trainable parameter has it."""
+    if not adapter.enabled:
+        return model
+    from peft import get_peft_model
+
+    config = lora_config(adapter)
+    try:
+        peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
+    except ValueError as exc:  # PEFT's "Target modules {...} not found in the base model"
+        named = adapter.target_modules if adapter.target_modules == "auto" else list(adapter.target_modules)
+        raise Fp8distError(f"adapter.target_modules={named!r}: {str(exc).splitlines()[0]}\n  fix: "
+                           "name modules of this model (e.g. q_proj, v_proj), or use adapter.target_modules=auto") \
+            from None
+    base = peft_model.get_base_model()
+    for param in base.parameters():
+        if param.requires_grad:
+            param.data = param.data.to(torch_dtype(weight_dtype))
+    base.fp8dist_lora_config = peft_model.peft_config["default"]
+    return base
+
+
+def split_parameters(model) -> tuple[int, int]:
+    """(trainable, frozen) element counts of `model` (local shards under FSDP2 / ZeRO-3 count as stored)."""
+    trainable = frozen = 0
+    for param in model.parameters():
+        numel = param.ds_numel if hasattr(param, "ds_numel") else param.numel()
+        if param.requires_grad:
+            trainable += numel
+        else:
+            frozen += numel
+    return trainable, frozen
+
+
+def peft_key(name: str, adapter_name: str = "default") -> str:
+    """A parameter name of the adapted model -> its key in PEFT's adapter_model.safetensors: the PeftModel's
+    `base_model.model.` in front, the adapter's name left out (peft 0.21 utils/save_and_load.py
+    get_peft_model_state_dict)."""
+    return "base_model.model." + name.replace(f".{adapter_name}.", ".")
+
+
+def write_adapter(tensors: dict, config: dict, model_name: str, directory: Path) -> None:
+    """A PEFT adapter directory that `PeftModel.from_pretrained(base, directory)` loads: adapter_config.json (the
+    run's LoraConfig, naming the base it was trained on) and adapter_model.safetensors."""
+    from safetensors.torch import save_file
+
+    lora = lora_config(AdapterSpec(**config["adapter"]))
+    lora.base_model_name_or_path = model_name
+    lora.save_pretrained(str(directory))
+    save_file({peft_key(name): value.contiguous() for name, value in tensors.items()},
+              str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def write_merged(adapter_dir: Path, config: dict, model_name: str, dtype: str, directory: Path) -> None:
+    """The base model, read again from MODEL as the run loaded it, with the adapters merged into its weights
+    (peft merge_and_unload): a model directory transformers alone loads."""
+    from peft import PeftModel
+
+    from fp8dist.runtime.models import load_model
+
+    if not model_name:
+        raise Fp8distError("--merge: the checkpoint does not name the MODEL it was trained on, so there is no base "
+                           "to merge into\n  fix: export without --merge (a PEFT adapter directory), or save with "
+                           "model_name= (launch/train.py does)")
+
+    base = load_model(model_name, dtype, seed=config["train"]["seed"]).model
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    merged.to(torch_dtype(dtype)).save_pretrained(str(directory))

@@ -1,0 +1,44 @@
+"""Axolotl `adapter: lora` and its lora_* keys import into fp8dist's `adapter`; other adapters and quantised bases
+are refused naming the key."""
+import pytest
+import yaml
+
+from fp8dist.config.load import load_config
+from fp8dist.formats.common import ImportProblem
+from fp8dist.formats.importing import import_file
+
+
+def _import(tmp_path, document: dict):
+    path = tmp_path / "axolotl.yaml"
+    path.write_text(yaml.safe_dump({"base_model": "x", "bf16": True, **document}))
+    return import_file(path, "axolotl")
+
+
+@pytest.mark.parametrize("targets, expected", [
+    ({"lora_target_linear": True}, "auto"),
+    ({"lora_target_modules": ["q_proj", "v_proj"]}, ("q_proj", "v_proj")),
+    ({"lora_target_modules": ["q_proj"], "lora_target_linear": True}, "auto"),  # Axolotl adds every Linear
+])
+def test_lora_keys_become_the_adapter_section(tmp_path, targets, expected):
+    text = _import(tmp_path, {"adapter": "lora", "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, **targets})
+    adapter = load_config(yaml.safe_load(text)).adapter
+    assert (adapter.kind, adapter.r, adapter.alpha, adapter.dropout, adapter.target_modules) == \
+        ("lora", 16, 32, 0.05, expected)
+
+
+def test_lora_keys_without_an_adapter_are_noted(tmp_path):
+    text = _import(tmp_path, {"lora_r": 16})
+    assert "# not kept: lora_r: 16 - read only with `adapter: lora`" in text
+    assert load_config(yaml.safe_load(text)).adapter.kind == "none"
+
+
+@pytest.mark.parametrize("document, keys", [
+    ({"adapter": "qlora", "load_in_4bit": True, "lora_target_linear": True}, {"adapter", "load_in_4bit"}),
+    ({"adapter": "lora", "load_in_8bit": True, "lora_target_linear": True}, {"load_in_8bit"}),
+    ({"adapter": "lora"}, {"lora_target_modules"}),  # no target: Axolotl's choice is PEFT's per-model default
+    ({"adapter": "lora", "lora_target_linear": True, "lora_model_dir": "out/"}, {"lora_model_dir"}),
+])
+def test_what_fp8dist_cannot_keep_is_refused_naming_the_key(tmp_path, document, keys):
+    with pytest.raises(ImportProblem) as err:
+        _import(tmp_path, document)
+    assert {issue.path for issue in err.value.issues} == keys, err.value
