@@ -571,3 +571,14 @@ LORA_MODULE_PREFIX = "lora_"
 def is_lora_module(fqn: str) -> bool:
     """A LoRA adapter's own module or parameter (lora_A / lora_B / lora_embedding_*), by PEFT's names."""
     return any(part.startswith(LORA_MODULE_PREFIX) for part in fqn.split("."))
+
+
+# peft 0.21 peft_model.py / tuners_utils.py BaseTuner.model: a PeftModel puts `base_model.model.` in front.
+PEFT_MODEL_PREFIX = "base_model.model."
+
+
+def peft_base_name(fqn: str) -> str:
+    """The name a module had before PEFT wrapped it (`base_model.model.` and `.base_layer` left out): exclusion
+    patterns written for the base model match the same modules in an adapter run."""
+    fqn = fqn[len(PEFT_MODEL_PREFIX):] if fqn.startswith(PEFT_MODEL_PREFIX) else fqn
+    return fqn.replace(".base_layer", "")

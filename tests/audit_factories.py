@@ -5,6 +5,16 @@ import torch.nn.functional as F
 from fp8dist.runtime.models import causal_lm_batch, load_model
 
 
+class LinearRouterBlock(torch.nn.Module):
+    """An MoE block whose router is an nn.Linear `gate` beside its `experts` (as transformers 5 afmoe's)."""
+
+    def __init__(self, hidden=64, experts=8):
+        super().__init__()
+        self.gate = torch.nn.Linear(hidden, experts)
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(hidden, hidden)])
+        self.up = torch.nn.Linear(hidden, hidden)
+
+
 class SecretlyFP32(torch.nn.Module):
     """Looks like a normal LM, but every matmul upcasts to fp32 whatever the config says."""
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Iterable, Sequence
 
-from fp8dist.compat import is_lora_module
+from fp8dist.compat import is_lora_module, peft_base_name
 
 
 @dataclass(frozen=True)
@@ -30,20 +30,8 @@ def is_router(name: str, module, parent) -> bool:
 
 
 ADAPTER_REASON = "LoRA adapter (trained, kept in the master dtype)"
-# PEFT 0.21 names (compat.LORA_MODULE_PREFIX): a targeted Linear becomes `<name>.base_layer` inside a LoRA layer,
-# its adapters `<name>.lora_A.<adapter>`; a PeftModel adds `base_model.model.` in front (peft_model.py,
-# tuners_utils.py BaseTuner.model).
-_PEFT_PREFIX = "base_model.model."
-
-
 is_adapter = is_lora_module  # a LoRA adapter's own Linear: never converted, trained in the master dtype
-
-
-def base_name(fqn: str) -> str:
-    """The name the Linear had before PEFT wrapped it: exclusion patterns written for the base model match the
-    same modules in an adapter run."""
-    fqn = fqn[len(_PEFT_PREFIX):] if fqn.startswith(_PEFT_PREFIX) else fqn
-    return fqn.replace(".base_layer", "")
+base_name = peft_base_name  # the Linear's name before PEFT wrapped it, for exclusion patterns
 
 
 @dataclass(frozen=True)

@@ -212,8 +212,7 @@ def worker(model_name: str, baseline: str, config: str, steps: int, data: str,
         for name, spec in specs.items():
             loaded = load_model(model_name, "fp32", seed=seed)
             loaded.model.to(torch_dtype(spec.precision.load_dtype))
-            torch.manual_seed(seed)  # LoRA's lora_A draws its initial values: the same ones in both runs
-            loaded.model = apply_adapter(loaded.model, spec.adapter, spec.precision.weight_dtype)
+            loaded.model = apply_adapter(loaded.model, spec.adapter, spec.precision.weight_dtype, seed)
             if make_batch is None:
                 make_batch = loaded.make_batch
                 if data:

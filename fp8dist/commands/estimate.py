@@ -141,7 +141,7 @@ def adapted_counts(meta: MetaModel, spec: Spec) -> tuple[int, int]:
     from fp8dist.runtime.adapters import apply_adapter, split_parameters
 
     with torch.device("meta"):
-        model = apply_adapter(meta.model, spec.adapter, spec.precision.weight_dtype)
+        model = apply_adapter(meta.model, spec.adapter, spec.precision.weight_dtype, spec.train.seed)
     return split_parameters(model)
 
 

@@ -263,7 +263,13 @@ def check_compatible(manifest: dict, path: Path, engine: EngineCheckpointing, wo
         raise Fp8distError(f"{path}: a checkpoint of another model ({manifest['model'].get('name') or '?'}: {detail})"
                            "\n  fix: resume with the --model it was trained with, or start a new --checkpoint-dir")
     notes = []
-    if manifest["model"].get("name") and engine.model_name and manifest["model"]["name"] != engine.model_name:
+    other_model = manifest["model"].get("name") and engine.model_name and manifest["model"]["name"] != engine.model_name
+    if other_model and (manifest.get("config") or {}).get("adapter", {}).get("kind", "none") != "none":
+        raise Fp8distError(f"{path}: an adapter run's checkpoint of --model {manifest['model']['name']}; it holds the "
+                           f"adapters only and the frozen base is read again from MODEL, so resuming with "
+                           f"{engine.model_name} would train these adapters on another base"
+                           f"\n  fix: resume with --model {manifest['model']['name']}, or start a new --checkpoint-dir")
+    if other_model:
         notes.append(f"written by a run of --model {manifest['model']['name']}, resumed with {engine.model_name}: "
                      "the weights come from the checkpoint, buffers that are not saved (e.g. rotary frequencies) "
                      "from this model")

@@ -10,7 +10,9 @@ in a full fine-tune. The LoraConfig rides along as `model.fp8dist_lora_config` (
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
+from fp8dist.backends.module_filter import linear_infos
 from fp8dist.config.spec import AdapterSpec
 from fp8dist.dtypes import torch_dtype
 from fp8dist.errors import Fp8distError
@@ -19,24 +21,35 @@ from fp8dist.errors import Fp8distError
 ALL_LINEAR = "all-linear"
 
 
-def lora_config(adapter: AdapterSpec):
+def lora_config(adapter: AdapterSpec, exclude: Sequence[str] = ()):
+    """PEFT's LoraConfig for `adapter`. No task type: fp8dist keeps only the injected base model, and a task type
+    would make PEFT require generation methods of the model (PeftModelForCausalLM)."""
     from peft import LoraConfig
 
     targets = ALL_LINEAR if adapter.target_modules == "auto" else list(adapter.target_modules)
     return LoraConfig(r=adapter.r, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout, target_modules=targets,
-                      bias="none", task_type="CAUSAL_LM")
+                      exclude_modules=list(exclude) or None, bias="none")
 
 
-def apply_adapter(model, adapter: AdapterSpec, weight_dtype: str):
+def _routers(model) -> list[str]:
+    """MoE routers that are nn.Linear (transformers 5 afmoe): PEFT's all-linear would adapt them, and fp8dist keeps
+    routers as they are (backends/module_filter.is_router)."""
+    return [info.fqn for info in linear_infos(model) if info.router]
+
+
+def apply_adapter(model, adapter: AdapterSpec, weight_dtype: str, seed: int):
     """`model` with LoRA adapters on `adapter.target_modules` and every other parameter frozen (kind none: the
-    model as it is). PEFT creates the adapters in fp32 over a 16-bit base (peft 0.21 get_peft_model
-    `autocast_adapter_dtype=True`); they are then given the dtype the optimizer steps, `weight_dtype` (the master
-    dtype, or the load dtype without masters), as every trainable parameter has it."""
+    model as it is). The adapters' initial values (lora_A's) are drawn after seeding with `seed`, so every rank and
+    every run of a config starts from the same ones. PEFT creates the adapters in fp32 over a 16-bit base (peft
+    0.21 get_peft_model `autocast_adapter_dtype=True`); they are then given the dtype the optimizer steps,
+    `weight_dtype` (the master dtype, or the load dtype without masters), as every trainable parameter has it."""
     if not adapter.enabled:
         return model
+    import torch
     from peft import get_peft_model
 
-    config = lora_config(adapter)
+    config = lora_config(adapter, _routers(model) if adapter.target_modules == "auto" else ())
+    torch.manual_seed(seed)
     try:
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as exc:  # PEFT's "Target modules {...} not found in the base model"
@@ -83,9 +96,9 @@ def write_adapter(tensors: dict, config: dict, model_name: str, directory: Path)
               str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
-def write_merged(adapter_dir: Path, config: dict, model_name: str, dtype: str, directory: Path) -> None:
+def write_merged(adapter_dir: Path, config: dict, model_name: str, dtype: str, directory: Path) -> int:
     """The base model, read again from MODEL as the run loaded it, with the adapters merged into its weights
-    (peft merge_and_unload): a model directory transformers alone loads."""
+    (peft merge_and_unload): a model directory transformers alone loads. Returns how many tensors it holds."""
     from peft import PeftModel
 
     from fp8dist.runtime.models import load_model
@@ -98,3 +111,4 @@ def write_merged(adapter_dir: Path, config: dict, model_name: str, dtype: str, d
     base = load_model(model_name, dtype, seed=config["train"]["seed"]).model
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.to(torch_dtype(dtype)).save_pretrained(str(directory))
+    return len(merged.state_dict())

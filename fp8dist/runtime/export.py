@@ -148,18 +148,27 @@ def _export_adapter(reader, manifest: dict, path: Path, scratch: Path, out: Path
     from fp8dist.runtime.adapters import write_adapter, write_merged
 
     keys = [key for key in reader.sizes(torch_dtype(dtype)) if is_adapter(key)]
-    tensors = {key: _plain(value, torch_dtype(dtype)) for key, value in reader.read(keys)}
+    tensors = _unless_unreadable(path, lambda: {key: _plain(value, torch_dtype(dtype))
+                                                for key, value in reader.read(keys)})
     model_name = manifest["model"]["name"]
     if merge:
         adapter_dir = Path(tempfile.mkdtemp(prefix="adapter-", dir=scratch))
         write_adapter(tensors, manifest["config"], model_name, adapter_dir)
-        write_merged(adapter_dir, manifest["config"], model_name, dtype, scratch)
+        try:
+            count = write_merged(adapter_dir, manifest["config"], model_name, dtype, scratch)
+        except Fp8distError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - PEFT / transformers on the base read again: said, not a traceback
+            raise Fp8distError(f"--merge: cannot merge the adapters into {model_name} ({type(exc).__name__}: {exc})"
+                               "\n  fix: export without --merge (a PEFT adapter directory), or make MODEL the base "
+                               "the run trained on") from None
         shutil.rmtree(adapter_dir)
     else:
         write_adapter(tensors, manifest["config"], model_name, scratch)
+        count = len(tensors)
     names = sorted(f.name for f in scratch.glob("*.safetensors"))
     _publish(scratch, out, path, manifest, dtype, names)
-    return Exported(out, dtype, tuple(names), len(tensors), sum((out / name).stat().st_size for name in names))
+    return Exported(out, dtype, tuple(names), count, sum((out / name).stat().st_size for name in names))
 
 
 def _unless_unreadable(path: Path, read):

@@ -225,7 +225,7 @@ def load_for_run(name: str, spec, plan: dict | None = None) -> LoadedModel:
     them with RAM-efficient loading)."""
     if not spec.parallel.cpu_ram_efficient_loading:
         loaded = load_model(name, spec.precision.load_dtype, seed=spec.train.seed)
-        loaded.model = apply_adapter(loaded.model, spec.adapter, spec.precision.weight_dtype)
+        loaded.model = apply_adapter(loaded.model, spec.adapter, spec.precision.weight_dtype, spec.train.seed)
         return loaded
     check_efficient_loading(name, spec)
     if spec.engine == "deepspeed":

@@ -65,6 +65,7 @@ class LinearFilter:
     def __call__(self, module, fqn: str) -> bool:
         if compat.is_lora_module(fqn):
             return False
+        fqn = compat.peft_base_name(fqn)  # exclusions name the base model's modules
         if any(fnmatchcase(fqn, p) or fnmatchcase(fqn.rsplit(".", 1)[-1], p) for p in self.exclude):
             return False
         dim = self.dims_multiple_of

@@ -100,6 +100,17 @@ KEYS = Table("Axolotl", {
     "unfrozen_parameters": refused("trains only the parameters it lists", "remove it (fp8dist trains every "
                                    "parameter)", unless=disabled, otherwise="empty", example=["^lm_head.weight$"]),
     "peft_use_dora": refused("DoRA adapters", "remove it", unless=disabled, otherwise="off"),
+    "peft_use_rslora": refused("rank-stabilised LoRA: scales the update by alpha / sqrt(r), not alpha / r",
+                               "remove it (or scale adapter.alpha by sqrt(r) yourself)", unless=disabled,
+                               otherwise="off", example=True),
+    "lora_modules_to_save": refused("trains whole modules beside the adapters (PEFT modules_to_save)",
+                                    "remove it, or train the full model", unless=disabled, otherwise="none",
+                                    example=["lm_head"]),
+    "lora_target_parameters": refused("adapters on parameters (PEFT target_parameters, e.g. MoE experts), which "
+                                      "fp8dist's `adapter` does not run", "remove it", unless=disabled,
+                                      otherwise="none", example=["experts.gate_up_proj"]),
+    "peft_layers_to_transform": refused("adapters on some layers only (PEFT layers_to_transform)", "remove it",
+                                        unless=disabled, otherwise="every layer", example=[0, 1]),
     "relora_steps": refused("ReLoRA: adapters merged every N steps", "remove it", unless=disabled, otherwise="off",
                             example=200),
     "fp32_norms": refused("keeps norm layers in fp32 under FSDP2 (a per-module policy)", "remove it: fp8dist gives "
@@ -205,7 +216,11 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
             out = convert_config(ds, source, notes, ctx, f"deepspeed ({where}): ")
         except ImportProblem as exc:
             raise ImportProblem(issues + exc.issues, source, "axolotl") from None
-        if (ds.get("zero_optimization") or {}).get("stage") == 3:
+        if (ds.get("zero_optimization") or {}).get("stage") == 3 and cfg.get("adapter") == "lora":
+            notes.resolved("parallel.cpu_ram_efficient_loading", False, "under ZeRO-3 the HF Trainer builds the model "
+                           "inside deepspeed.zero.Init; fp8dist adds LoRA adapters to a fully loaded model, then "
+                           "partitions it (the result is the same partitioned base)")
+        elif (ds.get("zero_optimization") or {}).get("stage") == 3:
             out.setdefault("parallel", {})["cpu_ram_efficient_loading"] = True
             notes.resolved("parallel.cpu_ram_efficient_loading", True, "under ZeRO-3 the HF Trainer builds the model "
                            "inside deepspeed.zero.Init (transformers integrations/deepspeed.py is_deepspeed_zero3_enabled)")
@@ -231,6 +246,13 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
             precision = {"mixed_precision": compute, "master_weights": "none", "reduce_dtype": load_dtype}
             notes.resolved("(no fsdp_config or deepspeed)", "parallel.sharding=replicate", "Axolotl runs DDP, which "
                            "fp8dist runs as FSDP2 with nothing sharded; the optimizer steps the weights as loaded")
+            if cfg.get("adapter") == "lora" and mixed != "no":
+                # PEFT creates the adapters in fp32 over a 16-bit base (peft 0.21 get_peft_model
+                # autocast_adapter_dtype=True, which Axolotl keeps) and the Trainer autocasts the forward
+                precision.update(master_weights="fp32", reduce_dtype="fp32")
+                notes.resolved("adapter", "precision.master_weights=fp32, reduce_dtype=fp32", "PEFT keeps the LoRA "
+                               f"adapters in fp32 under Axolotl (the frozen base stays {load_dtype}) and DDP reduces "
+                               "their gradients in fp32")
         _data_parallel_sizes(cfg, parallel, notes, issues)
         out["precision"] = {"load_dtype": load_dtype, **precision}
         if parallel:
@@ -259,6 +281,10 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
 
 
 _LORA = {"lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout"}
+# What Axolotl's union with lora_target_linear can add beyond PEFT's all-linear (axolotl loaders/adapter.py
+# load_lora: target_modules + find_all_linear_names, which leaves the output layer out): output layers and
+# embeddings named by hand.
+_NOT_IN_ALL_LINEAR = {"lm_head", "embed_tokens", "embed_out", "wte", "wpe", "output", "embeddings"}
 _LORA_TARGETS = ("lora_target_modules", "lora_target_linear")
 
 
@@ -277,10 +303,17 @@ def _adapter(cfg: dict[str, Any], out: dict[str, Any], notes: Notes, issues: lis
     adapter = {"kind": "lora", **{_LORA[key]: value for key, value in mapped.items() if key in _LORA
                                   and value is not None}}
     modules = mapped.get("lora_target_modules")
-    if truthy(mapped.get("lora_target_linear")):
+    modules = [modules] if isinstance(modules, str) else list(modules or [])
+    outside = [name for name in modules if name in _NOT_IN_ALL_LINEAR]
+    if truthy(mapped.get("lora_target_linear")) and outside:
+        issues.append(Issue("lora_target_modules", f"with lora_target_linear Axolotl adapts every Linear and also "
+                            f"{outside}, which fp8dist's target_modules auto (every Linear but the output layer) "
+                            "leaves out", modules, "remove them from lora_target_modules, or list every target "
+                            "without lora_target_linear"))
+    elif truthy(mapped.get("lora_target_linear")):
         adapter["target_modules"] = "auto"
     elif modules:
-        adapter["target_modules"] = [modules] if isinstance(modules, str) else list(modules)
+        adapter["target_modules"] = modules
     else:
         issues.append(Issue("lora_target_modules", "adapter: lora names no target (neither lora_target_modules nor "
                             "lora_target_linear), and Axolotl's choice then is PEFT's per-architecture default, "

@@ -120,14 +120,8 @@ def test_an_nn_linear_router_stays_in_high_precision():
     """Routers are kept in high precision by every FP8 recipe that handles MoE; transformers' afmoe has an
     nn.Linear `gate` beside its `experts`, which the Linear filter would otherwise convert."""
     from fp8dist.backends.module_filter import decide, linear_infos
+    from tests.audit_factories import LinearRouterBlock
 
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate = torch.nn.Linear(64, 8)
-            self.experts = torch.nn.ModuleList([torch.nn.Linear(64, 64)])
-            self.up = torch.nn.Linear(64, 64)
-
-    decisions = {d.fqn: d for d in decide(linear_infos(torch.nn.Sequential(Block())), [], False, None)}
+    decisions = {d.fqn: d for d in decide(linear_infos(torch.nn.Sequential(LinearRouterBlock())), [], False, None)}
     assert not decisions["0.gate"].convert and "MoE router" in decisions["0.gate"].reason
     assert decisions["0.up"].convert and decisions["0.experts.0"].convert

@@ -112,3 +112,19 @@ def test_prune_never_deletes_the_checkpoint_just_written(tmp_path):
     just_written = make(tmp_path, 2)
     prune(tmp_path, keep_last=1, keep=just_written)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000010"]
+
+
+def test_an_adapter_checkpoint_resumes_only_on_its_own_base(tmp_path):
+    """A LoRA checkpoint holds the adapters only; the frozen base is read again from MODEL, so another MODEL would
+    train these adapters on another base: refused. A full fine-tune's checkpoint holds every weight: a note."""
+    import torch
+
+    from fp8dist.engines.checkpoint import EngineCheckpointing, check_compatible
+
+    engine = EngineCheckpointing(torch.nn.Linear(2, 2), model_name="other-llama")
+    manifest = {"engine": "", "world_size": 1, "model": {"name": "tiny-llama", "parameters": engine.parameter_shapes()},
+                "config": {"adapter": {"kind": "lora"}}}
+    with pytest.raises(Fp8distError, match=r"(?s)adapters only.*fix: resume with --model tiny-llama"):
+        check_compatible(manifest, tmp_path, engine, 1)
+    manifest["config"]["adapter"]["kind"] = "none"
+    assert "resumed with other-llama" in check_compatible(manifest, tmp_path, engine, 1)[0]

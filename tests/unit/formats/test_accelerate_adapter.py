@@ -63,3 +63,12 @@ def test_fp8dists_filter_for_accelerate_leaves_the_adapters_out():
     assert keep(linear, "model.layers.0.self_attn.q_proj.base_layer")
     assert not keep(linear, "model.layers.0.self_attn.q_proj.lora_A.default")
     assert not keep(linear, "model.layers.0.self_attn.q_proj.lora_B.default")
+
+
+
+def test_fp8dists_filter_for_accelerate_matches_exclusions_on_the_base_models_names():
+    linear = torch.nn.Linear(32, 32)
+    keep = LinearFilter(["down_proj", "model.layers.0.*"], 16)
+    assert not keep(linear, "base_model.model.model.layers.1.mlp.down_proj.base_layer")
+    assert not keep(linear, "base_model.model.model.layers.0.mlp.up_proj.base_layer")
+    assert keep(linear, "base_model.model.model.layers.1.mlp.up_proj.base_layer")

@@ -37,8 +37,35 @@ def test_lora_keys_without_an_adapter_are_noted(tmp_path):
     ({"adapter": "lora", "load_in_8bit": True, "lora_target_linear": True}, {"load_in_8bit"}),
     ({"adapter": "lora"}, {"lora_target_modules"}),  # no target: Axolotl's choice is PEFT's per-model default
     ({"adapter": "lora", "lora_target_linear": True, "lora_model_dir": "out/"}, {"lora_model_dir"}),
+    # Axolotl adapts the union: every Linear and the output layer, which auto leaves out
+    ({"adapter": "lora", "lora_target_linear": True, "lora_target_modules": ["lm_head"]}, {"lora_target_modules"}),
+    ({"adapter": "lora", "lora_target_linear": True, "peft_use_rslora": True}, {"peft_use_rslora"}),
+    ({"adapter": "lora", "lora_target_linear": True, "lora_modules_to_save": ["embed_tokens"]},
+     {"lora_modules_to_save"}),
+    ({"adapter": "lora", "lora_target_linear": True, "lora_target_parameters": ["experts.down_proj"]},
+     {"lora_target_parameters"}),
+    ({"adapter": "lora", "lora_target_linear": True, "peft_layers_to_transform": [0]}, {"peft_layers_to_transform"}),
 ])
 def test_what_fp8dist_cannot_keep_is_refused_naming_the_key(tmp_path, document, keys):
     with pytest.raises(ImportProblem) as err:
         _import(tmp_path, document)
     assert {issue.path for issue in err.value.issues} == keys, err.value
+
+
+
+def test_lora_under_ddp_keeps_peft_fp32_adapters(tmp_path):
+    """Axolotl without FSDP or DeepSpeed runs DDP, and PEFT keeps the adapters in fp32 over the bf16 base: fp32
+    masters for the adapters, not bf16 weights stepped as loaded."""
+    spec = load_config(yaml.safe_load(_import(tmp_path, {"adapter": "lora", "lora_target_linear": True})))
+    assert (spec.precision.load_dtype, spec.precision.master_weights, spec.precision.weight_dtype) == \
+        ("bf16", "fp32", "fp32")
+
+
+def test_lora_under_zero3_imports_without_shard_on_read_loading(tmp_path):
+    """Under ZeRO-3 the HF Trainer builds the model inside zero.Init; fp8dist adds the adapters to a loaded model
+    (the rules refuse RAM-efficient loading with an adapter), so the import leaves it off, saying so."""
+    (tmp_path / "zero3.json").write_text('{"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}')
+    text = _import(tmp_path, {"adapter": "lora", "lora_target_linear": True, "deepspeed": "zero3.json"})
+    spec = load_config(yaml.safe_load(text))
+    assert spec.adapter.kind == "lora" and spec.engine == "deepspeed" and not spec.parallel.cpu_ram_efficient_loading
+    assert "resolved: parallel.cpu_ram_efficient_loading -> false" in text

@@ -30,7 +30,8 @@ AXOLOTL_CONTEXT = {"fp8_enable_fsdp_float8_all_gather": {"fp8": True, **FSDP2}, 
                    "fsdp": FSDP2, "dp_replicate_size": {"dp_shard_size": 2}, "tf32": {"bf16": False},
                    "fp16": {"bf16": False},
                    **{key: {"adapter": "lora", "lora_target_linear": True} for key in (
-                       "lora_r", "lora_alpha", "lora_dropout", "lora_fan_in_fan_out", "lora_model_dir")},
+                       "lora_r", "lora_alpha", "lora_dropout", "lora_fan_in_fan_out", "lora_model_dir", "lora_modules_to_save",
+                       "lora_target_parameters", "peft_use_rslora", "peft_layers_to_transform")},
                    "lora_target_modules": {"adapter": "lora"}, "lora_target_linear": {"adapter": "lora"}}
 ACCELERATE_CONTEXT = {"fp8_config": {"mixed_precision": "fp8"}}
 

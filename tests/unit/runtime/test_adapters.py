@@ -7,6 +7,7 @@ from fp8dist.config.load import load_config
 from fp8dist.errors import ConfigError, Fp8distError
 from fp8dist.runtime.adapters import apply_adapter, split_parameters
 from fp8dist.runtime.loading import load_for_run
+from tests.audit_factories import LinearRouterBlock
 
 LORA = {"adapter": {"kind": "lora", "r": 4, "alpha": 8}}
 
@@ -38,7 +39,7 @@ def test_named_targets_and_a_target_the_model_lacks():
 def test_kind_none_changes_nothing():
     spec = load_config({})
     model = load_for_run("tiny-llama", spec).model
-    assert apply_adapter(model, spec.adapter, "fp32") is model and all(p.requires_grad for p in model.parameters())
+    assert apply_adapter(model, spec.adapter, "fp32", 0) is model and all(p.requires_grad for p in model.parameters())
 
 
 def test_without_masters_the_adapters_take_the_load_dtype():
@@ -70,3 +71,26 @@ def test_refusals_name_the_key_the_value_and_a_fix(config, key):
     with pytest.raises(ConfigError) as err:
         load_config(config)
     assert err.value.exit_code == 2 and f"{key}:" in str(err.value) and "fix:" in str(err.value)
+
+
+def test_auto_targets_leave_an_nn_linear_router_alone_and_the_seed_fixes_the_adapters():
+    """PEFT's all-linear would adapt an MoE router that is an nn.Linear (transformers 5 afmoe's `gate` beside its
+    `experts`); fp8dist keeps routers as they are. lora_A's initial values come from the config's seed."""
+    spec = load_config(LORA)
+    models = [apply_adapter(torch.nn.Sequential(LinearRouterBlock(), torch.nn.Linear(64, 64)), spec.adapter, "fp32", 7)
+              for _ in range(2)]
+    names = {n for n, p in models[0].named_parameters() if p.requires_grad}
+    assert "0.up.lora_A.default.weight" in names and not any(n.startswith("0.gate.") for n in names)
+    torch.manual_seed(123)  # whatever the process drew before: the adapters come from the seed
+    again = apply_adapter(torch.nn.Sequential(LinearRouterBlock(), torch.nn.Linear(64, 64)), spec.adapter, "fp32", 7)
+    for model in (models[1], again):
+        assert torch.equal(model.get_submodule("0.up.lora_A.default").weight,
+                           models[0].get_submodule("0.up.lora_A.default").weight)
+
+
+def test_a_model_without_generation_methods_takes_adapters():
+    """No task type in fp8dist's LoraConfig: PEFT's causal-LM wrapper would require generation methods."""
+    spec = load_config(LORA)
+    model = apply_adapter(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
+                          spec.adapter, "fp32", 0)
+    assert any(p.requires_grad for p in model.parameters()) and not all(p.requires_grad for p in model.parameters())
