@@ -37,6 +37,21 @@ def relaunch(script: str, nproc: int = 2, args: list[str] | None = None, env: di
                             str(nproc), script, *(args or [])], env=env or cpu_env())
 
 
+def status_kib(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (VmRSS, VmHWM, ...), in KiB."""
+    with open("/proc/self/status", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak_resident() -> None:
+    """Reset VmHWM to the current resident size (Linux proc(5), /proc/self/clear_refs)."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+        handle.write("5")
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

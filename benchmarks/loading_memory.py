@@ -23,7 +23,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ROOT, cpu_env, quiet_libraries, result, under_torchrun  # noqa: E402
+from _common import (ROOT, cpu_env, quiet_libraries, reset_peak_resident, result, status_kib,  # noqa: E402
+                     under_torchrun)
 from fp8dist.runtime import process_group  # noqa: E402
 from fp8dist.runtime.process_group import leave  # noqa: E402
 
@@ -33,14 +34,6 @@ SIZES = {  # ~parameters -> Llama config overrides (vocab 32000: the embeddings 
     "200M": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
                  num_attention_heads=16, num_key_value_heads=16),
 }
-
-
-def _kib(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def worker(model_dir: str, mode: str, out: str) -> None:
@@ -62,12 +55,11 @@ def worker(model_dir: str, mode: str, out: str) -> None:
     spec = load_config({"precision": {"preset": "bf16"}, "audit": {"first_step": "off"},
                         "parallel": {"cpu_ram_efficient_loading": mode == "efficient"}})
     dist.barrier()
-    baseline = _kib("VmRSS")
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
-        handle.write("5")  # reset VmHWM to the current RSS (Linux proc(5))
+    baseline = status_kib("VmRSS")
+    reset_peak_resident()
     loaded = load_for_run(model_dir, spec)
     run = fsdp2.prepare(loaded.model, spec, materialize=loaded.materialize)
-    peak = _kib("VmHWM")
+    peak = status_kib("VmHWM")
     params = sum(p.numel() for p in run.model.parameters())
     reports = [None] * dist.get_world_size()
     dist.all_gather_object(reports, {"rank": dist.get_rank(), "peak_above_baseline_kib": peak - baseline,

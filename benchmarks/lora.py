@@ -28,18 +28,11 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ROOT, cpu_env, quiet_libraries, result, under_torchrun  # noqa: E402
+from _common import (ROOT, cpu_env, quiet_libraries, reset_peak_resident, result, status_kib,  # noqa: E402
+                     under_torchrun)
 
 CONFIG = str(ROOT / "configs" / "deepspeed-lora-zero3.yaml")
 SIDES = ("fp8dist", "accelerate", "fp8dist-full")
-
-
-def _kib(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def run_side(side: str, model_name: str, steps: int) -> None:
@@ -62,7 +55,8 @@ def run_side(side: str, model_name: str, steps: int) -> None:
     spec = load_config(document)
     rank = dist.get_rank()
     dist.barrier()
-    baseline = _kib("VmRSS")
+    baseline = status_kib("VmRSS") * 1024
+    reset_peak_resident()
     facts = {}
     if side == "accelerate":
         from accelerate import Accelerator
@@ -96,7 +90,7 @@ def run_side(side: str, model_name: str, steps: int) -> None:
         fp32 = sum(t.numel() for t in engine.optimizer.fp32_partitioned_groups_flat)
         facts = {"frozen_bytes_per_param": sum(t.numel() * t.element_size() for t in frozen) /
                  max(sum(t.numel() for t in frozen), 1), "fp32_partition_per_trainable": fp32 / max(trainable, 1)}
-    peak = _kib("VmHWM") - baseline
+    peak = status_kib("VmHWM") * 1024 - baseline
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, peak)
     if rank == 0:

@@ -573,6 +573,10 @@ def is_lora_module(fqn: str) -> bool:
     return any(part.startswith(LORA_MODULE_PREFIX) for part in fqn.split("."))
 
 
+# peft 0.21 utils/constants.py INCLUDE_LINEAR_LAYERS_SHORTHAND: LoraConfig target_modules for every Linear but the
+# output layer (tuners_utils.py _maybe_include_all_linear_layers); fp8dist's `adapter.target_modules: auto`.
+PEFT_ALL_LINEAR = "all-linear"
+
 # peft 0.21 peft_model.py / tuners_utils.py BaseTuner.model: a PeftModel puts `base_model.model.` in front.
 PEFT_MODEL_PREFIX = "base_model.model."
 

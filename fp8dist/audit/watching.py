@@ -37,6 +37,7 @@ from fp8dist.config.spec import Spec
 from fp8dist.engines.inspector import local
 from fp8dist.engines.optim import full_precision_by_design
 from fp8dist.engines.registry import inspector_for
+from fp8dist.runtime.adapters import split_parameters
 from fp8dist.errors import Fp8distError
 from fp8dist.translate.fsdp2 import float8_plan
 
@@ -58,11 +59,6 @@ def model_name(module) -> str:
     """The Hugging Face name or path of the model, else its class (FSDP2's FSDP<Class> wrapper class left out)."""
     path = getattr(getattr(module, "config", None), "name_or_path", "")
     return path or next(c.__name__ for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
-
-
-def _numel(param) -> int:
-    """Elements of the whole parameter (ZeRO-3: `ds_numel`, its partition's module tensor is empty)."""
-    return getattr(param, "ds_numel", None) or param.numel()
 
 
 def _stored(param):
@@ -157,8 +153,8 @@ class Watch:
         (an fp32 copy of a bf16 base is a mismatch), with no gradient and never stepped by the optimizer."""
         named = list(self.inspector.module.named_parameters())
         frozen = [(n, p) for n, p in named if not p.requires_grad]
-        self.observed["_parameters"] = {"trainable": sum(_numel(p) for _, p in named if p.requires_grad),
-                                        "frozen": sum(_numel(p) for _, p in frozen)}
+        trainable, frozen_count = split_parameters(self.inspector.module)
+        self.observed["_parameters"] = {"trainable": trainable, "frozen": frozen_count}
         stored = [_stored(p) for _, p in frozen]
         if stored:
             self.observed["_frozen_bytes"] = round(probes.nbytes(stored) / max(sum(t.numel() for t in stored), 1), 2)

@@ -12,13 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+import fp8dist.compat as compat
 from fp8dist.backends.module_filter import linear_infos
 from fp8dist.config.spec import AdapterSpec
 from fp8dist.dtypes import torch_dtype
 from fp8dist.errors import Fp8distError
 
-# peft 0.21 utils/constants.py INCLUDE_LINEAR_LAYERS_SHORTHAND: every Linear but the output layer
-ALL_LINEAR = "all-linear"
 
 
 def lora_config(adapter: AdapterSpec, exclude: Sequence[str] = ()):
@@ -26,7 +25,7 @@ def lora_config(adapter: AdapterSpec, exclude: Sequence[str] = ()):
     would make PEFT require generation methods of the model (PeftModelForCausalLM)."""
     from peft import LoraConfig
 
-    targets = ALL_LINEAR if adapter.target_modules == "auto" else list(adapter.target_modules)
+    targets = compat.PEFT_ALL_LINEAR if adapter.target_modules == "auto" else list(adapter.target_modules)
     return LoraConfig(r=adapter.r, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout, target_modules=targets,
                       exclude_modules=list(exclude) or None, bias="none")
 
@@ -66,7 +65,8 @@ def apply_adapter(model, adapter: AdapterSpec, weight_dtype: str, seed: int):
 
 
 def split_parameters(model) -> tuple[int, int]:
-    """(trainable, frozen) element counts of `model` (local shards under FSDP2 / ZeRO-3 count as stored)."""
+    """(trainable, frozen) element counts of `model`'s whole parameters (ZeRO-3: `ds_numel`, its partitioned
+    module tensors are empty; FSDP2's DTensors count their global size)."""
     trainable = frozen = 0
     for param in model.parameters():
         numel = param.ds_numel if hasattr(param, "ds_numel") else param.numel()

@@ -21,7 +21,9 @@ from fp8dist.formats.accelerate.translate import accelerate_plan
 def training_arguments_kwargs(config, *, world_size: int | None = None,
                               deepspeed_version: str | None = None) -> dict[str, Any]:
     """Keyword arguments for `transformers.TrainingArguments` (transformers 5) equivalent to `config` (path, dict or
-    Spec); add output_dir and the rest of your run's own settings."""
+    Spec); add output_dir and the rest of your run's own settings. TrainingArguments has no adapter setting: with
+    `adapter.kind=lora` give the Trainer `peft.get_peft_model(model, fp8dist.runtime.adapters.lora_config(
+    spec.adapter), autocast_adapter_dtype=False)`, as for `accelerator_kwargs`."""
     spec = as_spec(config)
     plan = accelerate_plan(spec, "trainer", deepspeed_version=deepspeed_version)
     o, t = spec.optimizer, spec.train

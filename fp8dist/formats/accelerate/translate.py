@@ -453,7 +453,7 @@ def render(document: dict[str, Any], plan: dict[str, Any], spec: Spec, source: s
              f"# your script builds the optimizer: {o.name} lr={o.lr} weight_decay={o.weight_decay}{batch}"]
     if spec.adapter.enabled:
         a = spec.adapter
-        targets = "all-linear" if a.target_modules == "auto" else list(a.target_modules)
+        targets = compat.PEFT_ALL_LINEAR if a.target_modules == "auto" else list(a.target_modules)
         lines += [f"{ADAPTER_MARK}{json.dumps(spec.to_dict()['adapter'], separators=(',', ':'))}",
                   f"#   your script applies it before accelerator.prepare: peft.get_peft_model(model, LoraConfig(r={a.r}, "
                   f"lora_alpha={a.alpha:g}, lora_dropout={a.dropout:g}, target_modules={targets!r}), "

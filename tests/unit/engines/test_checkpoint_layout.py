@@ -128,3 +128,19 @@ def test_an_adapter_checkpoint_resumes_only_on_its_own_base(tmp_path):
         check_compatible(manifest, tmp_path, engine, 1)
     manifest["config"]["adapter"]["kind"] = "none"
     assert "resumed with other-llama" in check_compatible(manifest, tmp_path, engine, 1)[0]
+
+
+def test_merge_of_a_full_fine_tunes_checkpoint_is_refused(tmp_path):
+    """`fp8dist export --merge` merges adapters: a checkpoint without any is refused (exit 2), nothing written."""
+    from fp8dist.engines.checkpoint import HF_CONFIG_DIR
+    from tests.conftest import run_cli
+
+    path = make(tmp_path / "run", 2, files={f"{HF_CONFIG_DIR}/config.json": b"{}"})
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest.update(model={"name": "tiny-llama", "parameters": {}},
+                    config={"precision": {"load_dtype": "bf16"}, "adapter": {"kind": "none"}})
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    result = run_cli("export", tmp_path / "run", tmp_path / "out", "--merge")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "--merge:" in result.stderr and "no adapter to merge" in result.stderr and "fix: drop --merge" in result.stderr
+    assert not (tmp_path / "out").exists()
