@@ -246,8 +246,32 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def check_compatible(manifest: dict, path: Path, engine: EngineCheckpointing, world: int) -> list[str]:
-    """Refuse what cannot be resumed here; return what is resumed but not exactly (notes)."""
+# Settings that say how long and how observed a run is, not what it computes: a resume that changes them says
+# nothing (extending `train.steps` is what resuming is for).
+_BOOKKEEPING = frozenset({"train.steps", "train.process_group_timeout_s", "checkpoint.keep_last", "audit.first_step",
+                          "deepspeed.steps_per_print"})
+
+
+def _leaves(document: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(document, dict):
+        return {key: value for name, child in document.items()
+                for key, value in _leaves(child, f"{prefix}{name}.").items()}
+    return {prefix[:-1]: document}
+
+
+def config_changes(saved: dict | None, here: dict | None) -> list[tuple[str, Any, Any]]:
+    """The settings (dotted keys) a resumed run changes from the checkpoint's config: (key, saved, here)."""
+    if not saved or not here:
+        return []
+    before, after = _leaves(saved), _leaves(here)
+    return [(key, before.get(key), after.get(key)) for key in sorted(set(before) | set(after))
+            if key not in _BOOKKEEPING and before.get(key) != after.get(key)]
+
+
+def check_compatible(manifest: dict, path: Path, engine: EngineCheckpointing, world: int,
+                     config: dict | None = None) -> list[str]:
+    """Refuse what cannot be resumed here; return what is resumed but not exactly (notes). `config` is this run's
+    config (Spec.to_dict()), compared with the one the checkpoint was written under."""
     if manifest["engine"] != engine.engine:
         raise Fp8distError(f"{path}: written by engine={manifest['engine']}, this run is engine={engine.engine}"
                            f"\n  fix: resume with a config of engine={manifest['engine']}, or start a new "
@@ -269,6 +293,16 @@ def check_compatible(manifest: dict, path: Path, engine: EngineCheckpointing, wo
                            f"adapters only and the frozen base is read again from MODEL, so resuming with "
                            f"{engine.model_name} would train these adapters on another base"
                            f"\n  fix: resume with --model {manifest['model']['name']}, or start a new --checkpoint-dir")
+    changes = config_changes(manifest.get("config"), config)
+    for key, before, after in changes:
+        if key == "adapter.alpha":  # PEFT scales the adapters' output by alpha / r (peft 0.21 tuners/lora/layer.py)
+            raise Fp8distError(f"{path}: adapter.alpha is {before} in the checkpoint and {after} in this config; the "
+                               f"adapters were trained under the scaling alpha / r, so another alpha makes the "
+                               f"checkpoint another model\n  fix: resume with adapter.alpha={before}, or start a new "
+                               "--checkpoint-dir")
+    if changes:
+        notes.append("resumed with settings other than the checkpoint's: " + ", ".join(
+            f"{key} {before!r} -> {after!r}" for key, before, after in changes))
     if other_model:
         notes.append(f"written by a run of --model {manifest['model']['name']}, resumed with {engine.model_name}: "
                      "the weights come from the checkpoint, buffers that are not saved (e.g. rotary frequencies) "
@@ -292,6 +326,7 @@ def resume(target, directory: str | os.PathLike, *, model_name: str = "", schedu
     None when there is none yet. Rank 0 decides which checkpoint and checks it; every rank raises the same
     error when it cannot be used, before any weight is read."""
     engine = checkpointing_for(target, model_name=model_name, scheduler=scheduler)
+    spec = getattr(getattr(target, "fp8dist_run", target), "spec", None)
     rank, world = _rank_world()
 
     def decide():
@@ -299,7 +334,8 @@ def resume(target, directory: str | os.PathLike, *, model_name: str = "", schedu
         if path is None:
             return None
         manifest = read_manifest(path)
-        return str(path), manifest, check_compatible(manifest, path, engine, world)
+        config = spec.to_dict() if spec is not None else None
+        return str(path), manifest, check_compatible(manifest, path, engine, world, config)
 
     decided = on_rank_zero(f"resuming from {directory}", decide)
     if decided is None:

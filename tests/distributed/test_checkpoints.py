@@ -289,6 +289,10 @@ def test_a_deepspeed_zero3_lora_run_resumes_exactly(tmp_path):
     second = train("deepspeed-lora-zero3", "--checkpoint-dir", stopped, "--resume")
     assert second.returncode == 0, describe(second)
     assert losses(second.stdout) == losses(first.stdout)[N:], (losses(first.stdout), losses(second.stdout))
+    rescaled = train("deepspeed-lora-zero3", "--checkpoint-dir", stopped, "--resume", "--steps", str(3 * N),
+                     sets=("adapter.alpha=8",))
+    assert rescaled.returncode != 0, describe(rescaled)  # train.py exits 2; torchrun reports a failed child as 1
+    assert "adapter.alpha is 32 in the checkpoint and 8 in this config" in rescaled.stderr, describe(rescaled)
     saved = torch.load(next((straight / f"step-{N:08d}" / "deepspeed").glob("*mp_rank_00_model_states.pt")),
                        weights_only=False)["module"]
     assert saved and all(".lora_" in key for key in saved), sorted(saved)[:3]

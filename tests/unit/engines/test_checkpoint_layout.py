@@ -130,6 +130,30 @@ def test_an_adapter_checkpoint_resumes_only_on_its_own_base(tmp_path):
     assert "resumed with other-llama" in check_compatible(manifest, tmp_path, engine, 1)[0]
 
 
+def test_a_resume_says_which_settings_it_changes_and_refuses_another_adapter_alpha(tmp_path):
+    """Resuming under another config is said setting by setting (not the run's length or bookkeeping); another
+    adapter.alpha is refused: the adapters were trained under the scaling alpha / r."""
+    import torch
+
+    from fp8dist.config.load import load_config
+    from fp8dist.engines.checkpoint import EngineCheckpointing, check_compatible
+
+    engine = EngineCheckpointing(torch.nn.Linear(2, 2), model_name="tiny-llama")
+    saved = load_config("configs/fsdp2-lora-float8.yaml").to_dict()
+    manifest = {"engine": "", "world_size": 1, "model": {"name": "tiny-llama", "parameters": engine.parameter_shapes()},
+                "config": saved}
+    assert check_compatible(manifest, tmp_path, engine, 1, saved) == []
+    longer = load_config("configs/fsdp2-lora-float8.yaml", ["train.steps=40", "checkpoint.keep_last=5"]).to_dict()
+    assert check_compatible(manifest, tmp_path, engine, 1, longer) == []
+    other = load_config("configs/fsdp2-lora-float8.yaml", ["optimizer.lr=0.5", "adapter.dropout=0.0"]).to_dict()
+    (note,) = check_compatible(manifest, tmp_path, engine, 1, other)
+    assert "adapter.dropout 0.05 -> 0.0" in note and "optimizer.lr" in note and "train.steps" not in note
+    scaled = load_config("configs/fsdp2-lora-float8.yaml", ["adapter.alpha=8"]).to_dict()
+    with pytest.raises(Fp8distError, match=r"(?s)adapter.alpha is 32 in the checkpoint and 8.*fix: resume with "
+                                           r"adapter.alpha=32"):
+        check_compatible(manifest, tmp_path, engine, 1, scaled)
+
+
 def test_merge_of_a_full_fine_tunes_checkpoint_is_refused(tmp_path):
     """`fp8dist export --merge` merges adapters: a checkpoint without any is refused (exit 2), nothing written."""
     from fp8dist.engines.checkpoint import HF_CONFIG_DIR
