@@ -473,13 +473,10 @@ def te_recipe_hardware(recipe: str, capability: Capability | None,
     return True, f"compute capability {cap[0]}.{cap[1]} supports {cls}"
 
 
-def te_field_removed(field: str, te_version: Version | None) -> tuple[bool, str]:
-    """Is `field` gone in this TE (or, with version None, in any current TE)?"""
-    removed = TE_REMOVED_FIELDS[field]
-    if te_version is None or te_version >= removed:
-        return True, (f"`{field}` was removed from Transformer Engine in {fmt(removed)}; newer TE would "
-                      f"silently drop it, so fp8dist refuses it")
-    return False, f"Transformer Engine {fmt(te_version)} still accepts `{field}`"
+def te_removed_field_reason(field: str) -> str:
+    """Why a DelayedScaling field TE has removed is refused (every supported TE but the oldest drops it)."""
+    return (f"`{field}` was removed from Transformer Engine in {fmt(TE_REMOVED_FIELDS[field])}; newer TE would "
+            f"silently drop it, so fp8dist refuses it")
 
 
 # --- Accelerate (config files, plugins, FP8 recipe kwargs) -----------------------------------

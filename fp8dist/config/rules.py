@@ -160,8 +160,8 @@ def _te(doc, _):
     record = compat.TE_RECIPES[te["recipe"]]
     for field in compat.TE_REMOVED_FIELDS:
         if te[field] is not None:
-            _, reason = compat.te_field_removed(field, None)
-            issues.append(Issue(f"precision.fp8.te.{field}", reason, te[field], f"remove precision.fp8.te.{field}"))
+            issues.append(Issue(f"precision.fp8.te.{field}", compat.te_removed_field_reason(field), te[field],
+                                f"remove precision.fp8.te.{field}"))
     for field, reason in compat.TE_INERT_FIELDS.items():
         if te[field] is not None:
             raises = [_te_raises(record, r) for r in record.rejects if r.field == field and r.value == te[field]]
