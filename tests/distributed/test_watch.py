@@ -109,3 +109,16 @@ def test_hf_trainer_with_deepspeed_and_the_audit_callback_passes():
     case = parse(result)["trainer-deepspeed"]
     assert case["passed"] is True and case["observed"]["engine"] == "deepspeed", case
     assert case["observed"]["master_weights"] == "fp32" and case["observed"]["communication"] == "fp32"
+
+
+def test_hf_trainer_with_a_peft_lora_model_on_zero3_passes_with_the_frozen_base_kept_small():
+    """The Trainer recipe of training_arguments_kwargs' docstring for `adapter.kind=lora`: the script wraps the model
+    with PEFT (fp8dist's lora_config), the callback recognises the frozen base: bf16, no state, only adapters stepped."""
+    result = torchrun(SCRIPTS / "watch_frontends.py", "trainer-deepspeed-lora", timeout=400)
+    assert result.returncode == 0, describe(result)
+    case = parse(result)["trainer-deepspeed-lora"]
+    assert case["passed"] is True and case["observed"]["engine"] == "deepspeed", case
+    assert case["observed"]["frozen_weights"] == "bf16" and case["observed"]["frozen_state"] == "none", case
+    assert case["observed"]["master_weights"] == "fp32" and case["observed"]["optimizer"] == "fp32+fp32", case
+    trainable, frozen = case["parameters"]["trainable"], case["parameters"]["frozen"]
+    assert 0 < trainable < frozen / 4, case["parameters"]

@@ -1,7 +1,7 @@
-"""HF Trainer with DeepSpeed ZeRO-2 (TrainingArguments from fp8dist.integrations.training_arguments_kwargs)
-audited by `AuditCallback`, 2 ranks:
+"""HF Trainer with DeepSpeed ZeRO-2, and a PEFT LoRA model on ZeRO-3 (TrainingArguments from
+fp8dist.integrations.training_arguments_kwargs) audited by `AuditCallback`, 2 ranks:
 
-    torchrun --nproc_per_node 2 tests/distributed/scripts/watch_frontends.py trainer-deepspeed
+    torchrun --nproc_per_node 2 tests/distributed/scripts/watch_frontends.py trainer-deepspeed | trainer-deepspeed-lora
 
 Rank 0 prints a `case` result line with the verdict, failing phases and observed cells. (Accelerate's loop is
 examples/accelerate_watch.py, run as users run it.)
@@ -46,8 +46,34 @@ def trainer_deepspeed() -> dict:
     return summary(callback.report)
 
 
+def trainer_deepspeed_lora() -> dict:
+    """configs/deepspeed-lora-zero3.yaml through the Trainer as its docstring says: the model wrapped with PEFT by
+    the script (`lora_config(spec.adapter)`, adapters kept fp32), TrainingArguments from `training_arguments_kwargs`."""
+    from peft import get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    from fp8dist.config.load import load_config
+    from fp8dist.integrations import AuditCallback, training_arguments_kwargs
+    from fp8dist.runtime.adapters import lora_config
+
+    config = ROOT / "configs" / "deepspeed-lora-zero3.yaml"
+    spec = load_config(config)
+    model = get_peft_model(load_model("tiny-llama", spec.precision.load_dtype).model, lora_config(spec.adapter),
+                           autocast_adapter_dtype=False)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (16, 32),
+                                                                        generator=torch.Generator().manual_seed(0))]
+    args = TrainingArguments(output_dir="/tmp/fp8dist-trainer-test", max_steps=2, report_to=[], save_strategy="no",
+                             logging_steps=1000, use_cpu=not torch.cuda.is_available(),
+                             **training_arguments_kwargs(config))
+    callback = AuditCallback(spec, on_mismatch="ignore")
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+    out = summary(callback.report)
+    out["parameters"] = callback.report.get("parameters")
+    return out
+
+
 def main(name: str) -> int:
-    run_cases({"trainer-deepspeed": trainer_deepspeed}, [name])
+    run_cases({"trainer-deepspeed": trainer_deepspeed, "trainer-deepspeed-lora": trainer_deepspeed_lora}, [name])
     return 0
 
 
