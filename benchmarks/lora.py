@@ -3,7 +3,7 @@
     python benchmarks/lora.py [--steps N] [--model NAME]
 
 configs/deepspeed-lora-zero3.yaml (LoRA r=16 on q/k/v/o, bf16 base, fp32 adapter masters, DeepSpeed ZeRO-3) on
-`small-llama` (built in, 58.5M parameters), 2 gloo ranks, N training steps (default 3), each side in its own
+`small-llama` (built in, 3.7M parameters), 2 gloo ranks, N training steps (default 3), each side in its own
 torchrun launch so that each process's high-water mark is its own:
 - fp8dist: `fp8dist.load_model` (PEFT applied at loading) and `fp8dist.engines.deepspeed.initialize`;
 - Accelerate + PEFT: the script a user writes for the same config: the model loaded in bf16,

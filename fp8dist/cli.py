@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "complete checkpoint) or one step-NNNNNNNN checkpoint in it")
     p.add_argument("out_dir", metavar="OUT_DIR", help="new or empty directory (an earlier export there is replaced)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="dtype of the exported weights (default: the run's precision.load_dtype)")
+                   help="dtype of the exported weights (default: the run's precision.load_dtype; a LoRA run's "
+                   "adapter directory: the adapters' master dtype)")
     p.add_argument("--merge", action="store_true", help="an adapter run's checkpoint: write the base (read again "
                    "from its MODEL) with the adapters merged in, instead of a PEFT adapter directory")
     p.set_defaults(func=_export)

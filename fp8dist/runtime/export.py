@@ -32,6 +32,7 @@ import fp8dist.dtypes as dtypes
 MARKER = "fp8dist-export.json"  # says a directory is an fp8dist export, which a new export may replace
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+EXPORT_DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,9 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
               shard_bytes: int = compat.HF_MAX_SHARD_BYTES, merge: bool = False) -> Exported:
     """Write the model of `checkpoint` (one checkpoint, or a --checkpoint-dir: its newest complete one) to
     `out_dir` in Hugging Face format, in `dtype` (fp32 | bf16 | fp16; default the run's load dtype). An adapter
-    run's checkpoint holds the adapters only: it is written as a PEFT adapter directory, or with `merge` as the
-    base (read again from the run's MODEL) with the adapters merged in."""
+    run's checkpoint holds the adapters only: it is written as a PEFT adapter directory (default dtype: the
+    adapters' master dtype, as trained), or with `merge` as the base (read again from the run's MODEL) with the
+    adapters merged in."""
     from fp8dist.engines.checkpoint import HF_CONFIG_DIR, find_latest, read_manifest
 
     path = find_latest(checkpoint)
@@ -74,11 +76,16 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
                            "\n  fix: export Hugging Face models; for others read the checkpoint with "
                            "torch.distributed.checkpoint (FSDP2) or DeepSpeed's zero_to_fp32.py")
     asked = dtype
-    dtype = dtype or manifest["config"]["precision"]["load_dtype"]
-    if dtype not in ("fp32", "bf16", "fp16"):
+    lora = manifest["config"].get("adapter", {}).get("kind", "none") != "none"
+    precision = manifest["config"]["precision"]
+    if lora and not merge and precision["master_weights"] in EXPORT_DTYPES:
+        # The adapters as they were trained (their masters), as PEFT's save_pretrained keeps them: a few MiB,
+        # where rounding to the base's load dtype would change the delta they add.
+        dtype = dtype or precision["master_weights"]
+    dtype = dtype or precision["load_dtype"]
+    if dtype not in EXPORT_DTYPES:
         raise Fp8distError(f"--dtype {dtype}: not an export dtype\n  fix: use fp32, bf16 or fp16")
     check_destination(out_dir)
-    lora = manifest["config"].get("adapter", {}).get("kind", "none") != "none"
     if merge and not lora:
         raise Fp8distError(f"--merge: {path} is a full fine-tune's checkpoint, with no adapter to merge"
                            "\n  fix: drop --merge (the export is the whole trained model already)")

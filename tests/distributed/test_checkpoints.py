@@ -262,8 +262,9 @@ def test_a_lora_run_checkpoints_its_adapters_resumes_exactly_and_exports_for_pef
 
     trained = torch.load(tmp_path / "lora" / "logits-step2.pt")
     batch = load_model("small-llama", "bf16").make_batch(2, 16, 123)
-    export_hf(tmp_path / "lora", tmp_path / "adapter")
+    adapter = export_hf(tmp_path / "lora", tmp_path / "adapter")
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    assert adapter.dtype == "fp32"  # the adapters as trained (their fp32 masters), not rounded to the base's bf16
     peft_model = PeftModel.from_pretrained(load_model("small-llama", "bf16").model, tmp_path / "adapter")
     export_hf(tmp_path / "lora", tmp_path / "merged", merge=True)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")

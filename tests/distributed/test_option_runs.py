@@ -70,3 +70,13 @@ def test_an_earlier_torch_autocast_engine_does_not_change_the_next_engines_reduc
     assert order.index("ds-fp16-amp-autocast") < order.index("ds-torchao-float8")
     facts = reports[0]["ds-torchao-float8"]
     assert facts["audit_passed"] is True and "communication" not in facts["audit_failing"], facts
+
+
+def test_moe_runs_put_the_experts_flops_in_fp8_on_both_engines(reports):
+    """Experts in MXFP8 on FSDP2 and on DeepSpeed ZeRO-2 and ZeRO-3: the audit counts at least 75% of the weight-GEMM
+    FLOPs in FP8 (the rest: lm_head and routers); with experts=none the experts' FLOPs stay in bf16."""
+    found, _ = reports
+    converted = ("fsdp2-moe-mxfp8-experts", "ds-zero2-moe-mxfp8-experts", "ds-zero3-moe-auto-experts")
+    shares = {case: found[case]["fp8_share"] for case in (*converted, "fsdp2-moe-experts-none")}
+    assert all(shares[case] >= 0.75 for case in converted), shares
+    assert shares["fsdp2-moe-experts-none"] < 0.5, shares

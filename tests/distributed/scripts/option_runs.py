@@ -158,7 +158,7 @@ def audit_facts(report) -> dict:
     """The verdict of the first-step audit (None: audit.first_step=off), and the phases any rank failed."""
     if report is None:
         return {"audit_passed": None, "audit_failing": []}
-    return {"audit_passed": report["passed"],
+    return {"audit_passed": report["passed"], "fp8_share": (report.get("gemm_flops") or {}).get("fp8_share"),
             "audit_failing": sorted({p for phases in report.get("failing_by_rank", {}).values() for p in phases}),
             "audit_mismatches": {c["phase"]: f"expected {c['expected']}, observed {c['observed']}: {c['detail']}"
                                  for c in report["checks"] if not c["ok"]}}
