@@ -38,7 +38,7 @@ from fp8dist.engines.inspector import local
 from fp8dist.engines.optim import full_precision_by_design
 from fp8dist.engines.registry import inspector_for
 from fp8dist.runtime.adapters import split_parameters
-from fp8dist.errors import Fp8distError
+from fp8dist.errors import ExitCode, Fp8distError
 from fp8dist.translate.fsdp2 import float8_plan
 
 ON_MISMATCH = ("warn", "raise", "ignore", "defer")  # defer: decide later with Watch.conclude
@@ -48,7 +48,7 @@ FLOAT8_WIRE = {"uint8", "fp8_e4m3", "fp8_e5m2"}  # gloo carries float8 as uint8 
 class AuditMismatch(Fp8distError):
     """The watched block ran in another precision regime than its config says (exit code 1, like the CLI)."""
 
-    exit_code = 1
+    exit_code = ExitCode.MISMATCH
 
 
 def _obs(value: str, detail: str = "", measured: bool = True) -> dict[str, Any]:

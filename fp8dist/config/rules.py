@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 import fp8dist.compat as compat
+from fp8dist.config.schema import schema
 from fp8dist.config.spec import compute_dtype_of, state_dtype_of, weight_dtype_of
 from fp8dist.errors import Issue
 
@@ -42,31 +43,32 @@ def effective_state_dtype(doc: Doc) -> str:
     return state_dtype_of(doc["optimizer"]["state_dtype"], fp8["backend"], fp8["msamp"]["opt_level"], weight_dtype(doc))
 
 
-# The keys of the engine not selected, and what says the same on the selected one (fp8dist.config.vocabulary).
-_OTHER_ENGINE_KEYS = {
-    "fsdp2": ("deepspeed", {"zero_stage": lambda v: {0: "parallel.sharding: replicate", 2: "parallel.sharding: grad_op",
-                                                   3: "parallel.sharding: full"}.get(v, "none (ZeRO-1 has no FSDP2 "
-                                                                                        "equivalent)"),
-                            "offload_optimizer": lambda v: "parallel.offload: params (FSDP2 offloads parameters and "
-                                                           "the optimizer step together)" if v != "none" else None,
-                            "offload_param": lambda v: "parallel.offload: params" if v != "none" else None}),
-    "deepspeed": ("fsdp2", {}),
+# What says the same on the selected engine as a key of another engine's own section: {(section, selected engine):
+# {key: value -> equivalent or None}} (fp8dist.config.vocabulary). An engine with no entry just gets the key named.
+_OTHER_ENGINE_EQUIVALENTS = {
+    ("deepspeed", "fsdp2"): {
+        "zero_stage": lambda v: {0: "parallel.sharding: replicate", 2: "parallel.sharding: grad_op",
+                                 3: "parallel.sharding: full"}.get(v, "none (ZeRO-1 has no FSDP2 equivalent)"),
+        "offload_optimizer": lambda v: "parallel.offload: params (FSDP2 offloads parameters and the optimizer step "
+                                       "together)" if v != "none" else None,
+        "offload_param": lambda v: "parallel.offload: params" if v != "none" else None},
 }
 
 
 def notes(doc: Doc, explicit: Doc) -> list[str]:
-    """What the user wrote that does nothing on the selected engine: the other engine's own section (one line per
+    """What the user wrote that does nothing on the selected engine: another engine's own section (one line per
     key, with what says the same on this engine where something does). Not errors: a config may keep both engines'
     settings to switch `engine` alone; `--strict` refuses them."""
-    other, equivalents = _OTHER_ENGINE_KEYS[doc["engine"]]
-    written = explicit.get(other)
-    out = []
-    for key, value in (written.items() if isinstance(written, Mapping) else ()):
-        if key == "extra" and not value:
-            continue
-        equivalent = equivalents[key](value) if key in equivalents else None
-        out.append(f"{other}.{key}={value!r} does nothing with engine {doc['engine']} (a {other} key)"
-                   + (f"; on {doc['engine']} it is {equivalent}" if equivalent else ""))
+    engine, out = doc["engine"], []
+    for other in schema()["properties"]["engine"]["enum"]:
+        written = explicit.get(other) if other != engine else None
+        equivalents = _OTHER_ENGINE_EQUIVALENTS.get((other, engine), {})
+        for key, value in (written.items() if isinstance(written, Mapping) else ()):
+            if key == "extra" and not value:
+                continue
+            equivalent = equivalents[key](value) if key in equivalents else None
+            out.append(f"{other}.{key}={value!r} does nothing with engine {engine} (a {other} key)"
+                       + (f"; on {engine} it is {equivalent}" if equivalent else ""))
     return out
 
 

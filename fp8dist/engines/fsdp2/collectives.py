@@ -14,8 +14,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
-FLOAT8_DTYPES = {d for d in (getattr(torch, n, None) for n in
-                             ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")) if d}
+import fp8dist.dtypes as dtypes
+
+# gloo has no float8 dtypes: every 8-bit float of the dtype table goes on the wire as its bytes
+FLOAT8_DTYPES = {getattr(torch, entry.torch) for entry in dtypes.TABLE
+                 if entry.family == "fp8" and hasattr(torch, entry.torch)}
 
 
 @dataclass

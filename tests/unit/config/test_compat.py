@@ -86,3 +86,12 @@ def test_msamp_native_fp8_only_on_h100():
     assert compat.msamp_native_fp8("NVIDIA H100 80GB HBM3")[0]
     assert not compat.msamp_native_fp8("NVIDIA H200")[0]
     assert not compat.msamp_native_fp8(None)[0]
+
+
+def test_schema_torchao_recipe_enum_is_compats_hardware_table():
+    """A torchao recipe is one entry of compat.TORCHAO_RECIPE_MIN_CAPABILITY plus its value in the schema's enum."""
+    from fp8dist.config.schema import schema
+
+    torchao = schema()["properties"]["precision"]["properties"]["fp8"]["properties"]["torchao"]["properties"]
+    assert torchao["recipe_name"]["enum"] == list(compat.TORCHAO_RECIPE_MIN_CAPABILITY)
+    assert set(compat.TORCHAO_HIGH_PRECISION_GEMMS) <= set(compat.TORCHAO_RECIPE_MIN_CAPABILITY)
