@@ -95,6 +95,11 @@ TORCHAO_MX_BLOCK = 32
 #   emulated mode ("TODO: support emulated mode", fp8_grouped_mm.py); K and N % 16.
 TORCHAO_EXPERTS_MIN_CAPABILITY: dict[str, Capability] = {"mxfp8": BLOCKWISE_MIN_CAPABILITY,
                                                          "float8": ROWWISE_MIN_CAPABILITY}
+# The MoE experts' grouped GEMMs and the MX Linear are torchao prototype API (torchao/prototype/moe_training:
+# `_to_mxfp8_then_scaled_grouped_mm`, `_to_fp8_rowwise_then_scaled_grouped_mm`, mxfp8_linear.MXFP8Linear), whose
+# names and arguments move between releases; fp8dist calls them as torchao 0.18.0 has them (verified here) and
+# refuses older torchao for these two features, instead of failing inside a rank on an import.
+TORCHAO_PROTOTYPE_VERIFIED = (0, 18, 0)
 TORCHAO_EXPERTS_EMULATED = {"mxfp8"}
 TORCHAO_EXPERTS_DIM_MULTIPLE = {"mxfp8": TORCHAO_MX_BLOCK, "float8": 16}
 

@@ -32,6 +32,10 @@ class TorchaoFloat8(PrecisionBackend):
             raise UnsupportedEnvironment("precision.fp8.backend=torchao but torchao is not installed",
                                          "pip install torchao")
         ao = self.spec.fp8.torchao
+        if ao.recipe_name == "mxfp8":
+            self._check_prototype_api("precision.fp8.torchao.recipe_name=mxfp8")
+        if ao.experts in ("mxfp8", "float8"):
+            self._check_prototype_api(f"precision.fp8.torchao.experts={ao.experts}")
         capability = tuple(device["capability"]) if device.get("capability") else None
         self.experts_mode, self.experts_why = compat.torchao_experts_mode(ao.experts, ao.emulate, capability)
         if self.experts_mode is None and ao.experts != "auto":  # auto refuses only a model that has experts
@@ -44,6 +48,16 @@ class TorchaoFloat8(PrecisionBackend):
             raise UnsupportedEnvironment(f"refusing FP8: {reason}",
                                          "run on an H100/H200 (SM 9.0) or Ada (SM 8.9) GPU, or set "
                                          "precision.fp8.torchao.emulate=true to emulate float8 (tests only, slow)")
+
+    @staticmethod
+    def _check_prototype_api(key: str) -> None:
+        installed = compat.installed_version("torchao")
+        if installed and compat.parse_version(installed) < compat.TORCHAO_PROTOTYPE_VERIFIED:
+            verified = compat.fmt(compat.TORCHAO_PROTOTYPE_VERIFIED)
+            raise UnsupportedEnvironment(f"{key} calls torchao's prototype MoE / MX training API as torchao {verified} "
+                                         f"has it; torchao {installed} is installed",
+                                         f"pip install 'torchao>={verified}', or set precision.fp8.torchao.experts="
+                                         "none and recipe_name to a float8 recipe")
 
     def float8_linear_config(self):
         from torchao.float8 import Float8LinearConfig
@@ -87,6 +101,8 @@ class TorchaoFloat8(PrecisionBackend):
             return []
         if self.experts_mode is None:
             raise UnsupportedEnvironment(f"the model has MoE experts and {self.experts_why}", _EXPERTS_FIX)
+        self._check_prototype_api(f"precision.fp8.torchao.experts={self.spec.fp8.torchao.experts} (here "
+                                  f"{self.experts_mode}, the model has MoE experts)")
         return convert_experts(model, self.experts_mode, self.spec.fp8.torchao.emulate,
                                lambda name: matching_pattern(name, exclude))
 

@@ -71,6 +71,24 @@ def test_float8_experts_without_hardware_are_refused_with_the_fix():
     assert "no emulated mode" in str(err.value) and "experts=none" in err.value.fix
 
 
+def test_torchao_older_than_the_verified_prototype_api_is_refused_for_experts_and_mx_linears(monkeypatch):
+    """Experts and MX Linears call torchao's prototype API as 0.18 has it: an older torchao is refused up front
+    (naming the key and the version), not left to fail on an import inside a rank; plain float8 is unaffected."""
+    monkeypatch.setattr(compat, "installed_version", lambda name: "0.17.0" if name == "torchao" else "9.9.9")
+    with pytest.raises(UnsupportedEnvironment, match=r"experts=mxfp8 calls torchao's prototype.*torchao 0.17.0"):
+        _backend("mxfp8").check_environment({"capability": None})
+    spec = load_config({"engine": "fsdp2", "precision": {"preset": "torchao-float8", "fp8": {"torchao": {
+        "emulate": True, "experts": "none", "recipe_name": "mxfp8"}}}})
+    with pytest.raises(UnsupportedEnvironment, match="recipe_name=mxfp8") as err:
+        get_backend(spec).check_environment({"capability": None})
+    assert "torchao>=0.18.0" in err.value.fix
+    backend = _backend("auto")
+    backend.check_environment({"capability": None})  # auto: refused only once the model turns out to have experts
+    with pytest.raises(UnsupportedEnvironment, match="experts=auto.*the model has MoE experts"):
+        backend._convert_experts(_from_hf_config(tiny_config("mixtral"), "bf16", 0), [])
+    _backend("none").check_environment({"capability": None})
+
+
 def test_auto_refuses_only_a_model_that_has_experts():
     backend = _backend("auto", emulate=False)
     backend.check_environment({"capability": (8, 9)})  # no refusal yet: the model may have no experts
