@@ -28,7 +28,7 @@ def cases():
 
 
 @pytest.mark.parametrize("name", ["fsdp2-correct", "fsdp2-float8-correct", "deepspeed-zero1", "deepspeed-zero2",
-                                  "deepspeed-zero3", "deepspeed-zero2-bf16-reduce"])
+                                  "deepspeed-zero3", "deepspeed-zero2-bf16-reduce", "fsdp2-lora-correct"])
 def test_a_correct_hand_written_loop_passes(cases, name):
     case = cases[name]
     assert case["passed"] is True and case["failing"] == [], case
@@ -49,6 +49,8 @@ def test_a_correct_hand_written_loop_passes(cases, name):
     ("fsdp2-computes-in-fp32", {"training"}, {"training": "fp32"}),
     # (e) AdamW moments in bf16 where the config says fp32
     ("fsdp2-bf16-adam-states", {"optimizer"}, {"optimizer": "bf16+bf16"}),
+    # a LoRA run whose loop upcasts the whole model: an fp32 copy of the frozen base (2 ranks, FSDP2 by hand)
+    ("fsdp2-lora-base-upcast", {"frozen_weights"}, {"frozen_weights": "fp32", "frozen_state": "none"}),
     # DDP where the config says FSDP2: the engine itself is the mismatch
     ("ddp-with-an-fsdp2-config", {"engine"}, {"engine": "ddp"}),
 ])

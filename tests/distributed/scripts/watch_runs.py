@@ -131,6 +131,43 @@ def fsdp2_bf16_adam_states():
     return one_step(model, AdamWithBf16States(model.parameters()), CONFIG["fsdp2-bf16"], on_mismatch="ignore")
 
 
+LORA_CONFIG = {"precision": {"preset": "bf16"}, "adapter": {"kind": "lora", "target_modules": ["q_proj", "v_proj"]}}
+
+
+def fsdp2_lora_by_hand(*, upcast_base: bool):
+    """A PEFT LoRA model sharded by hand: the adapters upcast to fp32 masters; with `upcast_base` the whole model
+    is upcast (`model.float()`, the usual full fine-tune recipe), keeping an fp32 copy of the frozen base."""
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = get_peft_model(load_model("tiny-llama", "bf16").model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+                           autocast_adapter_dtype=False)
+    if upcast_base:
+        model.float()
+    else:
+        for param in model.parameters():
+            if param.requires_grad:
+                param.data = param.data.float()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def fsdp2_lora_correct():
+    model = fsdp2_lora_by_hand(upcast_base=False)
+    return one_step(model, adamw([p for p in model.parameters() if p.requires_grad]), LORA_CONFIG,
+                    on_mismatch="ignore")
+
+
+def fsdp2_lora_base_upcast():
+    """An fp32 copy of the frozen base: 4 bytes per frozen parameter where the config keeps the load dtype's 2."""
+    model = fsdp2_lora_by_hand(upcast_base=True)
+    return one_step(model, adamw([p for p in model.parameters() if p.requires_grad]), LORA_CONFIG,
+                    on_mismatch="ignore")
+
+
 def fsdp2_mismatch_raises():
     """on_mismatch=raise: AuditMismatch on every rank (one verdict for the job)."""
     model = fsdp2_by_hand()
@@ -182,7 +219,8 @@ CASES = {
     "fsdp2-float8-not-converted": fsdp2_float8_not_converted,
     "fsdp2-float8-gather-not-wrapped": fsdp2_float8_gather_not_wrapped,
     "fsdp2-computes-in-fp32": fsdp2_computes_in_fp32, "fsdp2-bf16-adam-states": fsdp2_bf16_adam_states,
-    "fsdp2-mismatch-raises": fsdp2_mismatch_raises, "ddp-with-an-fsdp2-config": ddp_with_an_fsdp2_config,
+    "fsdp2-mismatch-raises": fsdp2_mismatch_raises,
+    "fsdp2-lora-correct": fsdp2_lora_correct, "fsdp2-lora-base-upcast": fsdp2_lora_base_upcast, "ddp-with-an-fsdp2-config": ddp_with_an_fsdp2_config,
     "deepspeed-zero1": deepspeed_case(1), "deepspeed-zero2": deepspeed_case(2), "deepspeed-zero3": deepspeed_case(3),
     "deepspeed-zero2-bf16-reduce": deepspeed_case(2, "bf16"),
 }
