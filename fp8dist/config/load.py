@@ -34,8 +34,18 @@ def apply_overrides(document: dict[str, Any], overrides: Sequence[str], source: 
     values = _override_values(overrides, source)
     try:
         merged = OmegaConf.create(document)
-        for key, value in values:
+    except (OmegaConfBaseException, ValueError, TypeError) as exc:
+        raise ConfigError([Issue("", f"cannot build the config: {str(exc).splitlines()[0]}")], source) from None
+    for key, value in values:
+        try:
             OmegaConf.update(merged, key, value, merge=True)
+        # omegaconf 2.3's key parser raises IndexError on a key that opens a bracket it never closes ("[x")
+        except (OmegaConfBaseException, ValueError, TypeError, IndexError, KeyError, AttributeError) as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ConfigError([Issue(key, f"not a key path, so the override cannot be applied ({first})",
+                                     fix="name a key with dots between its sections, e.g. precision.load_dtype=bf16")],
+                              source) from None
+    try:
         unresolved = OmegaConf.to_container(merged, resolve=False)
     except (OmegaConfBaseException, ValueError, TypeError) as exc:
         raise ConfigError([Issue("", f"cannot apply the overrides: {str(exc).splitlines()[0]}",

@@ -47,7 +47,9 @@ KEYS = Table("DeepSpeed", {
                              "it depends on the world size and is refused", example=64),
     "gradient_clipping": kept("train.gradient_clipping", example=1.0),
     "steps_per_print": kept("deepspeed.steps_per_print", example=10),
-    "optimizer": kept("optimizer (fp8dist builds it: AdamW, Adam, SGD)", example={"type": "AdamW"}),
+    "optimizer": kept("optimizer (fp8dist builds it: AdamW, also for type Adam unless params.adam_w_mode is false, "
+                      "as DeepSpeed runs it; Adam; SGD; params.bias_correction false and params.amsgrad true refused)",
+                      example={"type": "AdamW"}),
     "amp": refused("Apex AMP, a mixed-precision mode of its own (and removed from DeepSpeed 0.19.8)",
                    "remove it and say the precision with a bf16 or fp16 section", unless=disabled, otherwise="disabled",
                    example={"enabled": True, "opt_level": "O1"}),
@@ -105,7 +107,10 @@ KEYS = Table("DeepSpeed", {
         "progressive_layer_drop", "managed_gradient_accumulation", "vocabulary_size",
         "use_data_before_expert_parallelism", "checkpoint_config", "datastates")},
 }, unknown_why="not a key DeepSpeed 0.19.8 reads (runtime/config.py), so DeepSpeed ignores it too")
-_OPTIMIZERS = {"adamw": "adamw", "adam": "adam", "fusedadam": "adam", "sgd": "sgd"}
+_OPTIMIZERS = {"adamw": "adamw", "adam": "adamw", "sgd": "sgd"}
+# DeepSpeed 0.19.8 runtime/engine.py `_configure_basic_optimizer`: type Adam runs AdamW's decoupled weight decay
+# unless params.adam_w_mode is false (ADAM_W_MODE_DEFAULT = True, runtime/config.py); type AdamW always does.
+# `torch_adam` picks torch's implementation over FusedAdam / DeepSpeedCPUAdam: the same update.
 
 
 @dataclass
@@ -432,9 +437,30 @@ class _Importer:
                                      "set the type to AdamW, Adam or SGD, or remove the optimizer section"))
             return
         ctx, out = self.ctx, {"name": _OPTIMIZERS[kind]}
-        self.notes.resolved(self.key("optimizer"), f"optimizer.name={out['name']}",
-                            "fp8dist builds it (a torch.optim client optimizer) instead of DeepSpeed")
-        params = mapping(block.get("params"), self.key("optimizer.params"))
+        params = dict(mapping(block.get("params"), self.key("optimizer.params")))
+        if kind == "adam" and "adam_w_mode" in params and not truthy(params["adam_w_mode"]):
+            out["name"] = "adam"
+        why = "fp8dist builds it (a torch.optim client optimizer) instead of DeepSpeed"
+        if kind == "adam":
+            why += ("; DeepSpeed's type Adam is AdamW (decoupled weight decay) unless adam_w_mode is false "
+                    "(runtime/engine.py _configure_basic_optimizer)")
+        self.notes.resolved(self.key("optimizer"), f"optimizer.name={out['name']}", why)
+        for key, torch_default in (("bias_correction", True), ("amsgrad", False)):
+            if key not in params:
+                continue
+            value = params.pop(key)
+            if bool(truthy(value)) != torch_default:
+                self.issues.append(Issue(self.key(f"optimizer.params.{key}"), "another update than the torch.optim "
+                                         "optimizer fp8dist builds, which has no setting for it", value,
+                                         f"remove optimizer.params.{key} (torch's {key}={torch_default})"))
+            else:
+                self.notes.dropped(self.key(f"optimizer.params.{key}"), value, "torch's own, the update fp8dist builds")
+        if kind in ("adam", "adamw"):
+            for key in ("adam_w_mode", "torch_adam"):
+                if key in params:
+                    self.notes.dropped(self.key(f"optimizer.params.{key}"), params.pop(key),
+                                       "kept as optimizer.name" if key == "adam_w_mode" else
+                                       "which implementation steps (torch's or DeepSpeed's fused Adam): the same update")
         fills = {"lr": (ctx.lr, compat.ACCELERATE_DS_AUTO["optimizer.params.lr"], "DummyOptim's lr"),
                  "weight_decay": (ctx.weight_decay, compat.ACCELERATE_DS_AUTO["optimizer.params.weight_decay"],
                                   "DummyOptim's weight_decay"),

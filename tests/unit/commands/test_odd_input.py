@@ -119,6 +119,14 @@ def test_an_override_that_is_not_yaml(tmp_path):
     refused(cli("validate", config, "x=" + "[" * 100 + "]" * 100), "nesting deeper than")
 
 
+def test_an_override_key_that_opens_a_bracket_it_never_closes(tmp_path):
+    """omegaconf's key parser raises IndexError on `[x` (found by the generative run at 10,000 cases per test)."""
+    config = written(tmp_path, "a.yaml", "engine: fsdp2\n")
+    for override in ("[=1", "[x=1", "[0=1"):
+        refused(cli("validate", config, override), "not a key path", "fix: name a key with dots")
+        refused(cli("translate", config, "--to", "deepspeed", override), "not a key path")
+
+
 def test_values_of_the_wrong_shape(tmp_path):
     refused(cli("validate", written(tmp_path, "a.yaml", "parallel: {sharding: {}}\n")), "parallel.sharding")
 
