@@ -96,6 +96,33 @@ class EngineCheckpointing:
             self.scheduler.load_state_dict(state["scheduler"])
 
 
+class ModelReader:
+    """The model tensors of one checkpoint, read in one process without a process group (`fp8dist export`): each
+    engine's checkpointing module has its `Reader`, found through fp8dist.engines.registry.checkpoint_reader."""
+
+    stored: set = set()  # dtypes of the weights when they are not the fp32 masters
+
+    def __init__(self, path: Path, manifest: dict):
+        self.path, self.manifest = path, manifest
+
+    def sizes(self, dtype) -> dict[str, int]:
+        """Model key -> bytes once exported in `dtype` (floating tensors take it, others keep theirs)."""
+        raise NotImplementedError
+
+    def read(self, keys: list[str]):
+        """(model key, plain tensor) for each of `keys`."""
+        raise NotImplementedError
+
+
+def exported_bytes(shape, stored, target) -> int:
+    """Bytes of a tensor of `shape` once exported: floating tensors take the export dtype, others keep theirs."""
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    itemsize = target.itemsize if stored is None or stored.is_floating_point else stored.itemsize
+    return count * itemsize
+
+
 @dataclass(frozen=True)
 class Resumed:
     """Where a resumed run stands."""

@@ -3,6 +3,7 @@
 - `facts_for(spec)`: what fp8dist knows about the engine before anything runs (engines/<name>/facts.py: its
   translation, the dtypes it keeps, how it shards and offloads), which the audit, estimate and the runtime ask;
 - `setup(model, spec, ...)`: the prepared run (an fp8dist.engines.base.Engine);
+- `checkpoint_reader(path, manifest)`: the model tensors of a checkpoint the engine wrote, read offline (export);
 - `inspector_for(model, optimizer)`: the engine recognised from a prepared run's objects alone, whoever prepared
   them (fp8dist, the user, Accelerate or HF Trainer).
 
@@ -28,6 +29,17 @@ def facts_for(spec: Spec) -> ModuleType:
 def setup(model, spec: Spec, **kwargs) -> Engine:
     """The engine `spec.engine` names, prepared around `model` (see each engine's `setup` for the keywords)."""
     return ENGINES[spec.engine].setup(model, spec, **kwargs)
+
+
+def checkpoint_reader(path, manifest: dict):
+    """The `Reader` of the engine that wrote the checkpoint at `path` (its manifest names it)."""
+    from importlib import import_module
+
+    package = ENGINES.get(manifest["engine"])
+    if package is None:
+        raise Fp8distError(f"{path}: written by engine={manifest['engine']}, which this fp8dist does not have"
+                           f"\n  fix: export it with the fp8dist version that wrote it")
+    return import_module(f"{package.__name__}.checkpointing").Reader(path, manifest)
 
 
 def inspector_for(model, optimizer):

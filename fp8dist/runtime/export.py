@@ -20,14 +20,14 @@ import os
 import shutil
 import sys
 import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import fp8dist.compat as compat
-from fp8dist.errors import Fp8distError
 import fp8dist.dtypes as dtypes
+from fp8dist.engines.registry import checkpoint_reader
+from fp8dist.errors import Fp8distError
 
 MARKER = "fp8dist-export.json"  # says a directory is an fp8dist export, which a new export may replace
 WEIGHTS = "model.safetensors"
@@ -100,7 +100,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
     scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.absolute().parent))
     try:
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger and progress prints: not our output
-            reader = _unless_unreadable(path, lambda: _reader(path, manifest))
+            reader = _unless_unreadable(path, lambda: checkpoint_reader(path, manifest))
         if lora:
             return _export_adapter(reader, manifest, path, scratch, out, dtype, merge)
         narrower = sorted(d for d in getattr(reader, "stored", ()) if d.itemsize < target.itemsize)
@@ -218,95 +218,3 @@ def _groups(sizes: dict[str, int], limit: int) -> Iterator[list[str]]:
         used += size
     if group:
         yield group
-
-
-def _reader(path: Path, manifest: dict):
-    if manifest["engine"] == "fsdp2":
-        return _DCPReader(path, manifest)
-    return _DeepSpeedReader(path)
-
-
-class _DCPReader:
-    """Model tensors of an FSDP2 checkpoint, read with torch.distributed.checkpoint without a process group
-    (each group of keys is loaded into full-size plain tensors; DCP assembles the ranks' shards)."""
-
-    def __init__(self, path: Path, manifest: dict):
-        import torch.distributed.checkpoint as dcp
-
-        if manifest["config"]["precision"]["fp8"]["backend"] == "torchao":
-            import torchao.float8  # noqa: F401  registers its float8 wrapper as a safe global for torch.load
-        self.dcp, self.directory = dcp, path / "dcp"
-        metadata = dcp.FileSystemReader(str(self.directory)).read_metadata().state_dict_metadata
-        self.tensors = {key[len("model."):]: meta for key, meta in metadata.items()
-                        if key.startswith("model.") and hasattr(meta, "size")}
-
-    def sizes(self, dtype) -> dict[str, int]:
-        from fp8dist.engines.checkpoint import model_key
-
-        return {key: meta.size.numel() * _itemsize(meta.properties.dtype, dtype) for key, meta in self.tensors.items()
-                if model_key(key)}
-
-    def read(self, keys: list[str]):
-        import torch
-
-        from fp8dist.engines.checkpoint import model_key
-
-        state = {key: torch.empty(tuple(self.tensors[key].size), dtype=self.tensors[key].properties.dtype)
-                 for key in keys}
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            self.dcp.load({"model": state}, checkpoint_id=str(self.directory), no_dist=True)
-        for key in keys:
-            yield model_key(key), state.pop(key)
-
-
-class _DeepSpeedReader:
-    """Model tensors of a DeepSpeed checkpoint: the fp32 masters that DeepSpeed's zero_to_fp32 assembles from
-    the ZeRO partitions (deepspeed 0.19 utils/zero_to_fp32.py get_fp32_state_dict_from_zero_checkpoint,
-    lazily), or without ZeRO the module weights of mp_rank_00_model_states.pt."""
-
-    stored: set = set()  # dtypes of the weights when they are not the fp32 masters
-
-    def __init__(self, path: Path):
-        import torch
-
-        from fp8dist.engines.deepspeed import Checkpointing
-
-        self.directory, tag = path, Checkpointing.TAG
-        # one file without ZeRO-3, one per rank with it (runtime/engine.py _get_ckpt_name)
-        first = next(iter(sorted((path / tag).glob("*mp_rank_00_model_states.pt"))))
-        states = torch.load(first, map_location="cpu", weights_only=False)
-        if any(path.joinpath(tag).glob("*zero_pp_rank_*_optim_states.pt")) and states.get("ds_config", {}).get(
-                "zero_optimization", {}).get("stage", 0) > 0:
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-            self.state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag, lazy_mode=True)
-        else:  # ZeRO-0: the fp32 masters sit inside DeepSpeed's optimizer state; the module holds the weights
-            self.state = states["module"]
-            self.stored = {v.dtype for v in self.state.values() if v.is_floating_point()}
-
-    def sizes(self, dtype) -> dict[str, int]:
-        return {key: _numel(value) * _itemsize(getattr(value, "dtype", None), dtype)
-                for key, value in self.state.items()}
-
-    def read(self, keys: list[str]):
-        from fp8dist.engines.checkpoint import model_key
-
-        for key in keys:
-            value = self.state[key]
-            yield model_key(key), value.contiguous()  # a lazy GatheredTensor assembles itself here
-
-
-def _numel(value) -> int:
-    shape = value.shape
-    count = 1
-    for dim in shape:
-        count *= int(dim)
-    return count
-
-
-def _itemsize(stored, target) -> int:
-    """Bytes per element once exported: floating tensors take the export dtype, others keep theirs."""
-    if stored is None or stored.is_floating_point:
-        return target.itemsize
-    return stored.itemsize

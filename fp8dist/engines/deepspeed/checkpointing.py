@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fp8dist.engines.checkpoint import EngineCheckpointing
+from fp8dist.engines.checkpoint import EngineCheckpointing, ModelReader, exported_bytes, model_key
 from fp8dist.errors import Fp8distError
 
 
@@ -47,3 +47,34 @@ class Checkpointing(EngineCheckpointing):
         if path is None:
             raise Fp8distError(f"{directory}: DeepSpeed found no checkpoint under tag {self.TAG!r}"
                                f"\n  fix: delete {directory} to resume from the checkpoint before it")
+
+
+class Reader(ModelReader):
+    """Model tensors of a DeepSpeed checkpoint: the fp32 masters that DeepSpeed's zero_to_fp32 assembles from
+    the ZeRO partitions (deepspeed 0.19 utils/zero_to_fp32.py get_fp32_state_dict_from_zero_checkpoint,
+    lazily), or without ZeRO the module weights of mp_rank_00_model_states.pt."""
+
+    def __init__(self, path: Path, manifest: dict):
+        import torch
+
+        super().__init__(path, manifest)
+        tag = Checkpointing.TAG
+        # one file without ZeRO-3, one per rank with it (runtime/engine.py _get_ckpt_name)
+        first = next(iter(sorted((path / tag).glob("*mp_rank_00_model_states.pt"))))
+        states = torch.load(first, map_location="cpu", weights_only=False)
+        if any(path.joinpath(tag).glob("*zero_pp_rank_*_optim_states.pt")) and states.get("ds_config", {}).get(
+                "zero_optimization", {}).get("stage", 0) > 0:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            self.state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag, lazy_mode=True)
+        else:  # ZeRO-0: the fp32 masters sit inside DeepSpeed's optimizer state; the module holds the weights
+            self.state = states["module"]
+            self.stored = {v.dtype for v in self.state.values() if v.is_floating_point()}
+
+    def sizes(self, dtype) -> dict[str, int]:
+        return {key: exported_bytes(value.shape, getattr(value, "dtype", None), dtype)
+                for key, value in self.state.items()}
+
+    def read(self, keys: list[str]):
+        for key in keys:
+            yield model_key(key), self.state[key].contiguous()  # a lazy GatheredTensor assembles itself here

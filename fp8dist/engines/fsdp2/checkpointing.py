@@ -1,12 +1,14 @@
 """FSDP2 checkpoints through torch.distributed.checkpoint."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from fp8dist.engines.checkpoint import EngineCheckpointing
+from fp8dist.engines.checkpoint import EngineCheckpointing, ModelReader, exported_bytes, model_key
 
 
 class Checkpointing(EngineCheckpointing):
@@ -52,3 +54,30 @@ class Checkpointing(EngineCheckpointing):
         super().load_rank_state(state)
         if self.run.scaler is not None and state.get("loss_scaler") is not None:
             self.run.scaler.load_state_dict(state["loss_scaler"])
+
+
+class Reader(ModelReader):
+    """Model tensors of an FSDP2 checkpoint, read with torch.distributed.checkpoint without a process group
+    (each group of keys is loaded into full-size plain tensors; DCP assembles the ranks' shards)."""
+
+    def __init__(self, path: Path, manifest: dict):
+        super().__init__(path, manifest)
+        if manifest["config"]["precision"]["fp8"]["backend"] == "torchao":
+            import torchao.float8  # noqa: F401  registers its float8 wrapper as a safe global for torch.load
+        self.directory = path / "dcp"
+        metadata = dcp.FileSystemReader(str(self.directory)).read_metadata().state_dict_metadata
+        self.tensors = {key[len("model."):]: meta for key, meta in metadata.items()
+                        if key.startswith("model.") and hasattr(meta, "size")}
+
+    def sizes(self, dtype) -> dict[str, int]:
+        return {key: exported_bytes(meta.size, meta.properties.dtype, dtype) for key, meta in self.tensors.items()
+                if model_key(key)}
+
+    def read(self, keys: list[str]):
+        state = {key: torch.empty(tuple(self.tensors[key].size), dtype=self.tensors[key].properties.dtype)
+                 for key in keys}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": state}, checkpoint_id=str(self.directory), no_dist=True)
+        for key in keys:
+            yield model_key(key), state.pop(key)
