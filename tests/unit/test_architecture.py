@@ -101,3 +101,14 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     graph = edges(found)
     assert "fp8dist.audit.watching" in graph["fp8dist.engines.fake"]
     assert layer("fp8dist.audit.watching") > layer("fp8dist.engines.fake")
+
+
+def test_the_engine_registry_is_the_schemas_engine_enum():
+    """A value of `engine` the schema offers has its package in the registry, with what every engine provides."""
+    from fp8dist.config.schema import schema
+    from fp8dist.engines.registry import ENGINES
+
+    assert list(ENGINES) == schema()["properties"]["engine"]["enum"]
+    for name, package in ENGINES.items():
+        assert callable(package.setup) and callable(package.facts.translate), name
+        assert package.Checkpointing.engine == name
