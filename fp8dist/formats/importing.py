@@ -1,7 +1,7 @@
-"""`fp8dist import FILE [--from accelerate|axolotl|deepspeed]`: which kind of file it is, its importer, and the
+"""`fp8dist import FILE [--from accelerate|axolotl|deepspeed|trl]`: which kind of file it is, its importer, and the
 fp8dist YAML it becomes (comment lines first), validated like any config before it is printed.
 
-One importer per source format (fp8dist.formats.{accelerate,axolotl,deepspeed}.importer); each turns the parsed
+One importer per source format (fp8dist.formats.{accelerate,axolotl,deepspeed,trl}.importer); each turns the parsed
 file into an fp8dist document plus notes: one comment line per source key that has no fp8dist meaning, and one per
 `"auto"` (or left-out key that matters to precision) saying what DeepSpeed or Accelerate would actually use.
 """
@@ -18,8 +18,10 @@ from fp8dist.formats.axolotl import importer as axolotl
 from fp8dist.formats.common import (KINDS, TITLE, Imported, ImportProblem, WrongShape, comment_line,
                                    read_document)
 from fp8dist.formats.deepspeed import importer as deepspeed
+from fp8dist.formats.trl import importer as trl
 
-IMPORTERS = {"accelerate": accelerate.convert, "axolotl": axolotl.convert, "deepspeed": deepspeed.convert}
+IMPORTERS = {"accelerate": accelerate.convert, "axolotl": axolotl.convert, "deepspeed": deepspeed.convert,
+             "trl": trl.convert}
 
 # -- kinds ----------------------------------------------------------------------------------------------
 # Evidence of a kind: keys only that tool writes (a shared name counts where its shape tells the tools apart:
@@ -48,8 +50,25 @@ EVIDENCE: dict[str, dict[str, Any]] = {
         "communication_data_type", "msamp", "amp", "torch_autocast", "aio", "flops_profiler", "data_types",
         "tensor_parallel", "pipeline", "gradient_clipping", "bfloat16")},
         "bf16": _is_section, "fp16": _is_section, "optimizer": _is_section, "scheduler": _is_section},
+    # TRL / alignment-handbook recipes: ModelConfig, ScriptArguments and TrainingArguments names no other tool writes
+    # (Axolotl: base_model, micro_batch_size, sequence_len, num_epochs, optimizer; Accelerate: mixed_precision).
+    "trl": {key: None for key in (
+        "model_name_or_path", "model_revision", "use_peft", "use_rslora", "use_dora", "lora_task_type", "torch_dtype",
+        "per_device_train_batch_size", "per_device_eval_batch_size", "dataset_name", "dataset_mixture",
+        "dataset_mixer", "dataset_splits", "dataset_train_split", "dataset_test_split", "max_seq_length",
+        "num_train_epochs", "lr_scheduler_type", "optim", "overwrite_output_dir", "do_train", "do_eval",
+        "push_to_hub", "report_to", "logging_strategy", "eval_strategy", "hub_strategy", "max_prompt_length")},
     "fp8dist": {"engine": lambda v: v in ("fsdp2", "deepspeed"), "precision": _is_section, "parallel": _is_section,
                 "train": _is_section, "audit": _is_section, "fsdp2": _is_section, "checkpoint": _is_section},
+}
+
+
+# Keys that are evidence of a kind unless the file has evidence of the other kind named: Axolotl and TRL (the HF
+# TrainingArguments) share these names, which then say nothing about which of the two it is.
+OUTRANKED: dict[str, dict[str, tuple[str, ...]]] = {
+    "axolotl": {"trl": ("learning_rate", "max_grad_norm", "tf32", "lora_r", "lora_alpha", "lora_target_modules",
+                        "load_in_4bit", "load_in_8bit", "chat_template", "bf16", "fp16", "deepspeed")},
+    "accelerate": {"trl": ("use_cpu",)},
 }
 
 
@@ -60,11 +79,17 @@ def evidence(document: Mapping[str, Any]) -> dict[str, list[str]]:
         hits = [key for key, shape in keys.items() if key in document and (shape is None or shape(document[key]))]
         if hits:
             found[kind] = hits
+    for kind, by in OUTRANKED.items():
+        for other, shared in by.items():
+            if kind in found and other in found:
+                found[kind] = [key for key in found[kind] if key not in shared]
+                if not found[kind]:
+                    del found[kind]
     return found
 
 
 def detect(document: Mapping[str, Any]) -> str | None:
-    """The one kind the keys are evidence of (accelerate | axolotl | deepspeed | fp8dist), or None when they are
+    """The one kind the keys are evidence of (accelerate | axolotl | deepspeed | trl | fp8dist), or None when they are
     evidence of none; a file with evidence of two kinds is refused by `import_file`, asking for --from."""
     found = evidence(document)
     return next(iter(found)) if len(found) == 1 else None
@@ -77,7 +102,8 @@ def import_file(path: str | Path, kind: str | None = None) -> str:
     if not isinstance(document, Mapping):
         what = "a list" if isinstance(document, list) else f"a {type(document).__name__}"
         raise ImportProblem([Issue("", f"the top level must be a mapping, not {what}",
-                                   fix="pass an Accelerate config.yaml, an Axolotl YAML or a DeepSpeed JSON")], source)
+                                   fix="pass an Accelerate config.yaml, an Axolotl YAML, a DeepSpeed JSON or a "
+                                       "TRL recipe")], source)
     if kind is None:
         found = evidence(document)
         if list(found) == ["fp8dist"]:
@@ -85,12 +111,13 @@ def import_file(path: str | Path, kind: str | None = None) -> str:
                                 source)
         if not found:
             raise ImportProblem([Issue("", "cannot tell which kind of file this is (no key that only an Accelerate "
-                                       "config, an Axolotl config or a DeepSpeed config has)", sorted(map(str, document))[:8],
-                                       "say it with --from accelerate|axolotl|deepspeed")], source)
+                                       "config, an Axolotl config, a DeepSpeed config or a TRL recipe has)",
+                                       sorted(map(str, document))[:8],
+                                       "say it with --from accelerate|axolotl|deepspeed|trl")], source)
         if len(found) > 1:
             seen = "; ".join(f"{TITLE.get(k, 'fp8dist config')}: {', '.join(keys[:4])}" for k, keys in found.items())
             raise ImportProblem([Issue("", f"its keys are those of more than one tool ({seen})",
-                                       fix="say which tool runs it with --from accelerate|axolotl|deepspeed")], source)
+                                       fix="say which tool runs it with --from accelerate|axolotl|deepspeed|trl")], source)
         kind = next(iter(found))
     if kind not in KINDS:
         raise ImportProblem([Issue("--from", f"unknown kind; one of {', '.join(KINDS)}", kind)], source)

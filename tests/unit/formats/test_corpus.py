@@ -1,8 +1,8 @@
-"""The corpus of real configs (tests/data/corpus: Accelerate, Axolotl and DeepSpeed files copied from public
-repositories, each with its source in SOURCES.json and what its own tool runs in MEANING.json) imports with no file
-changing meaning: each either imports with the source's engine, sharding, precision, offload, activation
-checkpointing, micro batch, accumulation and FP8 (field by field against MEANING.json), or is refused naming the
-key that fp8dist cannot keep."""
+"""The corpus of real configs (tests/data/corpus: Accelerate, Axolotl, DeepSpeed and TRL / alignment-handbook files
+copied from public repositories, each with its source in SOURCES.json and what its own tool runs in MEANING.json)
+imports with no file changing meaning: each either imports with the source's engine, sharding, precision, offload,
+activation checkpointing, micro batch, accumulation and FP8 (field by field against MEANING.json; for TRL recipes
+also the load dtype, the master weights and the adapter), or is refused naming the key that fp8dist cannot keep."""
 import json
 import shutil
 from pathlib import Path
@@ -66,6 +66,11 @@ REFUSED = {
     "deepspeed/ms-amp__examples_ds_config_msamp.json": ["train_batch_size"],
     "deepspeed/ms-amp__examples_ds_config_zero_msamp.json": ["train_batch_size"],
     "deepspeed/ms-amp__examples_ds_config_zero_te_msamp.json": ["train_batch_size"],
+    "trl/alignment-handbook__recipes_constitutional-ai_dpo_config_anthropic.yaml": ["optim"],
+    "trl/alignment-handbook__recipes_zephyr-141b-A35b_orpo_config_qlora.yaml": ["load_in_4bit"],
+    "trl/alignment-handbook__recipes_zephyr-7b-beta_dpo_config_lora.yaml": ["torch_dtype", "optim"],
+    "trl/alignment-handbook__recipes_zephyr-7b-beta_dpo_config_qlora.yaml": ["load_in_4bit", "optim"],
+    "trl/alignment-handbook__recipes_zephyr-7b-beta_sft_config_qlora.yaml": ["load_in_4bit"],
 }
 
 # MEANING.json has no loading dtype; Axolotl's (utils/config normalize_config torch_dtype: bf16 with bf16 or
@@ -100,7 +105,10 @@ def meaning_of(spec) -> dict:
     out = {"mixed_precision": "fp8" if spec.fp8.enabled else {"none": "no"}.get(p.mixed_precision, p.mixed_precision),
            "activation_checkpointing": par.activation_checkpointing != "none",
            "micro_batch": spec.train.micro_batch_size, "grad_accum": spec.train.gradient_accumulation_steps,
-           "fp8": spec.fp8.backend}
+           "fp8": spec.fp8.backend, "load_dtype": p.load_dtype, "master_weights": p.master_weights,
+           "adapter": None if spec.adapter.kind == "none" else {
+               "kind": spec.adapter.kind, "r": spec.adapter.r, "alpha": spec.adapter.alpha,
+               "dropout": spec.adapter.dropout, "target_modules": spec.adapter.target_modules}}
     if spec.engine == "deepspeed":
         out.update(engine="deepspeed", zero_stage=spec.deepspeed.zero_stage,
                    offload={"optimizer": spec.deepspeed.offload_optimizer, "param": spec.deepspeed.offload_param})
@@ -116,7 +124,7 @@ def differences(got: dict, want: dict) -> list[str]:
     """Every field MEANING.json decides (null: the file does not; "auto": the launching tool fills it)."""
     out = []
     engine = want.get("engine")
-    engine = "ddp" if engine in ("ddp", "single") or (engine is None and want["tool"] == "axolotl") else engine
+    engine = "ddp" if engine in ("ddp", "single") or (engine is None and want["tool"] in ("axolotl", "trl")) else engine
     if engine and got["engine"] != engine:
         out.append(f"engine {got['engine']} != {engine}")
     if got["engine"] == "deepspeed" and want.get("zero_stage") is not None and got["zero_stage"] != want["zero_stage"]:
@@ -137,12 +145,23 @@ def differences(got: dict, want: dict) -> list[str]:
             out.append(f"{field} {got[field]} != {batch[field]}")
     if (want.get("fp8") is None) != (got["fp8"] == "none"):
         out.append(f"fp8 {got['fp8']} != {want.get('fp8')}")
+    for field in ("load_dtype", "master_weights"):  # written for TRL recipes (the source decides both)
+        if want.get(field) is not None and got[field] != want[field]:
+            out.append(f"{field} {got[field]} != {want[field]}")
+    if want["tool"] == "trl":
+        adapter = want.get("adapter")
+        if adapter is not None:
+            adapter = {**adapter, "target_modules": tuple(adapter["target_modules"])
+                       if isinstance(adapter["target_modules"], list) else adapter["target_modules"]}
+        if got["adapter"] != adapter:
+            out.append(f"adapter {got['adapter']} != {adapter}")
     return out
 
 
 def test_the_corpus_is_real_and_large_enough():
     tools = [source["tool"] for source in SOURCES.values()]
     assert len(SOURCES) >= 60 and all(tools.count(tool) >= 15 for tool in ("accelerate", "axolotl", "deepspeed"))
+    assert tools.count("trl") >= 12
     for relative, source in SOURCES.items():
         assert (CORPUS / relative).is_file() and relative in MEANING, relative
         assert source["repo"].count("/") == 1 and source["path"] and len(source["commit"]) == 40, relative

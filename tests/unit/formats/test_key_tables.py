@@ -14,6 +14,7 @@ from fp8dist.formats.common import ImportProblem
 from fp8dist.formats.deepspeed.importer import KEYS as DEEPSPEED_KEYS
 from fp8dist.formats.importing import import_file
 from fp8dist.formats.keys import KeyClass
+from fp8dist.formats.trl.importer import KEYS as TRL_KEYS
 
 DS_FILE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2},
            "bf16": {"enabled": True}}
@@ -34,6 +35,12 @@ AXOLOTL_CONTEXT = {"fp8_enable_fsdp_float8_all_gather": {"fp8": True, **FSDP2}, 
                        "lora_target_parameters", "peft_use_rslora", "peft_layers_to_transform")},
                    "lora_target_modules": {"adapter": "lora"}, "lora_target_linear": {"adapter": "lora"}}
 ACCELERATE_CONTEXT = {"fp8_config": {"mixed_precision": "fp8"}}
+TRL_LORA = {"use_peft": True, "lora_target_modules": "all-linear"}
+TRL_CONTEXT = {"tf32": {"bf16": False}, "fp16": {"bf16": False}, "fsdp_config": {"fsdp": "full_shard"},
+               "use_peft": {"lora_target_modules": ["q_proj", "v_proj"]},
+               **{key: TRL_LORA for key in ("lora_r", "lora_alpha", "lora_dropout", "use_dora", "use_rslora",
+                                            "lora_modules_to_save", "lora_target_parameters", "lora_task_type")},
+               "lora_target_modules": {"use_peft": True}}
 
 
 def axolotl(key: str, rule, tmp_path) -> dict:
@@ -41,6 +48,12 @@ def axolotl(key: str, rule, tmp_path) -> dict:
         (tmp_path / "ds.json").write_text(json.dumps(DS_FILE))
         return {"base_model": "x", "deepspeed": "ds.json"}
     return {"base_model": "x", **AXOLOTL_CONTEXT.get(key, {}), key: rule.example}
+
+
+def trl(key: str, rule, tmp_path) -> dict:
+    if key == "deepspeed":
+        (tmp_path / "ds.json").write_text(json.dumps(DS_FILE))
+    return {"model_name_or_path": "x", **TRL_CONTEXT.get(key, {}), key: rule.example}
 
 
 def accelerate(key: str, rule, tmp_path) -> dict:
@@ -83,7 +96,8 @@ def deepspeed(key: str, rule, tmp_path) -> dict:
 
 TABLES = [("axolotl", AXOLOTL_KEYS, axolotl, ""), ("accelerate", ACCELERATE_KEYS, accelerate, ""),
           ("accelerate", ACCELERATE_DEEPSPEED_KEYS, accelerate_deepspeed, "deepspeed_config."),
-          ("accelerate", FSDP_KEYS, fsdp_config, "fsdp_config.fsdp_"), ("deepspeed", DEEPSPEED_KEYS, deepspeed, "")]
+          ("accelerate", FSDP_KEYS, fsdp_config, "fsdp_config.fsdp_"), ("deepspeed", DEEPSPEED_KEYS, deepspeed, ""),
+          ("trl", TRL_KEYS, trl, "")]
 CASES = [(kind, table, build, shown, key) for kind, table, build, shown in TABLES for key in table.rules]
 
 
@@ -116,6 +130,7 @@ def test_every_key_does_what_its_class_says(kind, table, build, shown, key, tmp_
     ("accelerate", {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2, "fsdp_magic": 1}},
      "fsdp_config.fsdp_magic"),
     ("deepspeed", {**DS_FILE, "cuda_visible_devices": "0,1"}, "cuda_visible_devices"),
+    ("trl", {"model_name_or_path": "x", "shiny_new_precision_knob": 1}, "shiny_new_precision_knob"),
 ])
 def test_a_key_no_table_knows_is_noted_as_unknown(kind, document, shown, tmp_path):
     path = tmp_path / "file.json"
@@ -129,7 +144,9 @@ def test_the_tables_refuse_what_the_issue_names():
     for table, key in ((AXOLOTL_KEYS, "adapter"), (AXOLOTL_KEYS, "load_in_4bit"), (AXOLOTL_KEYS, "load_in_8bit"),
                        (AXOLOTL_KEYS, "qat"), (AXOLOTL_KEYS, "tensor_parallel_size"),
                        (AXOLOTL_KEYS, "context_parallel_size"), (AXOLOTL_KEYS, "sequence_parallel_degree"),
-                       (DEEPSPEED_KEYS, "tensor_parallel"), (DEEPSPEED_KEYS, "amp")):
+                       (DEEPSPEED_KEYS, "tensor_parallel"), (DEEPSPEED_KEYS, "amp"),
+                       (TRL_KEYS, "load_in_4bit"), (TRL_KEYS, "load_in_8bit"), (TRL_KEYS, "use_dora"),
+                       (TRL_KEYS, "use_rslora"), (TRL_KEYS, "lora_modules_to_save"), (TRL_KEYS, "tf32")):
         assert table.rules[key].cls is KeyClass.REFUSED, key
 
 
