@@ -8,7 +8,7 @@ prepared by hand the way the torchao README, torchtitan and the DeepSpeed docs s
 policy (checked below: same Float8LinearConfig, same DeepSpeed JSON, same losses step by step). Timed steps
 alternate A B, B A, ... so that drift hits both alike; the ratio is the median over pairs of
 fp8dist / hand (robust to a slow step on the shared 2-core machine).
-Goal: <= 1.02 (fp8dist adds hooks and a context manager, nothing per GEMM). A last row compares two
+Goal: <= 1.01 (fp8dist adds hooks and a context manager, nothing per GEMM). A last row compares two
 hand-prepared models (A/A): how far from 1.0 this machine's noise alone puts a ratio.
 """
 from __future__ import annotations

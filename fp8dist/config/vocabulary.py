@@ -109,7 +109,11 @@ def fsdp2_layout(doc: Mapping[str, Any]) -> dict[str, Any]:
     return {"strategy": sharding, "mesh": mesh,
             "shard_size": {"full": "world", "grad_op": "world", "hybrid": doc["parallel"]["shard_size"],
                            "replicate": 1}[sharding],
-            "reshard_after_forward": sharding != "grad_op"}
+            "reshard_after_forward": sharding != "grad_op",
+            # The root (embeddings, final norm, output layer) is needed first in backward: kept unsharded after
+            # forward, as torch does for the root by default ("For best performance, we usually set False for the
+            # root module", torch 2.13 distributed/fsdp/_fully_shard/_fully_shard.py); one all-gather less per step.
+            "root_reshard_after_forward": False}
 
 
 def check_world_size(spec, world: int) -> None:

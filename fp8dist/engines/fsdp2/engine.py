@@ -159,7 +159,8 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
     reshard = plan["sharding"]["reshard_after_forward"]
     for _, unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=block_policy, reshard_after_forward=reshard, offload_policy=offload)
-    fully_shard(model, mesh=mesh, mp_policy=root_policy, reshard_after_forward=reshard, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=root_policy, offload_policy=offload,
+                reshard_after_forward=plan["sharding"]["root_reshard_after_forward"])
     if materialize is not None:  # offloaded shards live on the CPU (torchtitan enable_cpu_offload)
         materialize.materialize(model, "cpu" if plan["offload_policy"] else device_type)
 
