@@ -121,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_env)
 
     p = sub.add_parser("estimate", help="per-rank memory of a run (model built on the meta device: no weights read)")
-    p.add_argument("model", help="built-in name (tiny-llama, small-llama), a shape (llama-3-8b, llama-3-70b, "
-                   "bert-base-cased), a local Hugging Face model directory, or a config.json")
+    p.add_argument("model", help="built-in name (tiny-llama, small-llama, tiny-qwen2, tiny-mixtral, small-mixtral), "
+                   "a shape (llama-3-8b, llama-3-70b, mixtral-8x7b, qwen3-30b-a3b, bert-base-cased), a local Hugging Face "
+                   "model directory, or a config.json; KEY=VALUE config overrides may follow")
     p.add_argument("--config", help="fp8dist config (default: the schema defaults)")
     p.add_argument("--world-size", type=int, default=1, help="ranks the run shards over (default 1)")
     p.add_argument("--format", choices=["table", "json", "markdown"], default="table")

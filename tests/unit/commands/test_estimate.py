@@ -178,3 +178,13 @@ def test_bad_input_exits_2(tmp_path, setup, args, says):
     result = run_cli("estimate", *[a.replace("{dir}", str(tmp_path)) for a in args])
     assert result.returncode == 2 and says in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_the_help_names_every_built_in_model_and_shape():
+    from fp8dist.cli import build_parser
+    from fp8dist.commands.estimate import SHAPES
+    from fp8dist.runtime.models import BUILTIN
+
+    estimate_parser = build_parser()._subparsers._group_actions[0].choices["estimate"]
+    help_text = next(action.help for action in estimate_parser._actions if action.dest == "model")
+    assert all(name in help_text for name in [*SHAPES, *BUILTIN]), help_text
