@@ -5,6 +5,9 @@ set -euo pipefail
 config=${1:?usage: launch/deepspeed.sh CONFIG [NUM_GPUS] [train.py args...]}; shift
 gpus=${1:-2}; [ $# -gt 0 ] && shift
 here=$(cd "$(dirname "$0")" && pwd)
+# One process checks config, machine and arguments first: a refusal is one message and exit 2, before deepspeed
+# starts a rank (each rank would print it, and the launcher add its own failure report).
+python "$here/train.py" --check --fp8dist-config "$config" "$@" >/dev/null
 if [ -n "${HOSTFILE:-}" ]; then
   exec deepspeed --hostfile "$HOSTFILE" "$here/train.py" --fp8dist-config "$config" "$@"
 fi

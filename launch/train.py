@@ -42,6 +42,10 @@ def parse_args(argv=None):
     parser.add_argument("--export-hf", metavar="DIR", default=None,
                         help="at the end, write the model to DIR in Hugging Face format (config.json + "
                              "safetensors, in the load dtype)")
+    parser.add_argument("--check", action="store_true",
+                        help="check the config, this machine and the arguments in this one process, then exit (0: "
+                             "it can run; 2: why not): no rank is started (launch/torchrun.sh and deepspeed.sh run "
+                             "it first, so a refusal is one message, not one per rank plus the launcher's report)")
     fp8dist.add_config_arguments(parser)
     return parser.parse_args(argv)
 
@@ -82,6 +86,11 @@ def main(argv=None) -> int:
     try:
         check_args(args)
         spec = fp8dist.spec_from_args(args)
+        if args.check:
+            loop.check_before_launch(spec, args.model, export_hf=args.export_hf)
+            print(f"train.py: {args.fp8dist_config or 'the schema defaults'}: can run here (engine {spec.engine}, FP8 backend "
+                  f"{spec.fp8.backend}, --model {args.model})", flush=True)
+            return ExitCode.OK
         loaded, plan = loop.prepare_run(spec, args.model, export_hf=args.export_hf)
         session = loop.start(spec, loaded, plan=plan)
         to_export = loop.train(session, loop.Plan(steps=args.steps or spec.train.steps, model_name=args.model,

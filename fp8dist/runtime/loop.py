@@ -162,17 +162,25 @@ def lost_peer(exc: BaseException) -> bool:
         sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "gloo", "Timed out")))
 
 
-def prepare_run(spec: Spec, model_name: str, *, export_hf: str | None = None) -> tuple[LoadedModel, dict]:
-    """Everything before the first step, in order: what can be refused before the process group (the backend's
-    library and hardware, the engine's own refusals, the export destination, the model name), the process group,
-    the world size a hybrid shard group needs (before any weight is loaded), the notes for this config, and the
-    model as the run loads it. Returns (the loaded model, the run's translation)."""
+def check_before_launch(spec: Spec, model_name: str, *, export_hf: str | None = None) -> dict:
+    """What one process can refuse before any rank starts: the backend's library and hardware, the engine's own
+    refusals, the export destination, the model name. Returns the run's translation. (launch/train.py --check runs
+    it alone, so the launch scripts refuse with one message before torchrun or deepspeed starts a rank.)"""
     plan = preflight(spec)
     if export_hf:
         from fp8dist.runtime.export import check_destination
 
         check_destination(export_hf)
     check_efficient_loading(model_name, spec)
+    return plan
+
+
+def prepare_run(spec: Spec, model_name: str, *, export_hf: str | None = None) -> tuple[LoadedModel, dict]:
+    """Everything before the first step, in order: what can be refused before the process group (the backend's
+    library and hardware, the engine's own refusals, the export destination, the model name), the process group,
+    the world size a hybrid shard group needs (before any weight is loaded), the notes for this config, and the
+    model as the run loads it. Returns (the loaded model, the run's translation)."""
+    plan = check_before_launch(spec, model_name, export_hf=export_hf)
     process_group.init(spec.train.process_group_timeout_s, deepspeed=facts_for(spec).USES_DEEPSPEED_PROCESS_GROUP)
     check_world_size(spec, process_group.world_size())
     advise(spec, process_group.world_size())
