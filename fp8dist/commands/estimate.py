@@ -311,6 +311,25 @@ def _experts(meta: MetaModel, spec: Spec) -> list[tuple[str, int, str | None]]:
     return found
 
 
+def _routers(meta: MetaModel) -> list[tuple[str, int]]:
+    """(name, FLOPs per token) of each MoE router that is not an nn.Linear (transformers 5 `*TopKRouter`: F.linear on
+    its own 2-D weight; nn.Linear routers are among the Linears already). Every recipe keeps them in high precision,
+    and the audit counts their GEMMs (backends/module_filter.is_router)."""
+    import torch
+
+    from fp8dist.backends.module_filter import is_router
+
+    parents = {name: module for name, module in meta.model.named_modules()}
+    found = []
+    for name, module in meta.model.named_modules():
+        parent = parents.get(name.rsplit(".", 1)[0]) if "." in name else meta.model
+        if isinstance(module, torch.nn.Linear) or not is_router(name, module, parent):
+            continue
+        weights = [p for p in module.parameters(recurse=False) if p.dim() == 2]
+        found.append((name, sum(2 * w.numel() for w in weights)))
+    return found
+
+
 def fp8_coverage(meta: MetaModel, spec: Spec) -> dict[str, Any]:
     """Share of the weight-GEMM FLOPs of one token that run in FP8 under the config's module filter (what the
     audit measures as gemm_flops.fp8_share), the modules left out and why, and the converted Linears below
@@ -330,7 +349,7 @@ def fp8_coverage(meta: MetaModel, spec: Spec) -> dict[str, Any]:
         small = [fqn for fqn in converted if compat.torchao_too_small_to_gain(
             fp8.torchao.recipe_name, by_fqn[fqn].out_features, by_fqn[fqn].in_features)]
     in_fp8 = sum(flops[f] for f in converted) + sum(n for _, n, why in experts if why is None)
-    total = sum(flops.values()) + sum(n for _, n, _ in experts)
+    total = sum(flops.values()) + sum(n for _, n, _ in experts) + sum(n for _, n in _routers(meta))
     return {"backend": fp8.backend, "fp8_share": in_fp8 / total if total else 0.0, "linears": len(infos),
             "converted": len(converted),
             "left_out": [{"fqn": d.fqn, "reason": d.reason} for d in decisions if not d.convert]
