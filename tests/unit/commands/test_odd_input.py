@@ -14,6 +14,8 @@ import copy
 import io
 import json
 import os
+import signal
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -361,11 +363,32 @@ OVERRIDE = st.one_of(st.sampled_from(SOUND_OVERRIDES), st.builds(
     st.one_of(st.sampled_from(ODD_TEXT + SNIPPETS), st.text(max_size=12))))
 
 
+CASE_SECONDS = 20  # one command on one generated input; the slowest seen take well under a second
+
+
+@contextlib.contextmanager
+def no_hang(args: list):
+    """A generated case that runs past CASE_SECONDS fails as a hang (SIGALRM in this process), instead of stalling
+    the run."""
+    def hung(*_):
+        raise TimeoutError(f"no exit after {CASE_SECONDS} s: {args!r}")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(CASE_SECONDS)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def run_and_check(args: list, folder: Path) -> None:
-    """The invariant: exit 0 or 2 and no traceback; exit 2 says why and writes nothing; exit 0 output reads back."""
+    """The invariant: exit 0 or 2 and no traceback, within CASE_SECONDS; exit 2 says why and writes nothing; exit 0
+    output reads back."""
     out_dir = folder / "out"
     out_dir.mkdir()
-    result = cli(*args)
+    with no_hang(args):
+        result = cli(*args)
     target = f" --to {args[args.index('--to') + 1]}" if "--to" in args else ""
     event(f"{args[0]}{target}: exit {result.code}")
     assert result.code in (0, 2), (args, result)
@@ -431,3 +454,12 @@ def test_generated_tool_files_through_import(data, document):
                                                             ["translate", "--to", "deepspeed"]]))
 def test_raw_bytes(raw, command):
     _in_folder(lambda folder: run_and_check([command[0], written(folder, "raw.yaml", raw), *command[1:]], folder))
+
+
+def test_a_generated_case_that_hangs_fails_instead_of_stalling(monkeypatch):
+    import time
+
+    monkeypatch.setattr(sys.modules[__name__], "CASE_SECONDS", 1)
+    with pytest.raises(TimeoutError, match="no exit after 1 s"):
+        with no_hang(["validate", "fifo"]):
+            time.sleep(3)
