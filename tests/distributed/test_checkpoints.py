@@ -239,7 +239,8 @@ def test_library_resume_with_a_scheduler_and_float8_weights(tmp_path):
 
 def test_a_lora_run_checkpoints_its_adapters_resumes_exactly_and_exports_for_peft(tmp_path):
     """LoRA (r=2, bf16 base, fp32 adapters) on small-llama: the checkpoint holds the adapters, their optimizer state, RNG and step
-    (under a tenth of the full fine-tune's on the same model), the resume reads the base again and is bitwise,
+    (under a tenth of the full fine-tune's on the same model), the resume reads the base again and is bitwise (also
+    with the frozen base in torchao float8 Linears and float8 all-gather),
     and the export loads with PEFT and, merged, with transformers alone, giving the trained model's logits."""
     import torch
     import yaml
@@ -250,9 +251,12 @@ def test_a_lora_run_checkpoints_its_adapters_resumes_exactly_and_exports_for_pef
     from fp8dist.runtime.models import load_model
 
     sizes = {}
-    for name, adapter in (("lora", {"kind": "lora", "r": 2, "alpha": 4}), ("full", {"kind": "none"})):
+    float8 = {"preset": "torchao-float8", "fp8": {"torchao": {"emulate": True}}}  # frozen base under float8 all-gather
+    for name, adapter, precision in (("lora", {"kind": "lora", "r": 2, "alpha": 4}, {"preset": "bf16"}),
+                                     ("full", {"kind": "none"}, {"preset": "bf16"}),
+                                     ("lora-float8", {"kind": "lora", "r": 2, "alpha": 4}, float8)):
         config = tmp_path / f"{name}.yaml"
-        config.write_text(yaml.safe_dump({"precision": {"preset": "bf16"}, "adapter": adapter}))
+        config.write_text(yaml.safe_dump({"precision": precision, "adapter": adapter}))
         result = torchrun(ROOT / "tests" / "distributed" / "scripts" / "checkpoint_roundtrip.py", config,
                           tmp_path / name, "small-llama")
         assert result.returncode == 0, describe(result)
