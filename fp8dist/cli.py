@@ -102,10 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "nothing here or settings the target file cannot carry (said on stderr without it)")
     p.set_defaults(func=_translate)
 
-    p = sub.add_parser("import", help="an Accelerate config, Axolotl YAML, DeepSpeed JSON or TRL / alignment-handbook "
-                       "recipe as an fp8dist config")
+    p = sub.add_parser("import", help="an Accelerate config, Axolotl YAML, DeepSpeed JSON, TRL / alignment-handbook "
+                       "recipe or PEFT adapter_config.json as an fp8dist config")
     p.add_argument("file", help="the file to read (its kind is detected from its keys)")
-    p.add_argument("--from", dest="kind", choices=["accelerate", "axolotl", "deepspeed", "trl"],
+    p.add_argument("--from", dest="kind", choices=["accelerate", "axolotl", "deepspeed", "trl", "peft"],
                    help="the kind of FILE, when detection cannot tell")
     p.add_argument("-o", "--output", help="write to this file (atomically) instead of stdout")
     p.set_defaults(func=_import_config)

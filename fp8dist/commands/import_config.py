@@ -1,4 +1,4 @@
-"""`fp8dist import FILE [--from accelerate|axolotl|deepspeed] [-o FILE]`: another tool's config as an fp8dist
+"""`fp8dist import FILE [--from accelerate|axolotl|deepspeed|trl|peft] [-o FILE]`: another tool's config as an fp8dist
 config (fp8dist.formats)."""
 from __future__ import annotations
 

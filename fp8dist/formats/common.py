@@ -1,7 +1,7 @@
 """What the importers of other tools' files share (pure: no torch, no accelerate import): reading a YAML or JSON
 file with the loader's safety (fp8dist/config/reading.py: regular files only, size cap, no binary, no YAML tags,
 bounded nesting and aliases, plain data; JSON the same way), the notes an import writes, its refusal, and the
-value readers. The importers themselves: fp8dist.formats.{accelerate,axolotl,deepspeed,trl}.importer; the dispatch:
+value readers. The importers themselves: fp8dist.formats.{accelerate,axolotl,deepspeed,trl,peft}.importer; the dispatch:
 fp8dist.formats.importing.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ import fp8dist.config.reading as reading
 import fp8dist.dtypes as dtypes
 from fp8dist.errors import ConfigError, Fp8distError, Issue
 
-KINDS = ("accelerate", "axolotl", "deepspeed", "trl")
+KINDS = ("accelerate", "axolotl", "deepspeed", "trl", "peft")
 TITLE = {"accelerate": "Accelerate config", "axolotl": "Axolotl config", "deepspeed": "DeepSpeed config",
-         "trl": "TRL / alignment-handbook recipe"}
+         "trl": "TRL / alignment-handbook recipe", "peft": "PEFT adapter_config.json"}
 
 
 class WrongShape(Exception):

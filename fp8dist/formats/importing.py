@@ -1,7 +1,7 @@
-"""`fp8dist import FILE [--from accelerate|axolotl|deepspeed|trl]`: which kind of file it is, its importer, and the
+"""`fp8dist import FILE [--from accelerate|axolotl|deepspeed|trl|peft]`: which kind of file it is, its importer, and the
 fp8dist YAML it becomes (comment lines first), validated like any config before it is printed.
 
-One importer per source format (fp8dist.formats.{accelerate,axolotl,deepspeed,trl}.importer); each turns the parsed
+One importer per source format (fp8dist.formats.{accelerate,axolotl,deepspeed,trl,peft}.importer); each turns the parsed
 file into an fp8dist document plus notes: one comment line per source key that has no fp8dist meaning, and one per
 `"auto"` (or left-out key that matters to precision) saying what DeepSpeed or Accelerate would actually use.
 """
@@ -18,10 +18,11 @@ from fp8dist.formats.axolotl import importer as axolotl
 from fp8dist.formats.common import (KINDS, TITLE, Imported, ImportProblem, WrongShape, comment_line,
                                    read_document)
 from fp8dist.formats.deepspeed import importer as deepspeed
+from fp8dist.formats.peft import importer as peft
 from fp8dist.formats.trl import importer as trl
 
 IMPORTERS = {"accelerate": accelerate.convert, "axolotl": axolotl.convert, "deepspeed": deepspeed.convert,
-             "trl": trl.convert}
+             "trl": trl.convert, "peft": peft.convert}
 
 # -- kinds ----------------------------------------------------------------------------------------------
 # Evidence of a kind: keys only that tool writes (a shared name counts where its shape tells the tools apart:
@@ -58,6 +59,12 @@ EVIDENCE: dict[str, dict[str, Any]] = {
         "dataset_mixer", "dataset_splits", "dataset_train_split", "dataset_test_split", "max_seq_length",
         "num_train_epochs", "lr_scheduler_type", "optim", "overwrite_output_dir", "do_train", "do_eval",
         "push_to_hub", "report_to", "logging_strategy", "eval_strategy", "hub_strategy", "max_prompt_length")},
+    # PEFT's adapter_config.json (LoraConfig / PeftConfig fields): names no config of the other tools has (Axolotl
+    # writes lora_alpha, lora_fan_in_fan_out, peft_use_rslora...; TRL use_rslora, use_dora)
+    "peft": {key: None for key in (
+        "peft_type", "base_model_name_or_path", "inference_mode", "fan_in_fan_out", "rank_pattern", "alpha_pattern",
+        "init_lora_weights", "megatron_core", "loftq_config", "peft_version", "layers_to_transform",
+        "qalora_group_size")},
     "fp8dist": {"engine": lambda v: v in ("fsdp2", "deepspeed"), "precision": _is_section, "parallel": _is_section,
                 "train": _is_section, "audit": _is_section, "fsdp2": _is_section, "checkpoint": _is_section},
 }
@@ -67,8 +74,10 @@ EVIDENCE: dict[str, dict[str, Any]] = {
 # TrainingArguments) share these names, which then say nothing about which of the two it is.
 OUTRANKED: dict[str, dict[str, tuple[str, ...]]] = {
     "axolotl": {"trl": ("learning_rate", "max_grad_norm", "tf32", "lora_r", "lora_alpha", "lora_target_modules",
-                        "load_in_4bit", "load_in_8bit", "chat_template", "bf16", "fp16", "deepspeed")},
+                        "load_in_4bit", "load_in_8bit", "chat_template", "bf16", "fp16", "deepspeed"),
+                "peft": ("lora_alpha",)},
     "accelerate": {"trl": ("use_cpu",)},
+    "trl": {"peft": ("use_rslora", "use_dora")},
 }
 
 
@@ -89,7 +98,7 @@ def evidence(document: Mapping[str, Any]) -> dict[str, list[str]]:
 
 
 def detect(document: Mapping[str, Any]) -> str | None:
-    """The one kind the keys are evidence of (accelerate | axolotl | deepspeed | trl | fp8dist), or None when they are
+    """The one kind the keys are evidence of (accelerate | axolotl | deepspeed | trl | peft | fp8dist), or None when they are
     evidence of none; a file with evidence of two kinds is refused by `import_file`, asking for --from."""
     found = evidence(document)
     return next(iter(found)) if len(found) == 1 else None
@@ -102,8 +111,8 @@ def import_file(path: str | Path, kind: str | None = None) -> str:
     if not isinstance(document, Mapping):
         what = "a list" if isinstance(document, list) else f"a {type(document).__name__}"
         raise ImportProblem([Issue("", f"the top level must be a mapping, not {what}",
-                                   fix="pass an Accelerate config.yaml, an Axolotl YAML, a DeepSpeed JSON or a "
-                                       "TRL recipe")], source)
+                                   fix="pass an Accelerate config.yaml, an Axolotl YAML, a DeepSpeed JSON, a "
+                                       "TRL recipe or a PEFT adapter_config.json")], source)
     if kind is None:
         found = evidence(document)
         if list(found) == ["fp8dist"]:
@@ -111,13 +120,14 @@ def import_file(path: str | Path, kind: str | None = None) -> str:
                                 source)
         if not found:
             raise ImportProblem([Issue("", "cannot tell which kind of file this is (no key that only an Accelerate "
-                                       "config, an Axolotl config, a DeepSpeed config or a TRL recipe has)",
-                                       sorted(map(str, document))[:8],
-                                       "say it with --from accelerate|axolotl|deepspeed|trl")], source)
+                                       "config, an Axolotl config, a DeepSpeed config, a TRL recipe or a PEFT "
+                                       "adapter_config.json has)", sorted(map(str, document))[:8],
+                                       "say it with --from accelerate|axolotl|deepspeed|trl|peft")], source)
         if len(found) > 1:
             seen = "; ".join(f"{TITLE.get(k, 'fp8dist config')}: {', '.join(keys[:4])}" for k, keys in found.items())
             raise ImportProblem([Issue("", f"its keys are those of more than one tool ({seen})",
-                                       fix="say which tool runs it with --from accelerate|axolotl|deepspeed|trl")], source)
+                                       fix="say which tool runs it with --from accelerate|axolotl|deepspeed|trl|peft")],
+                                 source)
         kind = next(iter(found))
     if kind not in KINDS:
         raise ImportProblem([Issue("--from", f"unknown kind; one of {', '.join(KINDS)}", kind)], source)

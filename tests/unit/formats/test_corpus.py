@@ -1,13 +1,15 @@
 """The corpus of real configs (tests/data/corpus: Accelerate, Axolotl, DeepSpeed and TRL / alignment-handbook files
-copied from public repositories, each with its source in SOURCES.json and what its own tool runs in MEANING.json)
-imports with no file changing meaning: each either imports with the source's engine, sharding, precision, offload,
-activation checkpointing, micro batch, accumulation and FP8 (field by field against MEANING.json; for TRL recipes
-also the load dtype, the master weights and the adapter), or is refused naming the key that fp8dist cannot keep."""
+and PEFT adapter_config.json files copied from public repositories, each with its source in SOURCES.json and what its
+own tool runs in MEANING.json) imports with no file changing meaning: each either imports with the source's engine,
+sharding, precision, offload, activation checkpointing, micro batch, accumulation and FP8 (field by field against
+MEANING.json; for TRL recipes also the load dtype, the master weights and the adapter; for PEFT files the adapter,
+everything else at fp8dist's defaults), or is refused naming the key that fp8dist cannot keep."""
 import json
 import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fp8dist.config.load import load_config
 from fp8dist.formats.common import ImportProblem
@@ -71,6 +73,9 @@ REFUSED = {
     "trl/alignment-handbook__recipes_zephyr-7b-beta_dpo_config_lora.yaml": ["torch_dtype", "optim"],
     "trl/alignment-handbook__recipes_zephyr-7b-beta_dpo_config_qlora.yaml": ["load_in_4bit", "optim"],
     "trl/alignment-handbook__recipes_zephyr-7b-beta_sft_config_qlora.yaml": ["load_in_4bit"],
+    "peft/bert-gpt2-multitask-finetuning__adapter_config.json": ["modules_to_save", "task_type"],
+    "peft/fine-tuning-gemma-2-9b-it-on-healthcare-dataset-using-qlora-trl-kaggle-p100-__adapter_config.json":
+        ["layers_to_transform"],
 }
 
 # MEANING.json has no loading dtype; Axolotl's (utils/config normalize_config torch_dtype: bf16 with bf16 or
@@ -148,7 +153,7 @@ def differences(got: dict, want: dict) -> list[str]:
     for field in ("load_dtype", "master_weights"):  # written for TRL recipes (the source decides both)
         if want.get(field) is not None and got[field] != want[field]:
             out.append(f"{field} {got[field]} != {want[field]}")
-    if want["tool"] == "trl":
+    if want["tool"] in ("trl", "peft"):
         adapter = want.get("adapter")
         if adapter is not None:
             adapter = {**adapter, "target_modules": tuple(adapter["target_modules"])
@@ -161,7 +166,7 @@ def differences(got: dict, want: dict) -> list[str]:
 def test_the_corpus_is_real_and_large_enough():
     tools = [source["tool"] for source in SOURCES.values()]
     assert len(SOURCES) >= 60 and all(tools.count(tool) >= 15 for tool in ("accelerate", "axolotl", "deepspeed"))
-    assert tools.count("trl") >= 12
+    assert tools.count("trl") >= 12 and tools.count("peft") >= 6
     for relative, source in SOURCES.items():
         assert (CORPUS / relative).is_file() and relative in MEANING, relative
         assert source["repo"].count("/") == 1 and source["path"] and len(source["commit"]) == 40, relative
@@ -171,6 +176,8 @@ def test_the_corpus_is_real_and_large_enough():
 def test_a_real_config_imports_with_its_meaning_or_is_refused_naming_the_key(relative, tmp_path, monkeypatch):
     path = stage(relative, tmp_path)
     monkeypatch.chdir(tmp_path)
+    if SOURCES[relative]["tool"] == "peft":  # MEANING.json names the refused keys itself
+        assert MEANING[relative]["refused"] == REFUSED.get(relative), relative
     try:
         text = import_file(path.name)
     except ImportProblem as exc:
@@ -184,6 +191,9 @@ def test_a_real_config_imports_with_its_meaning_or_is_refused_naming_the_key(rel
     spec = load_config(tmp_path / "imported.yaml")
     got = meaning_of(spec)
     assert not differences(got, MEANING[relative]), (differences(got, MEANING[relative]), text)
+    if SOURCES[relative]["tool"] == "peft":  # the file says only the adapter: the rest is fp8dist's defaults
+        assert yaml.safe_load(text).keys() == {"adapter"} and "# resolved: precision / engine / batch" in text, text
+        assert spec == load_config({"adapter": yaml.safe_load(text)["adapter"]})
     if SOURCES[relative]["tool"] == "axolotl":
         assert spec.precision.load_dtype == AXOLOTL_LOAD_DTYPE[relative], text
     if spec.engine == "deepspeed" and spec.fp8.backend != "msamp":  # back to DeepSpeed: its own parser accepts it

@@ -14,6 +14,7 @@ from fp8dist.formats.common import ImportProblem
 from fp8dist.formats.deepspeed.importer import KEYS as DEEPSPEED_KEYS
 from fp8dist.formats.importing import import_file
 from fp8dist.formats.keys import KeyClass
+from fp8dist.formats.peft.importer import KEYS as PEFT_KEYS
 from fp8dist.formats.trl.importer import KEYS as TRL_KEYS
 
 DS_FILE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2},
@@ -54,6 +55,10 @@ def trl(key: str, rule, tmp_path) -> dict:
     if key == "deepspeed":
         (tmp_path / "ds.json").write_text(json.dumps(DS_FILE))
     return {"model_name_or_path": "x", **TRL_CONTEXT.get(key, {}), key: rule.example}
+
+
+def peft(key: str, rule, tmp_path) -> dict:
+    return {"peft_type": "LORA", "target_modules": ["q_proj", "v_proj"], key: rule.example}
 
 
 def accelerate(key: str, rule, tmp_path) -> dict:
@@ -97,7 +102,7 @@ def deepspeed(key: str, rule, tmp_path) -> dict:
 TABLES = [("axolotl", AXOLOTL_KEYS, axolotl, ""), ("accelerate", ACCELERATE_KEYS, accelerate, ""),
           ("accelerate", ACCELERATE_DEEPSPEED_KEYS, accelerate_deepspeed, "deepspeed_config."),
           ("accelerate", FSDP_KEYS, fsdp_config, "fsdp_config.fsdp_"), ("deepspeed", DEEPSPEED_KEYS, deepspeed, ""),
-          ("trl", TRL_KEYS, trl, "")]
+          ("trl", TRL_KEYS, trl, ""), ("peft", PEFT_KEYS, peft, "")]
 CASES = [(kind, table, build, shown, key) for kind, table, build, shown in TABLES for key in table.rules]
 
 
@@ -106,7 +111,7 @@ CASES = [(kind, table, build, shown, key) for kind, table, build, shown in TABLE
 def test_every_key_does_what_its_class_says(kind, table, build, shown, key, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rule = table.rules[key]
-    path = tmp_path / ("file.json" if kind == "deepspeed" else "file.yaml")
+    path = tmp_path / ("file.json" if kind in ("deepspeed", "peft") else "file.yaml")
     document = build(key, rule, tmp_path)
     path.write_text(json.dumps(document))
     name = shown + key
@@ -131,6 +136,7 @@ def test_every_key_does_what_its_class_says(kind, table, build, shown, key, tmp_
      "fsdp_config.fsdp_magic"),
     ("deepspeed", {**DS_FILE, "cuda_visible_devices": "0,1"}, "cuda_visible_devices"),
     ("trl", {"model_name_or_path": "x", "shiny_new_precision_knob": 1}, "shiny_new_precision_knob"),
+    ("peft", {"peft_type": "LORA", "target_modules": ["q_proj"], "shiny_new_lora_knob": 1}, "shiny_new_lora_knob"),
 ])
 def test_a_key_no_table_knows_is_noted_as_unknown(kind, document, shown, tmp_path):
     path = tmp_path / "file.json"
@@ -146,7 +152,10 @@ def test_the_tables_refuse_what_the_issue_names():
                        (AXOLOTL_KEYS, "context_parallel_size"), (AXOLOTL_KEYS, "sequence_parallel_degree"),
                        (DEEPSPEED_KEYS, "tensor_parallel"), (DEEPSPEED_KEYS, "amp"),
                        (TRL_KEYS, "load_in_4bit"), (TRL_KEYS, "load_in_8bit"), (TRL_KEYS, "use_dora"),
-                       (TRL_KEYS, "use_rslora"), (TRL_KEYS, "lora_modules_to_save"), (TRL_KEYS, "tf32")):
+                       (TRL_KEYS, "use_rslora"), (TRL_KEYS, "lora_modules_to_save"), (TRL_KEYS, "tf32"),
+                       (PEFT_KEYS, "use_rslora"), (PEFT_KEYS, "use_dora"), (PEFT_KEYS, "modules_to_save"),
+                       (PEFT_KEYS, "layers_to_transform"), (PEFT_KEYS, "rank_pattern"), (PEFT_KEYS, "bias"),
+                       (PEFT_KEYS, "init_lora_weights"), (PEFT_KEYS, "target_parameters")):
         assert table.rules[key].cls is KeyClass.REFUSED, key
 
 

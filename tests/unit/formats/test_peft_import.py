@@ -1,0 +1,192 @@
+"""`fp8dist import adapter_config.json [--from peft]`: the LoraConfig PEFT saves beside a LoRA adapter imports into
+fp8dist's `adapter` section (everything else at fp8dist's defaults, said in a comment), or is refused naming each
+key that changes which parameters train or the adapters' numerics in a way fp8dist cannot keep."""
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from fp8dist.config.load import load_config
+from fp8dist.formats.common import ImportProblem
+from fp8dist.formats.importing import detect, import_file
+from fp8dist.formats.keys import KeyClass
+from fp8dist.formats.peft.importer import KEYS
+from tests.conftest import ROOT, run_cli
+
+CORPUS = ROOT / "tests" / "data" / "corpus"
+KEPT_FILE = CORPUS / "peft" / "cosmos-reason2-2b-retail-grocery-egoexo__adapter_config.json"
+LORA = {"peft_type": "LORA", "target_modules": ["q_proj", "v_proj"]}
+
+
+def _import(tmp_path, document: dict, kind: str | None = "peft"):
+    path = tmp_path / "adapter_config.json"
+    path.write_text(json.dumps(document))
+    return import_file(path, kind)
+
+
+def _spec(tmp_path, document: dict, **kwargs):
+    return load_config(yaml.safe_load(_import(tmp_path, document, **kwargs)))
+
+
+def _refused(tmp_path, document: dict) -> set[str]:
+    with pytest.raises(ImportProblem) as err:
+        _import(tmp_path, document)
+    assert all(issue.fix for issue in err.value.issues), err.value
+    return {issue.path for issue in err.value.issues}
+
+
+# -- kept keys ---------------------------------------------------------------------------------------------
+def test_each_kept_key_is_mapped_and_the_rest_is_fp8dists_defaults(tmp_path):
+    text = _import(tmp_path, {**LORA, "r": 32, "lora_alpha": 64, "lora_dropout": 0.05})
+    assert yaml.safe_load(text).keys() == {"adapter"}
+    spec = load_config(yaml.safe_load(text))
+    a = spec.adapter
+    assert (a.kind, a.r, a.alpha, a.dropout, a.target_modules) == ("lora", 32, 64, 0.05, ("q_proj", "v_proj"))
+    assert spec == load_config({"adapter": {"kind": "lora", "r": 32, "alpha": 64, "dropout": 0.05,
+                                            "target_modules": ["q_proj", "v_proj"]}})
+    assert "# resolved: precision / engine / batch -> fp8dist's defaults" in text
+    assert "engine fsdp2, load_dtype bf16" in text
+
+
+def test_left_out_lora_keys_take_peft_defaults(tmp_path):
+    text = _import(tmp_path, LORA)
+    a = load_config(yaml.safe_load(text)).adapter
+    assert (a.r, a.alpha, a.dropout) == (8, 8, 0.0)
+    assert "resolved: r -> 8" in text and "resolved: lora_alpha -> 8" in text
+
+
+@pytest.mark.parametrize("targets, expected", [
+    ("all-linear", "auto"), ("ALL-LINEAR", "auto"), (["q_proj"], ("q_proj",)),  # a one-item list is a list in PEFT
+    (["self_attn.q_proj", "mlp.down_proj"], ("self_attn.q_proj", "mlp.down_proj")),
+])
+def test_target_modules(tmp_path, targets, expected):
+    assert _spec(tmp_path, {**LORA, "target_modules": targets}).adapter.target_modules == expected
+
+
+# -- refusals ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("document, keys", [
+    ({"peft_type": "IA3", "target_modules": ["q_proj"]}, {"peft_type"}),
+    ({"target_modules": ["q_proj"], "r": 8}, {"peft_type"}),  # PEFT cannot load it either
+    ({"peft_type": "LORA"}, {"target_modules"}),  # null: PEFT's per-architecture default, not guessed
+    ({"peft_type": "LORA", "target_modules": ".*(q_proj|v_proj)$"}, {"target_modules"}),  # a regex in PEFT
+    ({"peft_type": "LORA", "target_modules": []}, {"target_modules"}),
+    ({**LORA, "use_rslora": True}, {"use_rslora"}),
+    ({**LORA, "use_dora": True}, {"use_dora"}),
+    ({**LORA, "modules_to_save": ["lm_head"]}, {"modules_to_save"}),
+    ({**LORA, "layers_to_transform": [0, 1], "layers_pattern": "layers"}, {"layers_to_transform", "layers_pattern"}),
+    ({**LORA, "rank_pattern": {"q_proj": 4}, "alpha_pattern": {"q_proj": 4}}, {"rank_pattern", "alpha_pattern"}),
+    ({**LORA, "bias": "lora_only"}, {"bias"}),
+    ({**LORA, "bias": "all"}, {"bias"}),
+    ({**LORA, "lora_bias": True}, {"lora_bias"}),
+    ({**LORA, "target_parameters": ["experts.down_proj"]}, {"target_parameters"}),
+    ({**LORA, "init_lora_weights": False}, {"init_lora_weights"}),  # random lora_B: not a no-op at the start
+    ({**LORA, "init_lora_weights": "pissa"}, {"init_lora_weights"}),
+    ({**LORA, "init_lora_weights": "eva", "eva_config": {"rho": 2.0}}, {"init_lora_weights"}),
+    ({**LORA, "exclude_modules": ["lm_head"]}, {"exclude_modules"}),
+    ({**LORA, "use_qalora": True}, {"use_qalora"}),
+    ({**LORA, "megatron_config": {"tensor_model_parallel_size": 2}}, {"megatron_config"}),
+    ({**LORA, "trainable_token_indices": [0, 1]}, {"trainable_token_indices"}),
+    ({**LORA, "layer_replication": [[0, 4], [2, 5]]}, {"layer_replication"}),
+    ({**LORA, "ensure_weight_tying": True}, {"ensure_weight_tying"}),
+    ({**LORA, "alora_invocation_tokens": [1, 2]}, {"alora_invocation_tokens"}),
+    ({**LORA, "task_type": "SEQ_CLS"}, {"task_type"}),  # PEFT trains the classifier head too
+    ({**LORA, "task_type": "TOKEN_CLS"}, {"task_type"}),
+])
+def test_what_fp8dist_cannot_keep_is_refused_naming_the_key(tmp_path, document, keys):
+    assert _refused(tmp_path, document) == keys
+
+
+def test_the_values_that_change_nothing_are_noted(tmp_path):
+    text = _import(tmp_path, {**LORA, "use_dora": False, "use_rslora": False, "modules_to_save": None,
+                              "rank_pattern": {}, "bias": "none", "init_lora_weights": True, "fan_in_fan_out": True,
+                              "task_type": "CAUSAL_LM", "loftq_config": {}, "eva_config": {"rho": 2.0},
+                              "base_model_name_or_path": "meta-llama/Llama-2-7b-hf", "inference_mode": True,
+                              "merge_weights": False})
+    for key in ("use_dora: false - off: changes nothing", "rank_pattern: {} - empty or unset: changes nothing",
+                "bias: none", "init_lora_weights: true",
+                "fan_in_fan_out: true - PEFT sets it from the layer's class", "task_type: CAUSAL_LM",
+                "eva_config: ", "base_model_name_or_path: meta-llama/Llama-2-7b-hf", "inference_mode: true",
+                "merge_weights: false"):
+        assert f"# not kept: {key}" in text, key
+    assert "modules_to_save" not in text  # null sets nothing
+
+
+def test_the_table_covers_peft_021s_lora_config():
+    """Every field of the installed PEFT's LoraConfig (and PeftConfig) is in the table, with a class."""
+    import dataclasses
+
+    LoraConfig = pytest.importorskip("peft").LoraConfig
+
+    fields = {field.name for field in dataclasses.fields(LoraConfig) if field.init}
+    missing = fields - set(KEYS.rules)
+    assert not missing, missing
+    for key in ("peft_type", "r", "lora_alpha", "lora_dropout", "target_modules"):
+        assert KEYS.rules[key].cls is KeyClass.KEPT, key
+
+
+def test_a_real_saved_config_round_trips_through_peft(tmp_path):
+    """What fp8dist builds from the imported adapter (runtime/adapters.py lora_config) is the file's LoraConfig in
+    every field the table keeps or refuses."""
+    pytest.importorskip("peft")
+    from fp8dist.runtime.adapters import lora_config
+
+    spec = load_config(yaml.safe_load(import_file(KEPT_FILE)))
+    built = lora_config(spec.adapter).to_dict()
+    saved = json.loads(KEPT_FILE.read_text())
+    for key, value in saved.items():
+        rule = KEYS.rules[key]
+        if rule.cls is not KeyClass.NO_EFFECT and key != "task_type":
+            built_value = sorted(built[key]) if isinstance(built[key], (set, list)) else built[key]
+            saved_value = sorted(value) if isinstance(value, list) else value
+            assert built_value == saved_value, key
+
+
+# -- detection and the command line ----------------------------------------------------------------------
+@pytest.mark.parametrize("document", [
+    {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]},  # lora_alpha is Axolotl's too
+    {"base_model_name_or_path": "x", "lora_alpha": 16, "use_rslora": False, "use_dora": False},  # and TRL's
+])
+def test_an_adapter_config_is_detected_by_keys_only_peft_writes(document):
+    assert detect(document) == "peft"
+
+
+def test_axolotl_and_trl_keep_their_shared_keys_without_peft_keys():
+    assert detect({"lora_alpha": 16, "lora_r": 8}) == "axolotl"
+    assert detect({"use_dora": True, "lora_alpha": 16}) == "trl"
+
+
+def test_every_corpus_adapter_config_is_detected_as_peft_and_no_other_file_is():
+    sources = json.loads((CORPUS / "SOURCES.json").read_text())
+    assert sum(source["tool"] == "peft" for source in sources.values()) >= 6
+    for relative, source in sources.items():
+        if relative.startswith("axolotl/deepspeed_configs/"):
+            continue
+        text = (CORPUS / relative).read_text()
+        document = json.loads(text) if relative.endswith(".json") else yaml.safe_load(text)
+        assert (detect(document) == "peft") == (source["tool"] == "peft"), relative
+
+
+def test_the_printed_output_validates(tmp_path):
+    result = run_cli("import", str(KEPT_FILE), "--from", "peft")
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "imported.yaml"
+    out.write_text(result.stdout)
+    validated = run_cli("validate", str(out))
+    assert validated.returncode == 0, validated.stderr + validated.stdout
+    assert load_config(out).adapter.r == 32
+
+
+def test_a_refused_adapter_exits_2_and_writes_nothing(tmp_path):
+    refused = CORPUS / "peft" / "bert-gpt2-multitask-finetuning__adapter_config.json"
+    out = tmp_path / "out.yaml"
+    result = run_cli("import", str(refused), "-o", str(out))
+    assert result.returncode == 2 and "modules_to_save" in result.stderr and not out.exists()
+
+
+def test_import_of_an_adapter_config_does_not_import_torch():
+    code = ("import sys, fp8dist.cli; from fp8dist.formats.importing import import_file; "
+            f"import_file({str(KEPT_FILE)!r}); print('torch' in sys.modules, 'peft' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.stdout.strip() == "False False", result.stderr
