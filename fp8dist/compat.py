@@ -121,7 +121,7 @@ def torchao_experts_mode(requested: str, emulate: bool, capability: Capability |
     if emulate:
         if requested in TORCHAO_EXPERTS_EMULATED:
             return requested, f"{requested} experts, emulated (precision.fp8.torchao.emulate)"
-        return None, f"torchao's float8 grouped GEMM has no emulated mode (torchao 0.18 fp8_grouped_mm.py)"
+        return None, "torchao's float8 grouped GEMM has no emulated mode (torchao 0.18 fp8_grouped_mm.py)"
     need = TORCHAO_EXPERTS_MIN_CAPABILITY[requested]
     if capability is None or tuple(capability) < need:
         found = "no CUDA GPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
@@ -545,6 +545,13 @@ HF_MAX_SHARD_BYTES = 50 * 10**9
 # What Axolotl uses for a left-out key (axolotl src/axolotl/utils/schemas/training.py HyperparametersConfig:
 # micro_batch_size 1, gradient_accumulation_steps 1; schemas/config.py sequence_len 512; bf16 `auto`), and what
 # the HF Trainer's TrainingArguments uses for max_grad_norm (transformers 5 training_args.py: 1.0).
+# --- TRL / alignment-handbook defaults an import resolves to ---------------------------------------
+# TrainingArguments' defaults (transformers 5.24 training_args.py; the same in 4.x but `optim`, which was adamw_torch)
+# and TRL's (trl ModelConfig lora_r / lora_alpha / lora_dropout, SFTConfig / DPOConfig max_length) for keys a recipe
+# leaves out.
+TRL_DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_grad_norm": 1.0, "seed": 42,
+                "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "max_length": 1024}
+
 AXOLOTL_DEFAULTS = {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "sequence_len": 512, "bf16": "auto",
                     "max_grad_norm": 1.0}
 
@@ -578,6 +585,9 @@ def is_lora_module(fqn: str) -> bool:
 # peft 0.21 utils/constants.py INCLUDE_LINEAR_LAYERS_SHORTHAND: LoraConfig target_modules for every Linear but the
 # output layer (tuners_utils.py _maybe_include_all_linear_layers); fp8dist's `adapter.target_modules: auto`.
 PEFT_ALL_LINEAR = "all-linear"
+# peft 0.21 tuners/lora/config.py LoraConfig's defaults for r, lora_alpha and lora_dropout (what an adapter_config.json
+# that leaves them out means).
+PEFT_LORA_DEFAULTS = {"r": 8, "lora_alpha": 8, "lora_dropout": 0.0}
 
 # peft 0.21 peft_model.py / tuners_utils.py BaseTuner.model: a PeftModel puts `base_model.model.` in front.
 PEFT_MODEL_PREFIX = "base_model.model."

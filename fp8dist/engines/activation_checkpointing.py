@@ -18,7 +18,6 @@ policy's own pair.
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 from functools import partial
 from typing import Any, Callable, Iterator
 

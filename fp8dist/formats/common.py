@@ -7,6 +7,7 @@ fp8dist.formats.importing.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,3 +149,49 @@ def set_path(document: dict[str, Any], dotted: str, value: Any) -> None:
     for part in parts[:-1]:
         node = node.setdefault(part, {})
     node[parts[-1]] = value
+
+
+def yaml11_number(value: Any) -> Any:
+    """A number as the tool reads it: YAML 1.1 (PyYAML's safe_load, as Axolotl and TrlParser read their files) leaves
+    `2e-5` a string, which their pydantic model / argparse then makes a float. Anything else stays as it is ("nan" and
+    "inf" are no settings)."""
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        return number if math.isfinite(number) else value
+    return value
+
+
+# transformers 5 TrainingArguments.optim names (training_args.py OptimizerNames) that fp8dist builds:
+# name -> (optimizer.name, optimizer.state_dtype or None). bitsandbytes' 8-bit AdamW becomes torchao's AdamW8bit, which
+# transformers runs for adamw_torch_8bit: the same blockwise 8-bit Adam states.
+HF_OPTIMIZERS = {"adamw_torch": ("adamw", None), "adamw_torch_fused": ("adamw", None), "adamw_hf": ("adamw", None),
+                 "adamw_torch_xla": ("adamw", None), "adamw_torch_npu_fused": ("adamw", None),
+                 "adamw_apex_fused": ("adamw", None), "sgd": ("sgd", None), "adamw_torch_8bit": ("adamw", "int8"),
+                 "adamw_bnb_8bit": ("adamw", "int8"), "adamw_8bit": ("adamw", "int8")}
+
+
+def hf_optimizer(key: str, name: Any, deepspeed: bool, optimizer: dict[str, Any], notes: Notes, issues: list[Issue],
+                 names: Mapping[str, tuple[str, str | None]] = HF_OPTIMIZERS, fsdp_fix: str = "FSDP") -> None:
+    """`key: name` (a TrainingArguments optim name, as the HF Trainer, TRL and Axolotl take it) into `optimizer`, or
+    refused: an optimizer fp8dist does not build, or 8-bit states under DeepSpeed (fp8dist has them on FSDP2 only)."""
+    name = str(name)
+    mapped, state = names.get(name, (None, None))
+    if mapped is None:
+        issues.append(Issue(key, "fp8dist builds AdamW, Adam or SGD (torch.optim; int8 states through torchao's "
+                            "AdamW8bit); this optimizer has no equivalent", name,
+                            "use adamw_torch, adamw_torch_fused, adamw_torch_8bit or sgd"))
+    elif state and deepspeed:
+        issues.append(Issue(key, "8-bit Adam states change the optimizer's numerics, and fp8dist has them on FSDP2 "
+                            "only (torchao AdamW8bit); under DeepSpeed the states would be fp32", name,
+                            f"use adamw_torch under DeepSpeed, or {fsdp_fix} for 8-bit states"))
+    else:
+        optimizer["name"] = mapped
+        if state:
+            optimizer["state_dtype"] = state
+            if name != "adamw_torch_8bit":
+                notes.resolved(key, "optimizer.state_dtype=int8", f"{name} (bitsandbytes) becomes torchao's "
+                               "AdamW8bit, which transformers runs for adamw_torch_8bit: the same blockwise 8-bit "
+                               "Adam states")

@@ -202,7 +202,7 @@ def _ddp_plan(spec: Spec, mode: str, issues: list[Issue], notes: list[str]) -> d
                              "RAM-efficient loading is FSDP's")):
         if value not in ("none", False):
             issues.append(Issue(key, f"{why} (accelerate 1.15)", value,
-                                f"remove it for Accelerate's DDP, or use parallel.sharding=full (FSDP) / fp8dist's own "
+                                "remove it for Accelerate's DDP, or use parallel.sharding=full (FSDP) / fp8dist's own "
                                 "runtime" + (" (call model.gradient_checkpointing_enable() in your script for "
                                              "activation checkpointing)" if "activation" in key else "")))
     if mode != "python" and not spec.fsdp2.cast_forward_inputs:

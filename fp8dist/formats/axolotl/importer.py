@@ -14,21 +14,19 @@ Every key is in KEYS with its class (fp8dist/formats/keys.py: kept, no effect, r
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import fp8dist.compat as compat
 from fp8dist.errors import Issue
 from fp8dist.formats.accelerate.sections import fsdp_settings, note_accelerate_refusals
-from fp8dist.formats.common import (Imported, ImportProblem, Notes, WrongShape, integer, mapping, read_beside,
-                                   truthy)
+from fp8dist.formats.common import (HF_OPTIMIZERS, Imported, ImportProblem, Notes, WrongShape, hf_optimizer, integer,
+                                   mapping, read_beside, truthy, yaml11_number)
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
 from fp8dist.formats.keys import Table, disabled, kept, no_effect, one_or_unset, refused
 
-_OPTIMIZERS = {"adamw_torch": ("adamw", None), "adamw_torch_fused": ("adamw", None), "adamw_hf": ("adamw", None),
-               "adamw": ("adamw", None), "sgd": ("sgd", None), "adamw_torch_8bit": ("adamw", "int8"),
-               "adamw_bnb_8bit": ("adamw", "int8"), "adamw_8bit": ("adamw", "int8")}
+# Axolotl also takes `adamw` (its config's OptimizerNames, axolotl utils/schemas/enums.py) for torch's AdamW
+_OPTIMIZERS = {**HF_OPTIMIZERS, "adamw": ("adamw", None)}
 _TRAIN = {"micro_batch_size": "micro_batch_size", "gradient_accumulation_steps": "gradient_accumulation_steps",
           "max_grad_norm": "gradient_clipping", "seed": "seed", "max_steps": "steps", "sequence_len": "seq_len"}
 _OPTIM = {"learning_rate": "lr", "weight_decay": "weight_decay", "adam_epsilon": "eps", "adam_eps": "eps"}
@@ -201,11 +199,11 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
     ctx = AutoContext(who="HF Trainer (Axolotl)", mixed_precision=mixed,
                       micro_batch_size=cfg.get("micro_batch_size"),
                       gradient_accumulation_steps=cfg.get("gradient_accumulation_steps"),
-                      gradient_clipping=_number(cfg.get("max_grad_norm", compat.AXOLOTL_DEFAULTS["max_grad_norm"])),
-                      lr=_number(cfg.get("learning_rate")),
-                      weight_decay=_number(cfg.get("weight_decay", 0.0)),
-                      eps=_number(cfg.get("adam_epsilon", cfg.get("adam_eps", 1e-8))),
-                      betas=[_number(cfg.get("adam_beta1", 0.9)), _number(cfg.get("adam_beta2", 0.999))])
+                      gradient_clipping=yaml11_number(cfg.get("max_grad_norm", compat.AXOLOTL_DEFAULTS["max_grad_norm"])),
+                      lr=yaml11_number(cfg.get("learning_rate")),
+                      weight_decay=yaml11_number(cfg.get("weight_decay", 0.0)),
+                      eps=yaml11_number(cfg.get("adam_epsilon", cfg.get("adam_eps", 1e-8))),
+                      betas=[yaml11_number(cfg.get("adam_beta1", 0.9)), yaml11_number(cfg.get("adam_beta2", 0.999))])
     fsdp_on = not disabled(fsdp_config) or not disabled(legacy)
     if deepspeed and fsdp_on:
         issues.append(Issue("deepspeed", "set together with FSDP; Accelerate runs one of them", deepspeed,
@@ -411,24 +409,13 @@ def _checkpointing(cfg: dict[str, Any], out: dict[str, Any], notes: Notes) -> No
     out.setdefault("parallel", {}).setdefault("activation_checkpointing", "full")
 
 
-def _number(value: Any) -> Any:
-    """YAML 1.1 (PyYAML, as Axolotl reads it) leaves `2e-5` a string; Axolotl's pydantic model makes it a float."""
-    if isinstance(value, str):
-        try:
-            number = float(value)
-        except ValueError:
-            return value
-        return number if math.isfinite(number) else value  # "nan" and "inf" are no settings
-    return value
-
-
 def _train_and_optimizer(cfg: dict[str, Any], out: dict[str, Any], notes: Notes, issues: list[Issue],
                          deepspeed: bool) -> None:
     train = out.setdefault("train", {})
     for key, target in _TRAIN.items():
         if cfg.get(key) is None:  # left out or written without a value: Axolotl's default
             continue
-        value = _number(cfg.pop(key))
+        value = yaml11_number(cfg.pop(key))
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise WrongShape(key, value, "a number")
         train.setdefault(target, int(value) if target != "gradient_clipping" and float(value).is_integer() else value)
@@ -437,26 +424,11 @@ def _train_and_optimizer(cfg: dict[str, Any], out: dict[str, Any], notes: Notes,
     optimizer = out.setdefault("optimizer", {})
     for key, target in _OPTIM.items():
         if key in cfg:
-            optimizer.setdefault(target, _number(cfg.pop(key)))
+            optimizer.setdefault(target, yaml11_number(cfg.pop(key)))
     if "adam_beta1" in cfg or "adam_beta2" in cfg:
-        optimizer.setdefault("betas", [_number(cfg.pop("adam_beta1", 0.9)), _number(cfg.pop("adam_beta2", 0.999))])
+        optimizer.setdefault("betas", [yaml11_number(cfg.pop("adam_beta1", 0.9)), yaml11_number(cfg.pop("adam_beta2", 0.999))])
     if "optimizer" in cfg:
-        name = str(cfg.pop("optimizer"))
-        mapped, state = _OPTIMIZERS.get(name, (None, None))
-        if mapped is None:
-            issues.append(Issue("optimizer", "fp8dist builds AdamW, Adam or SGD (torch.optim; int8 states through "
-                                "torchao's AdamW8bit); this optimizer has no equivalent", name,
-                                "use adamw_torch, adamw_torch_8bit or sgd"))
-        elif state and deepspeed:
-            issues.append(Issue("optimizer", "8-bit Adam states change the optimizer's numerics, and fp8dist has them "
-                                "on FSDP2 only (torchao AdamW8bit); under DeepSpeed the states would be fp32", name,
-                                "use adamw_torch under DeepSpeed, or FSDP2 (fsdp_config) for 8-bit states"))
-        else:
-            optimizer["name"] = mapped
-            if state:
-                optimizer["state_dtype"] = state
-                if name != "adamw_torch_8bit":
-                    notes.resolved("optimizer", "optimizer.state_dtype=int8", f"{name} (bitsandbytes) becomes torchao's "
-                                   "AdamW8bit: the same blockwise 8-bit Adam states")
+        hf_optimizer("optimizer", cfg.pop("optimizer"), deepspeed, optimizer, notes, issues, _OPTIMIZERS,
+                     "FSDP2 (fsdp_config)")
     if not optimizer:
         out.pop("optimizer")

@@ -23,15 +23,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import fp8dist.compat as compat
 import fp8dist.config.schema as schema
 from fp8dist.errors import Issue
 from fp8dist.formats.common import Imported, ImportProblem, Notes, WrongShape, integer
 from fp8dist.formats.keys import Table, disabled, kept, no_effect, refused
 
-# PEFT 0.21 LoraConfig's defaults for the kept keys a file leaves out
-DEFAULTS = {"r": 8, "lora_alpha": 8, "lora_dropout": 0.0}
+DEFAULTS = compat.PEFT_LORA_DEFAULTS  # for the kept keys a file leaves out
 _HEADS = ("SEQ_CLS", "TOKEN_CLS", "QUESTION_ANS")  # task types whose PeftModel trains a head (modules_to_save)
-_ALL_LINEAR = "all-linear"  # peft.utils.INCLUDE_LINEAR_LAYERS_SHORTHAND, compared lower-case
+_ALL_LINEAR = compat.PEFT_ALL_LINEAR  # compared lower-case, as PEFT does
 
 _INIT_ONLY = ("read by PEFT only with the matching init_lora_weights (which is refused); with any other "
               "init_lora_weights PEFT ignores it with a warning (peft 0.21 LoraConfig.__post_init__)")

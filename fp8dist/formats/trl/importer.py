@@ -27,28 +27,18 @@ Every key is in KEYS with its class (fp8dist/formats/keys.py: kept, no effect, r
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Mapping
 
+import fp8dist.compat as compat
 from fp8dist.errors import Issue
 from fp8dist.formats.accelerate.sections import fsdp_settings, note_accelerate_refusals
-from fp8dist.formats.common import (Imported, ImportProblem, Notes, WrongShape, dtype_name, integer, mapping,
-                                   read_beside, truthy)
+from fp8dist.formats.common import (Imported, ImportProblem, Notes, WrongShape, dtype_name, hf_optimizer, integer,
+                                   mapping, read_beside, truthy, yaml11_number)
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
 from fp8dist.formats.keys import Table, disabled, kept, no_effect, one_or_unset, refused
 
-# TrainingArguments' defaults (transformers 5.24 training_args.py; the same in 4.x but `optim`, which was
-# adamw_torch) and TRL's (ModelConfig, _BaseConfig, SFTConfig / DPOConfig max_length) for keys a recipe leaves out.
-DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_grad_norm": 1.0, "seed": 42,
-            "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "max_length": 1024}
-
-# transformers OptimizerNames -> (fp8dist optimizer.name, optimizer.state_dtype); the others have no equivalent.
-_OPTIMIZERS = {"adamw_torch": ("adamw", None), "adamw_torch_fused": ("adamw", None), "adamw_hf": ("adamw", None),
-               "adamw_torch_xla": ("adamw", None), "adamw_torch_npu_fused": ("adamw", None),
-               "adamw_apex_fused": ("adamw", None), "sgd": ("sgd", None),
-               "adamw_torch_8bit": ("adamw", "int8"), "adamw_bnb_8bit": ("adamw", "int8"),
-               "adamw_8bit": ("adamw", "int8")}
+DEFAULTS = compat.TRL_DEFAULTS
 _TRAIN = {"per_device_train_batch_size": "micro_batch_size", "gradient_accumulation_steps": "gradient_accumulation_steps",
           "max_grad_norm": "gradient_clipping", "seed": "seed"}
 _OPTIM = {"learning_rate": "lr", "weight_decay": "weight_decay", "adam_epsilon": "eps"}
@@ -413,11 +403,11 @@ def _deepspeed(cfg: dict[str, Any], deepspeed: Any, mixed: str, source: str, not
     ctx = AutoContext(who="HF Trainer (TRL)", mixed_precision=mixed,
                       micro_batch_size=cfg.get("per_device_train_batch_size"),
                       gradient_accumulation_steps=cfg.get("gradient_accumulation_steps"),
-                      gradient_clipping=_number(cfg.get("max_grad_norm")),
-                      lr=_number(cfg.get("learning_rate")),
-                      weight_decay=_number(cfg.get("weight_decay", 0.0)),
-                      eps=_number(cfg.get("adam_epsilon", 1e-8)),
-                      betas=[_number(cfg.get("adam_beta1", 0.9)), _number(cfg.get("adam_beta2", 0.999))])
+                      gradient_clipping=yaml11_number(cfg.get("max_grad_norm")),
+                      lr=yaml11_number(cfg.get("learning_rate")),
+                      weight_decay=yaml11_number(cfg.get("weight_decay", 0.0)),
+                      eps=yaml11_number(cfg.get("adam_epsilon", 1e-8)),
+                      betas=[yaml11_number(cfg.get("adam_beta1", 0.9)), yaml11_number(cfg.get("adam_beta2", 0.999))])
     try:
         out = convert_config(ds, source, notes, ctx, f"deepspeed ({where}): ")
     except ImportProblem as exc:
@@ -460,17 +450,6 @@ def _checkpointing(cfg: dict[str, Any], out: dict[str, Any], notes: Notes) -> No
 
 
 # -- batch, optimizer, adapter -------------------------------------------------------------------------------
-def _number(value: Any) -> Any:
-    """YAML 1.1 (PyYAML's safe_load, as TrlParser reads it) leaves `2e-5` a string; argparse makes it a float."""
-    if isinstance(value, str):
-        try:
-            number = float(value)
-        except ValueError:
-            return value
-        return number if math.isfinite(number) else value
-    return value
-
-
 def _batch_defaults(cfg: dict[str, Any], notes: Notes) -> None:
     """TrainingArguments' values for left-out batch keys: the global batch is micro x accumulation x ranks."""
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "seed"):
@@ -483,7 +462,7 @@ def _train_and_optimizer(cfg: dict[str, Any], out: dict[str, Any], notes: Notes,
                          deepspeed: bool) -> None:
     train = out.setdefault("train", {})
     for key, target in _TRAIN.items():
-        value = _number(cfg.pop(key))
+        value = yaml11_number(cfg.pop(key))
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise WrongShape(key, value, "a number")
         train.setdefault(target, int(value) if target != "gradient_clipping" and float(value).is_integer() else value)
@@ -497,14 +476,14 @@ def _train_and_optimizer(cfg: dict[str, Any], out: dict[str, Any], notes: Notes,
     optimizer = out.setdefault("optimizer", {})
     for key, target in _OPTIM.items():
         if cfg.get(key) is not None:
-            optimizer.setdefault(target, _number(cfg.pop(key)))
+            optimizer.setdefault(target, yaml11_number(cfg.pop(key)))
     if "lr" not in optimizer:
         notes.resolved("learning_rate", "fp8dist's optimizer.lr default", "left out: the trainer's own default "
                        "applies in TRL (SFTConfig 2e-5, DPOConfig 1e-6, TrainingArguments 5e-5), which the file "
                        "does not name: set optimizer.lr")
     if cfg.get("adam_beta1") is not None or cfg.get("adam_beta2") is not None:
-        optimizer.setdefault("betas", [_number(cfg.pop("adam_beta1", None) or 0.9),
-                                       _number(cfg.pop("adam_beta2", None) or 0.999)])
+        optimizer.setdefault("betas", [yaml11_number(cfg.pop("adam_beta1", None) or 0.9),
+                                       yaml11_number(cfg.pop("adam_beta2", None) or 0.999)])
     if (optimizer.get("weight_decay") or 0) > 0:
         notes.resolved("weight_decay", optimizer["weight_decay"], "the HF Trainer decays every weight but biases and "
                        "norm weights (Trainer.get_decay_parameter_names); fp8dist's optimizer decays every parameter")
@@ -513,23 +492,7 @@ def _train_and_optimizer(cfg: dict[str, Any], out: dict[str, Any], notes: Notes,
         name = "adamw_torch_fused"
         notes.resolved("optim", name, "left out: TrainingArguments' default (transformers 5; adamw_torch in 4.x): "
                        "torch AdamW")
-    mapped, state = _OPTIMIZERS.get(str(name), (None, None))
-    if mapped is None:
-        issues.append(Issue("optim", "fp8dist builds AdamW, Adam or SGD (torch.optim; int8 states through torchao's "
-                            "AdamW8bit); this optimizer has no equivalent", name,
-                            "use adamw_torch, adamw_torch_fused, adamw_torch_8bit or sgd"))
-    elif state and deepspeed:
-        issues.append(Issue("optim", "8-bit Adam states change the optimizer's numerics, and fp8dist has them on FSDP2 "
-                            "only (torchao AdamW8bit); under DeepSpeed the states would be fp32", name,
-                            "use adamw_torch under DeepSpeed, or FSDP for 8-bit states"))
-    else:
-        optimizer["name"] = mapped
-        if state:
-            optimizer["state_dtype"] = state
-            if name != "adamw_torch_8bit":
-                notes.resolved("optim", "optimizer.state_dtype=int8", f"{name} (bitsandbytes) becomes torchao's "
-                               "AdamW8bit, which transformers runs for adamw_torch_8bit: the same blockwise 8-bit "
-                               "Adam states")
+    hf_optimizer("optim", name, deepspeed, optimizer, notes, issues)
     if not optimizer:
         out.pop("optimizer")
 
@@ -566,7 +529,7 @@ def _adapter(cfg: dict[str, Any], out: dict[str, Any], notes: Notes, issues: lis
             adapter[target] = DEFAULTS[key]
             notes.resolved(key, DEFAULTS[key], "left out: TRL's ModelConfig default")
         else:
-            adapter[target] = _number(cfg.pop(key))
+            adapter[target] = yaml11_number(cfg.pop(key))
     modules = cfg.pop("lora_target_modules", None)
     # ModelConfig.__post_init__ turns a one-item list into a string, and PEFT matches a string as a regular
     # expression against the full module name (peft tuners_utils check_target_module_exists), except all-linear.
@@ -576,7 +539,7 @@ def _adapter(cfg: dict[str, Any], out: dict[str, Any], notes: Notes, issues: lis
                             "choice is its per-architecture default (e.g. q_proj, v_proj for Llama), which fp8dist "
                             "does not guess", None, "write lora_target_modules: all-linear (fp8dist: target_modules "
                             "auto) or list the modules"))
-    elif single == "all-linear":
+    elif single == compat.PEFT_ALL_LINEAR:
         adapter["target_modules"] = "auto"
     elif isinstance(single, str):
         issues.append(Issue("lora_target_modules", "one name is a regular expression PEFT matches against the full "

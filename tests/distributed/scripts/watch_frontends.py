@@ -25,16 +25,24 @@ def summary(report: dict) -> dict:
             "details": {c["phase"]: c["detail"] for c in report["checks"]}}
 
 
-def trainer_deepspeed() -> dict:
-    """TrainingArguments from `training_arguments_kwargs` (bf16, the DeepSpeed dict, batch, clipping, AdamW)."""
+def train_with_the_trainer(config_name: str, with_adapter: bool = False) -> dict:
+    """tiny-llama trained 2 steps by the HF Trainer with TrainingArguments from `training_arguments_kwargs(config)`,
+    step 1 audited by `AuditCallback`. `with_adapter`: the model wrapped with PEFT by the script, as that function's
+    docstring says for `adapter.kind=lora` (`lora_config(spec.adapter)`, `autocast_adapter_dtype=False`)."""
     from transformers import Trainer, TrainingArguments
 
     from fp8dist.config.load import load_config
     from fp8dist.integrations import AuditCallback, training_arguments_kwargs
 
-    config = ROOT / "configs" / "deepspeed-bf16-zero2.yaml"
+    config = ROOT / "configs" / f"{config_name}.yaml"
     spec = load_config(config)
     model = load_model("tiny-llama", spec.precision.load_dtype).model
+    if with_adapter:
+        from peft import get_peft_model
+
+        from fp8dist.runtime.adapters import lora_config
+
+        model = get_peft_model(model, lora_config(spec.adapter), autocast_adapter_dtype=False)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (16, 32),
                                                                         generator=torch.Generator().manual_seed(0))]
     # use_cpu: TrainingArguments refuses bf16 on a CPU-only node without it (transformers 5 training_args.py)
@@ -43,37 +51,19 @@ def trainer_deepspeed() -> dict:
                              **training_arguments_kwargs(config))
     callback = AuditCallback(spec, on_mismatch="ignore")
     Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
-    return summary(callback.report)
+    return {**summary(callback.report), "parameters": callback.report.get("parameters")}
 
 
-def trainer_deepspeed_lora() -> dict:
-    """configs/deepspeed-lora-zero3.yaml through the Trainer as its docstring says: the model wrapped with PEFT by
-    the script (`lora_config(spec.adapter)`, adapters kept fp32), TrainingArguments from `training_arguments_kwargs`."""
-    from peft import get_peft_model
-    from transformers import Trainer, TrainingArguments
-
-    from fp8dist.config.load import load_config
-    from fp8dist.integrations import AuditCallback, training_arguments_kwargs
-    from fp8dist.runtime.adapters import lora_config
-
-    config = ROOT / "configs" / "deepspeed-lora-zero3.yaml"
-    spec = load_config(config)
-    model = get_peft_model(load_model("tiny-llama", spec.precision.load_dtype).model, lora_config(spec.adapter),
-                           autocast_adapter_dtype=False)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (16, 32),
-                                                                        generator=torch.Generator().manual_seed(0))]
-    args = TrainingArguments(output_dir="/tmp/fp8dist-trainer-test", max_steps=2, report_to=[], save_strategy="no",
-                             logging_steps=1000, use_cpu=not torch.cuda.is_available(),
-                             **training_arguments_kwargs(config))
-    callback = AuditCallback(spec, on_mismatch="ignore")
-    Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
-    out = summary(callback.report)
-    out["parameters"] = callback.report.get("parameters")
-    return out
+CASES = {
+    # bf16, the DeepSpeed dict, batch, clipping, AdamW
+    "trainer-deepspeed": lambda: train_with_the_trainer("deepspeed-bf16-zero2"),
+    # a PEFT LoRA model on ZeRO-3: frozen bf16 base, fp32 adapter masters
+    "trainer-deepspeed-lora": lambda: train_with_the_trainer("deepspeed-lora-zero3", with_adapter=True),
+}
 
 
 def main(name: str) -> int:
-    run_cases({"trainer-deepspeed": trainer_deepspeed, "trainer-deepspeed-lora": trainer_deepspeed_lora}, [name])
+    run_cases(CASES, [name])
     return 0
 
 

@@ -12,6 +12,7 @@ from fp8dist.config.load import load_config
 from fp8dist.formats.common import ImportProblem
 from fp8dist.formats.importing import detect, import_file
 from tests.conftest import ROOT, run_cli
+from tests.unit.formats.importing import refused_keys
 
 LORA = {"use_peft": True, "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
@@ -27,10 +28,7 @@ def _spec(tmp_path, document: dict, **kwargs):
 
 
 def _refused(tmp_path, document: dict) -> set[str]:
-    with pytest.raises(ImportProblem) as err:
-        _import(tmp_path, document)
-    assert all(issue.fix for issue in err.value.issues), err.value
-    return {issue.path for issue in err.value.issues}
+    return refused_keys(lambda: _import(tmp_path, document))
 
 
 # -- precision: the main pain ------------------------------------------------------------------------------
