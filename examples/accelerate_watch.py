@@ -25,6 +25,7 @@ from accelerate.utils import FullyShardedDataParallelPlugin
 
 from fp8dist.audit import watch
 from fp8dist.runtime.models import load_model
+from fp8dist.runtime.process_group import leave
 
 
 def main() -> int:
@@ -57,4 +58,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # fp8dist's clean exit: no interpreter finalisation, where gloo's threads can abort a finished rank (pytorch
+    # #179291); the exit code stays the audit's (1 when it failed).
+    leave(main())

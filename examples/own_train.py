@@ -25,6 +25,7 @@ import torch.distributed as dist
 import fp8dist
 from fp8dist.audit import watch
 from fp8dist.engines import checkpoint, deepspeed as fp8dist_deepspeed, fsdp2 as fp8dist_fsdp2
+from fp8dist.runtime.process_group import leave
 
 
 def parse_args():
@@ -100,9 +101,11 @@ def main() -> None:
         saved = checkpoint.save(target, args.checkpoint_dir, args.steps, spec=spec, model_name=args.model)
         if rank == 0:
             print(f"saved {saved}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    # Leave through fp8dist's clean exit: every rank tears the process group down together, then the process ends
+    # without interpreter finalisation, where gloo's threads can abort it ("terminate called without an active
+    # exception", pytorch #179291) after the work is done and saved.
     main()
+    leave(0)
