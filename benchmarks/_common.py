@@ -18,6 +18,9 @@ from pathlib import Path
 from fp8dist.runtime.ranks import emit, results
 
 ROOT = Path(__file__).resolve().parents[1]
+# Every script's --smoke: what tests/distributed/test_benchmarks_run.py runs, so that a change that breaks a benchmark
+# turns the test suite red.
+SMOKE_HELP = "smallest size: every figure once, to show the script runs (the test suite runs this); not a measurement"
 EQUAL_TOLERANCE = 0.01
 
 

@@ -1,6 +1,7 @@
 """Checkpoint save / load time and size per parameter, and the Hugging Face export: fp32 vs bf16.
 
     python benchmarks/checkpoint_io.py [--size 50M] [--repeats 3]
+    python benchmarks/checkpoint_io.py --smoke      # a ~0.4M-parameter model, once: not a measurement
 
 A Llama-shaped model (~58M parameters at 50M) trains one step under the bf16 preset (fp32 masters, fp32
 AdamW states) on 2 gloo ranks, with FSDP2 and with DeepSpeed ZeRO-2; then fp8dist.engines.checkpoint saves
@@ -18,7 +19,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cpu_env, median, quiet_libraries, result, under_torchrun  # noqa: E402
+from _common import SMOKE_HELP, cpu_env, median, quiet_libraries, result, under_torchrun  # noqa: E402
 from fp8dist.runtime import process_group  # noqa: E402
 from fp8dist.runtime.process_group import leave  # noqa: E402
 from fp8dist.runtime.ranks import emit, results  # noqa: E402
@@ -95,9 +96,12 @@ def main() -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="50M")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one repetition")
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     parser.add_argument("--worker", nargs=2, metavar=("SIZE", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    repeats = 1 if args.quick else args.repeats
+    repeats = 1 if args.quick or args.smoke else args.repeats
+    if args.smoke:
+        args.size = "smoke"
     if under_torchrun():
         worker(args.worker[0], repeats, args.worker[1])
         return 0

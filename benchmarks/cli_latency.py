@@ -1,6 +1,7 @@
 """CLI latency: `fp8dist translate` vs `python -c "import torch"`, wall time of whole processes.
 
     python benchmarks/cli_latency.py [--runs N]
+    python benchmarks/cli_latency.py --smoke     # one run each: not a measurement
 
 `translate` must stay light (no torch, DeepSpeed or torchao import), so a user can call it in a loop or a
 launcher script. Both commands run as fresh interpreters, alternating A B, B A, ... so that drift hits
@@ -16,7 +17,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ROOT, cpu_env, median, result  # noqa: E402
+from _common import ROOT, SMOKE_HELP, cpu_env, median, result  # noqa: E402
 
 CONFIG = str(ROOT / "configs" / "deepspeed-bf16-zero2.yaml")
 COMMANDS = {
@@ -35,7 +36,9 @@ def timed(command: list[str]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=10)
-    runs = parser.parse_args().runs
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    args = parser.parse_args()
+    runs = 1 if args.smoke else args.runs
     for command in COMMANDS.values():  # warm the page cache for every interpreter and package once
         timed(command)
     times: dict[str, list[float]] = {name: [] for name in COMMANDS}

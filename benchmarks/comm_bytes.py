@@ -1,6 +1,7 @@
 """FSDP2 all-gather bytes: bf16 all-gather vs torchao float8 all-gather, tiny-llama on 2 gloo ranks.
 
     python benchmarks/comm_bytes.py          # launches itself under torchrun --nproc_per_node 2
+    python benchmarks/comm_bytes.py --smoke  # the same (it is its smallest size: bytes, not times)
 
 Per rank:
 - linear weights: what FSDP2 all-gathers for each decoder-layer Linear weight, read from its per-parameter
@@ -18,7 +19,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import quiet_libraries, relaunch, result, under_torchrun  # noqa: E402
+from _common import SMOKE_HELP, quiet_libraries, relaunch, result, under_torchrun  # noqa: E402
 from fp8dist.runtime import process_group  # noqa: E402
 from fp8dist.runtime.process_group import leave  # noqa: E402
 
@@ -89,6 +90,11 @@ def worker() -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP + " (the same run: its smallest size)")
+    parser.parse_args()
     if not under_torchrun():
-        raise SystemExit(relaunch(os.path.abspath(__file__)))
+        raise SystemExit(relaunch(os.path.abspath(__file__), args=sys.argv[1:]))
     worker()

@@ -2,6 +2,7 @@
 and activation bytes with full / selective / no activation checkpointing.
 
     python benchmarks/loading_memory.py [--sizes 50M 200M] [--ranks 2 4]
+    python benchmarks/loading_memory.py --smoke     # a ~0.4M-parameter model on 2 ranks: not a measurement
 
 Loading: Llama-shaped models of ~50M and ~200M parameters are saved in bf16 (safetensors), then prepared
 by fp8dist's FSDP2 engine (bf16 preset: fp32 masters) on N gloo ranks, once naively (every rank loads the
@@ -23,12 +24,14 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (ROOT, cpu_env, quiet_libraries, reset_peak_resident, result, status_kib,  # noqa: E402
+from _common import (ROOT, SMOKE_HELP, cpu_env, quiet_libraries, reset_peak_resident, result, status_kib,  # noqa: E402
                      under_torchrun)
 from fp8dist.runtime import process_group  # noqa: E402
 from fp8dist.runtime.process_group import leave  # noqa: E402
 
 SIZES = {  # ~parameters -> Llama config overrides (vocab 32000: the embeddings are a real share, as in Llama)
+    "smoke": dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4),  # --smoke only
     "50M": dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                 num_attention_heads=8, num_key_value_heads=8),
     "200M": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
@@ -114,10 +117,13 @@ def activation_bytes() -> dict[str, int]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--sizes", nargs="+", default=["50M", "200M"], choices=list(SIZES))
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     parser.add_argument("--worker", nargs=3, metavar=("DIR", "MODE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.ranks = ["smoke"], [2]
     if args.worker and under_torchrun():
         worker(*args.worker)
         return 0

@@ -1,6 +1,7 @@
 """LoRA: peak memory per rank of an adapter run, fp8dist against Accelerate + PEFT doing the same run.
 
     python benchmarks/lora.py [--steps N] [--model NAME]
+    python benchmarks/lora.py --smoke            # 1 step of tiny-llama per side: not a measurement
 
 configs/deepspeed-lora-zero3.yaml (LoRA r=16 on q/k/v/o, bf16 base, fp32 adapter masters, DeepSpeed ZeRO-3) on
 `small-llama` (built in, 3.7M parameters), 2 gloo ranks, N training steps (default 3), each side in its own
@@ -28,7 +29,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (ROOT, cpu_env, quiet_libraries, reset_peak_resident, result, status_kib,  # noqa: E402
+from _common import (ROOT, SMOKE_HELP, cpu_env, quiet_libraries, reset_peak_resident, result, status_kib,  # noqa: E402
                      under_torchrun)
 
 CONFIG = str(ROOT / "configs" / "deepspeed-lora-zero3.yaml")
@@ -114,8 +115,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--model", default="small-llama")
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # one side, under torchrun
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.model = 1, "tiny-llama"
     if args.side:
         assert under_torchrun(), "--side runs under torchrun (python benchmarks/lora.py launches it)"
         return run_side(args.side, args.model, args.steps)

@@ -3,6 +3,7 @@ states, measured by the audit (`fp8dist audit tiny-llama --config X --nproc 2`) 
 next to what the documented dtype tables imply for that config (fp8dist.audit.expected.implied_bytes_per_param).
 
     python benchmarks/memory.py [--only CONFIG ...]
+    python benchmarks/memory.py --smoke          # fsdp2-bf16 only: every kind of figure once, not a measurement
 
 Bytes are per element of each store as held on a rank (ZeRO / FSDP2 partitions divide the count of
 elements, not the bytes per element), from the storage of each tensor, so float8 and low-bit states count
@@ -19,7 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ROOT, cpu_env, quiet_libraries, result  # noqa: E402
+from _common import ROOT, SMOKE_HELP, cpu_env, quiet_libraries, result  # noqa: E402
 
 PARTS = ("weights", "master", "gradients", "optimizer")
 # Need CUDA or a GPU-only library: implied figures only.
@@ -37,8 +38,8 @@ def measured(config: str) -> dict[str, float]:
     from fp8dist.commands.audit import measure
 
     os.environ.update({k: v for k, v in cpu_env().items() if k in ("OMP_NUM_THREADS", "DS_ACCELERATOR")})
-    observed = measure("tiny-llama", str(ROOT / "configs" / f"{config}.yaml"), nproc=2, steps=1)
-    return {part: observed["_bytes"].get(part, 0.0) for part in PARTS}
+    report = measure("tiny-llama", str(ROOT / "configs" / f"{config}.yaml"), nproc=2, steps=1)
+    return {part: report["bytes_per_param"].get(part, 0.0) for part in PARTS}
 
 
 def fmt(parts: dict[str, float] | None) -> list[str]:
@@ -51,7 +52,9 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", default=[], help="config names (stems in configs/)")
-    only = parser.parse_args().only
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    args = parser.parse_args()
+    only = ["fsdp2-bf16"] if args.smoke else args.only
     quiet_libraries()
     header = ["config", *(f"{p}" for p in PARTS), "total"]
     print("bytes per parameter: measured (audit, tiny-llama, 2 ranks) / implied by the documented tables")

@@ -1,6 +1,7 @@
 """Mixture-of-Experts: where the FLOPs run, and what converting the experts costs in loss.
 
     python benchmarks/moe.py [--steps N]
+    python benchmarks/moe.py --smoke           # 2 steps: not a measurement
 
 On `small-mixtral` (built in: 4 layers, 8 experts of 256 x 256, top-2), FSDP2 on 2 gloo ranks:
 - the FP8 share of weight-GEMM FLOPs that `fp8dist audit` measures (gemm_flops.fp8_share) with the experts in
@@ -19,7 +20,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ROOT, cpu_env, launcher_losses, result  # noqa: E402
+from _common import ROOT, SMOKE_HELP, cpu_env, launcher_losses, result  # noqa: E402
 
 MODEL = "small-mixtral"
 MOE_CONFIG = str(ROOT / "configs" / "fsdp2-moe-mxfp8.yaml")
@@ -37,7 +38,9 @@ def fp8_share(*overrides: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
-    steps = parser.parse_args().steps
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    args = parser.parse_args()
+    steps = 2 if args.smoke else args.steps
     converted, linear_only = fp8_share(), fp8_share("precision.fp8.torchao.experts=none")
     print(f"FP8 share of weight-GEMM FLOPs on {MODEL}: experts in MXFP8 {converted:.3f}, Linears only "
           f"{linear_only:.3f}")

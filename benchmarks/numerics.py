@@ -3,6 +3,7 @@ same 50 steps of tiny-llama, FSDP2 on 2 gloo ranks, through the real launcher pa
 (`torchrun launch/train.py --fp8dist-config ...`).
 
     python benchmarks/numerics.py [--steps N]
+    python benchmarks/numerics.py --smoke       # 2 steps: not a measurement
 
 Same seed, same synthetic batches, same fp32 master weights and AdamW: the only difference is the float8
 GEMMs (emulated on CPU: float8 rounding and scaling are real, the matmul then runs in high precision).
@@ -16,7 +17,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ROOT, launcher_losses, result  # noqa: E402
+from _common import ROOT, SMOKE_HELP, launcher_losses, result  # noqa: E402
 
 RUNS = {"bf16": "fsdp2-bf16", "float8 tensorwise": "fsdp2-torchao-float8", "float8 rowwise": "fsdp2-torchao-rowwise"}
 
@@ -24,7 +25,9 @@ RUNS = {"bf16": "fsdp2-bf16", "float8 tensorwise": "fsdp2-torchao-float8", "floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
-    steps = parser.parse_args().steps
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    args = parser.parse_args()
+    steps = 2 if args.smoke else args.steps
     curves = {name: launcher_losses(str(ROOT / "configs" / f"{config}.yaml"), steps) for name, config in RUNS.items()}
     shown = sorted({0, 1, 4, 9, 19, steps - 1} & set(range(steps)))
     print(f"{'step':>6s}" + "".join(f"{name:>20s}" for name in curves))

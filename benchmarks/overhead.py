@@ -1,6 +1,7 @@
 """Integration overhead: step time of a model prepared by fp8dist vs the same model prepared by hand.
 
     python benchmarks/overhead.py [--pairs 20] [--rounds 4]   # launches itself under torchrun (2 gloo ranks)
+    python benchmarks/overhead.py --smoke                     # every figure once, on tiny-llama: not a measurement
 
 For each case two copies of small-llama (same seed) live in the same two processes: one prepared with
 fp8dist (`engines.fsdp2.prepare` + `train_step`, or `engines.deepspeed.initialize` + `train_step`), one
@@ -20,12 +21,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import median, quiet_libraries, relaunch, result, under_torchrun  # noqa: E402
+from _common import SMOKE_HELP, median, quiet_libraries, relaunch, result, under_torchrun  # noqa: E402
 from fp8dist.runtime import process_group  # noqa: E402
 from fp8dist.runtime.process_group import leave  # noqa: E402
 
-MODEL, MICRO_BATCH, SEQ_LEN = "small-llama", 2, 128
-WARMUP = 3
+MICRO_BATCH, SEQ_LEN = 2, 128
 FSDP2_CASES = {"fsdp2 bf16": "configs/fsdp2-bf16.yaml", "fsdp2 torchao float8": "configs/fsdp2-torchao-float8.yaml"}
 DEEPSPEED_CASES = {"deepspeed zero2 bf16": "configs/deepspeed-bf16-zero2.yaml",
                    "deepspeed zero2 torchao float8": "configs/deepspeed-torchao-float8.yaml"}
@@ -131,7 +131,7 @@ def timed(step, batch) -> tuple[float, float]:
     return time.perf_counter() - start, loss
 
 
-def prepared_pair(spec, hand_first: bool, control: bool):
+def prepared_pair(model_name: str, spec, hand_first: bool, control: bool):
     """Two identical models, one prepared by fp8dist, one by hand; returns their step functions and a batch.
     `control`: prepare both by hand (the A/A noise floor of this machine)."""
     from fp8dist.runtime.models import load_model
@@ -139,7 +139,7 @@ def prepared_pair(spec, hand_first: bool, control: bool):
     float8 = spec.fp8.backend == "torchao"
     steps = {}
     for who in (("hand", "fp8dist") if hand_first else ("fp8dist", "hand")):
-        loaded = load_model(MODEL, spec.precision.load_dtype, seed=0)
+        loaded = load_model(model_name, spec.precision.load_dtype, seed=0)
         if who == "hand" or control:
             steps[who] = (hand_fsdp2 if spec.engine == "fsdp2" else hand_deepspeed)(loaded.model, spec, float8)
         elif spec.engine == "fsdp2":
@@ -151,7 +151,7 @@ def prepared_pair(spec, hand_first: bool, control: bool):
     return steps, loaded.make_batch
 
 
-def compare(name: str, config: str, pairs: int, rounds: int, control: bool = False) -> float:
+def compare(name: str, config: str, args, control: bool = False) -> float:
     """Median over all timed pairs of (fp8dist step time / hand step time), over `rounds` fresh pairs of
     models. Rounds alternate which model is built first: on the 2-core machine the build order alone
     moved an A/A comparison by up to 4%."""
@@ -161,16 +161,16 @@ def compare(name: str, config: str, pairs: int, rounds: int, control: bool = Fal
 
     spec = load_config(config)
     pair_ratios, times, loss_gap = [], {"fp8dist": [], "hand": []}, 0.0
-    for round_index in range(rounds):
-        steps, make_batch = prepared_pair(spec, round_index % 2 == 1, control)
+    for round_index in range(args.rounds):
+        steps, make_batch = prepared_pair(args.model, spec, round_index % 2 == 1, control)
         batch = make_batch(MICRO_BATCH, SEQ_LEN, dist.get_rank())
-        for i in range(WARMUP + pairs):
+        for i in range(args.warmup + args.pairs):
             order = ("fp8dist", "hand") if i % 2 == 0 else ("hand", "fp8dist")
             seconds, losses = {}, {}
             for who in order:
                 seconds[who], losses[who] = timed(steps[who], batch)
             loss_gap = max(loss_gap, abs(losses["fp8dist"] - losses["hand"]))
-            if i >= WARMUP:
+            if i >= args.warmup:
                 pair_ratios.append(seconds["fp8dist"] / seconds["hand"])
                 for who in seconds:
                     times[who].append(seconds[who])
@@ -185,7 +185,13 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=20, help="timed step pairs per round")
     parser.add_argument("--rounds", type=int, default=4, help="fresh pairs of models (build order alternates)")
-    return parser.parse_args(argv)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed step pairs first, per round")
+    parser.add_argument("--model", default="small-llama", help="built-in model")
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.pairs, args.rounds, args.warmup, args.model = 1, 1, 1, "tiny-llama"
+    return args
 
 
 def worker(args) -> None:
@@ -194,12 +200,11 @@ def worker(args) -> None:
     quiet_libraries()
     process_group.init()
     if dist.get_rank() == 0:
-        print(f"{MODEL}, micro-batch {MICRO_BATCH} x {SEQ_LEN} tokens, 2 gloo ranks, {args.rounds} rounds x "
+        print(f"{args.model}, micro-batch {MICRO_BATCH} x {SEQ_LEN} tokens, 2 gloo ranks, {args.rounds} rounds x "
               f"{args.pairs} interleaved step pairs")
         print(f"{'case':32s}{'hand ms':>10s}{'ours ms':>10s}{'ratio':>8s}{'loss diff':>12s}", flush=True)
-    ratios = {name: compare(name, config, args.pairs, args.rounds)
-              for name, config in {**FSDP2_CASES, **DEEPSPEED_CASES}.items()}
-    noise = compare("A/A control: hand vs hand", FSDP2_CASES["fsdp2 bf16"], args.pairs, args.rounds, control=True)
+    ratios = {name: compare(name, config, args) for name, config in {**FSDP2_CASES, **DEEPSPEED_CASES}.items()}
+    noise = compare("A/A control: hand vs hand", FSDP2_CASES["fsdp2 bf16"], args, control=True)
     if dist.get_rank() == 0:
         for name, ratio in ratios.items():
             result("overhead_" + name.replace(" ", "_"), ratio, "<=1.01", "median step time fp8dist / by hand")

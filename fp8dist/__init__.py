@@ -1,10 +1,12 @@
 """fp8dist: one precision config for DeepSpeed and FSDP2, with FP8 and a dtype audit.
 
-Importing fp8dist imports neither torch nor DeepSpeed; the runtimes import them when used.
+Importing fp8dist imports neither torch nor DeepSpeed; the runtimes import them when used. It does filter the
+libraries' known-benign start-up messages (fp8dist.library_noise), so importing it first keeps them out.
 
 This module is also the composition root: it hands the first-step audit (fp8dist.audit, a layer above the
 engines) to the engines, which never import it (docs/architecture.md).
 """
+from fp8dist import library_noise
 from fp8dist.config.arguments import add_config_arguments, spec_from_args
 from fp8dist.config.load import load_config
 from fp8dist.config.spec import Spec
@@ -35,3 +37,4 @@ def _first_step_audit(engine, mode: str):
 
 
 provide_first_step_audit(_first_step_audit)
+library_noise.install()

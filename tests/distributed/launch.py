@@ -34,6 +34,13 @@ def deepspeed(script, *args, nproc=2, timeout=400):
     return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=ROOT)
 
 
+def library_noise(output: str) -> list[str]:
+    """The lines of a run's output that fp8dist.library_noise should have kept out."""
+    import re
+
+    from fp8dist.library_noise import BENIGN
+
+    return [line for line in output.splitlines() if any(re.search(m.pattern.lstrip("^"), line) for m in BENIGN)]
 
 
 def describe(result) -> str:

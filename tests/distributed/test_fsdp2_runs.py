@@ -4,13 +4,14 @@ import math
 import pytest
 
 from tests.conftest import ROOT
-from tests.distributed.launch import TRAIN, describe, losses, torchrun
+from tests.distributed.launch import TRAIN, describe, library_noise, losses, torchrun
 
 pytestmark = pytest.mark.distributed
 STEPS = 20
 
 
 def train(config, *sets):
+    """Per-step losses of a 2-rank run; its output free of the libraries' benign start-up messages."""
     args = ["--fp8dist-config", ROOT / "configs" / f"{config}.yaml", "--fp8dist-set", f"train.steps={STEPS}"]
     for item in sets:
         args += ["--fp8dist-set", item]
@@ -18,6 +19,7 @@ def train(config, *sets):
     assert result.returncode == 0, describe(result)
     values = losses(result.stdout)
     assert len(values) == STEPS and all(math.isfinite(v) for v in values), describe(result)
+    assert not library_noise(result.stdout + result.stderr), library_noise(result.stdout + result.stderr)
     return values
 
 

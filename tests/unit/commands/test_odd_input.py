@@ -4,7 +4,8 @@ and writes nothing; what exits 0 reads back the same.
 One regression test per cause found by a generative run, with its minimal input, then the generative test itself:
 structure-aware mutations of every example config and of the Accelerate / Axolotl / DeepSpeed corpus, text-level
 YAML edits, raw bytes and odd KEY=VALUE overrides, through validate, translate (all targets) and import, in-process.
-A few hundred cases by default (seconds); `FP8DIST_FUZZ_EXAMPLES=5000` runs that many per test, randomly seeded.
+A few hundred cases by default (seconds); `FP8DIST_FUZZ_EXAMPLES=5000` runs that many per test, randomly seeded,
+and keeps failing examples in .hypothesis/odd_input so that the same command replays them.
 """
 from __future__ import annotations
 
@@ -225,10 +226,19 @@ def test_resolvers_are_refused_naming_the_key(tmp_path, monkeypatch):
 FUZZ_EXAMPLES = int(os.environ.get("FP8DIST_FUZZ_EXAMPLES", "0"))
 
 
+# A long run keeps every failing example in this folder (gitignored): running the same command again replays it
+# first, so a failure seen once can always be reproduced; the failure also prints a @reproduce_failure blob.
+FUZZ_DATABASE = ROOT / ".hypothesis" / "odd_input"
+
+
 def fuzz_settings(default_examples: int):
-    """Seeded (derandomized) and quick by default; FP8DIST_FUZZ_EXAMPLES=N for a long random run."""
+    """Seeded (derandomized), quick and without a database by default; FP8DIST_FUZZ_EXAMPLES=N for a long random
+    run that records its failures in FUZZ_DATABASE."""
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    database = DirectoryBasedExampleDatabase(str(FUZZ_DATABASE)) if FUZZ_EXAMPLES else None
     return settings(max_examples=FUZZ_EXAMPLES or default_examples, derandomize=not FUZZ_EXAMPLES, deadline=None,
-                    database=None, suppress_health_check=list(HealthCheck))
+                    database=database, print_blob=bool(FUZZ_EXAMPLES), suppress_health_check=list(HealthCheck))
 
 
 def _load_seed(path: Path):
