@@ -10,7 +10,8 @@ need it); Transformer Engine (Float8CurrentScaling) without it (TE modules run t
 The model is Llama 3 8B per layer (hidden 4096, MLP 14336, 32 heads, 8 KV heads, vocab 128256) with fewer
 layers so that one GPU holds it. Prints tokens/s per GPU, peak memory, and each case's ratio to bf16.
 
-Published numbers to compare with (shared/MISSION.md), on 8xH100 with FSDP2 + compile:
+Published numbers to compare with (torchao torchao/float8/README.md, torchtitan docs/float8.md, Axolotl
+docs/mixed_precision), on 8xH100 with FSDP2 + compile:
   torchao, Llama 3 8B: tensorwise + float8 all-gather +25% tokens/s over bf16, rowwise +10%;
   torchtitan, Llama 3.1 8B: +28%; 70B with float8 all-gather 1.5x overall;
   Axolotl: ~10% over bf16 for a 3B model with FP8 + float8 all-gather.

@@ -1,4 +1,5 @@
-"""`fp8dist` command line: validate | translate | import | schema | presets | env | estimate | compare | audit | export.
+"""`fp8dist` command line: validate | translate | import | schema | presets | env | estimate | compare | audit | export |
+run.
 
 This module parses the command line and dispatches to fp8dist.commands (one module per command); exit codes are
 fp8dist.errors.ExitCode: 0 ok; 1 the audit saw a dtype other than the config's (or could not measure a phase), or
@@ -17,7 +18,10 @@ from fp8dist.errors import ExitCode, Fp8distError
 
 AUDIT_TIMEOUT_S = 600  # default bound of an audit or compare run
 # Commands whose words after the positionals may be KEY=VALUE config overrides.
-TAKES_OVERRIDES = ("validate", "translate", "estimate", "audit", "compare")
+TAKES_OVERRIDES = ("validate", "translate", "estimate", "audit", "compare", "run")
+OVERRIDES_HELP = ("config overrides: KEY=VALUE words (after the command, anywhere) set one config key each, the "
+                  "value read as YAML, e.g. precision.fp8.backend=none train.steps=4; launch/train.py and scripts "
+                  "using fp8dist.add_config_arguments take the same as --fp8dist-set KEY=VALUE")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -71,6 +75,11 @@ def _export(args):
     return export.run(args)
 
 
+def _run(args):
+    from fp8dist.commands import run
+    return run.run(args)
+
+
 def _audit(args):
     from fp8dist.commands import audit
     return audit.run_audit(args)
@@ -78,6 +87,7 @@ def _audit(args):
 
 def build_parser() -> argparse.ArgumentParser:
     from fp8dist import __version__
+    from fp8dist.runtime.models import BUILTIN, MODEL_FORMS
 
     parser = _Parser(prog="fp8dist", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"fp8dist {__version__}")
@@ -99,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--te-version", help="target Transformer Engine version for --to fsdp2: the recipe fields that "
                    "release keeps (default: installed, else newest known)")
     p.add_argument("--strict", action="store_true", help="exit 2, writing nothing, when the config holds keys that do "
-                   "nothing here or settings the target file cannot carry (said on stderr without it)")
+                   "nothing here or settings the target file cannot carry (said on stderr without it; --to "
+                   "accelerate then writes the nearest run Accelerate can express, every difference said)")
     p.set_defaults(func=_translate)
 
     p = sub.add_parser("import", help="an Accelerate config, Axolotl YAML, DeepSpeed JSON, TRL / alignment-handbook "
@@ -108,12 +119,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="kind", choices=["accelerate", "axolotl", "deepspeed", "trl", "peft"],
                    help="the kind of FILE, when detection cannot tell")
     p.add_argument("-o", "--output", help="write to this file (atomically) instead of stdout")
+    launch = p.add_argument_group("the launch's own values (a DeepSpeed JSON's \"auto\", an Accelerate config's "
+                                  "launch flags), named as accelerate launch / TrainingArguments name them")
+    launch.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"],
+                        help="the precision you launch with (accelerate launch --mixed_precision; TrainingArguments "
+                             "bf16 / fp16); a DeepSpeed JSON whose bf16 / fp16 is \"auto\" is refused without it")
+    launch.add_argument("--per-device-train-batch-size", type=int, metavar="N",
+                        help="fills train_micro_batch_size_per_gpu \"auto\" (else fp8dist's default, said)")
+    launch.add_argument("--gradient-accumulation-steps", type=int, metavar="N",
+                        help="fills gradient_accumulation_steps \"auto\" (else 1, said)")
+    launch.add_argument("--learning-rate", type=float, metavar="LR",
+                        help="fills optimizer.params.lr \"auto\" (else Accelerate's 0.001, said)")
     p.set_defaults(func=_import_config)
 
-    p = sub.add_parser("schema", help="print the JSON Schema of the config")
+    p = sub.add_parser("schema", help="print the JSON Schema of the config, or the readable reference (docs/config.md)")
+    p.add_argument("--format", choices=["json", "markdown"], default="json", help="json: the JSON Schema; markdown: "
+                   "every key with its values, default and meaning, the documented dtype tables, and per preset the "
+                   "dtypes the audit expects (what docs/config.md holds)")
     p.set_defaults(func=_schema)
 
-    p = sub.add_parser("presets", help="list the named presets")
+    p = sub.add_parser("presets", help="list the named presets (their tables: fp8dist schema --format markdown)")
     p.set_defaults(func=_presets)
 
     p = sub.add_parser("env", help="versions, device, and which backends can run here")
@@ -121,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_env)
 
     p = sub.add_parser("estimate", help="per-rank memory of a run (model built on the meta device: no weights read)")
-    p.add_argument("model", help="built-in name (tiny-llama, small-llama, tiny-qwen2, tiny-mixtral, small-mixtral), "
+    p.add_argument("model", help=f"built-in name ({', '.join(BUILTIN)}), "
                    "a shape (llama-3-8b, llama-3-70b, mixtral-8x7b, qwen3-30b-a3b, bert-base-cased), a local Hugging Face "
                    "model directory, or a config.json; KEY=VALUE config overrides may follow")
     p.add_argument("--config", help="fp8dist config (default: the schema defaults)")
@@ -132,8 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="loss curves of a config vs a baseline from the same weights and batches")
     p.add_argument("--config", required=True, help="the fp8dist config under test")
     p.add_argument("--baseline", required=True, help="the higher-precision fp8dist config to compare against")
-    p.add_argument("--model", default="tiny-llama", help="built-in name, local Hugging Face model directory, or "
-                   "package.module:factory (default tiny-llama)")
+    p.add_argument("--model", default="tiny-llama", help=f"{MODEL_FORMS} (default tiny-llama)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps of each run (default 20)")
     p.add_argument("--data", help="local text or JSONL ({\"text\": ...} per line) file; default: synthetic batches")
     p.add_argument("--plot", help="write both loss curves and the gap to this PNG")
@@ -156,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_export)
 
     p = sub.add_parser("audit", help="measure the dtypes of a real run and compare with the documented table")
-    p.add_argument("model", help="tiny-llama, small-llama or tiny-mixtral (built in), a local Hugging Face model directory, or package.module:factory")
+    p.add_argument("model", help=MODEL_FORMS)
     p.add_argument("--config", help="fp8dist config (default: the schema defaults)")
     p.add_argument("--format", choices=["table", "json", "markdown"], default="table")
     p.add_argument("--nproc", type=int, default=1, help="processes (2+ observes communication)")
@@ -164,6 +188,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=AUDIT_TIMEOUT_S,
                    help=f"seconds the audit run may take before it is stopped (default {AUDIT_TIMEOUT_S})")
     p.set_defaults(func=_audit)
+
+    p = sub.add_parser("run", usage="fp8dist run CONFIG [KEY=VALUE ...] [--nproc N] [--launcher L] -- SCRIPT [ARGS ...]",
+                       help="check, then launch a training script on N ranks with the config (torchrun or deepspeed)",
+                       description="Check the config and this machine in one process (a refusal: one message, exit "
+                       "2, no rank started), then run SCRIPT under the launcher of the config's engine with "
+                       "--fp8dist-config CONFIG and each override as --fp8dist-set KEY=VALUE (the arguments "
+                       "fp8dist.add_config_arguments reads). The launcher's failure dump is left out; the exit code "
+                       "is the failed rank's. Example: fp8dist run configs/fsdp2-bf16.yaml train.steps=4 -- "
+                       "launch/train.py --model tiny-llama")
+    p.add_argument("config", help="the fp8dist config the script trains with")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks on this node (default: one per CUDA GPU; 2 without one, on gloo)")
+    p.add_argument("--launcher", choices=["torchrun", "deepspeed"], default=None,
+                   help="default: deepspeed for engine: deepspeed, torchrun for fsdp2")
+    p.set_defaults(func=_run, script=[])
+    for name in TAKES_OVERRIDES:
+        sub.choices[name].epilog = OVERRIDES_HELP
     return parser
 
 
@@ -179,9 +220,14 @@ def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    script: list[str] = []
+    if argv[:1] == ["run"] and "--" in argv:  # `fp8dist run ... -- SCRIPT ARGS`: the script's words are its own
+        argv, script = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     argv, overrides = _split_overrides(argv)
     args = build_parser().parse_args(argv)
     args.overrides = overrides
+    if args.command == "run":
+        args.script = script
     try:
         return int(args.func(args))
     except Fp8distError as exc:

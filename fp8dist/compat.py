@@ -2,7 +2,7 @@
 
 Pure functions: versions and compute capabilities come in as arguments, answers go out as
 ``(ok, reason)``. Nothing here imports torch; `installed_version` reads package metadata only.
-Research notes with the full evidence: shared/research/{deepspeed,torchao_fsdp2,msamp,style_and_te}.md.
+Each record names the upstream file, release or pull request it rests on.
 """
 from __future__ import annotations
 
@@ -206,7 +206,7 @@ TORCHAO_LOW_BIT_MIN_NUMEL = 4096
 
 
 # --- DeepSpeed -------------------------------------------------------------------------------
-# Newest DeepSpeed whose config rules this module knows (PyPI, research/deepspeed.md).
+# Newest DeepSpeed whose config rules this module knows (the PyPI release fp8dist is tested against).
 NEWEST_KNOWN_DEEPSPEED = (0, 19, 8)
 # `torch_autocast` section: 0.17.2 (#6993); combined with fp16/bf16 since 0.18.3 (#7700).
 DS_TORCH_AUTOCAST = (0, 17, 2)
@@ -237,7 +237,7 @@ def deepspeed_has_bf16_master(ds: Version) -> tuple[bool, str]:
 # MS-AMP <= 0.3 pins deepspeed==0.9.2 and passes `cpu_offload`, removed in DeepSpeed 0.10.1.
 # MS-AMP 0.4 pins deepspeed==0.13.1; it needs use_multi_rank_bucket_allreduce (0.12.4) and breaks from
 # 0.17.5, where DeepSpeedZeroOptimizer.__init__ gained the positional `optimizer_params`
-# (Azure/MS-AMP v0.4.0 pyproject.toml, msamp/deepspeed/runtime/engine.py; research/msamp.md section 2).
+# (Azure/MS-AMP v0.4.0 pyproject.toml, msamp/deepspeed/runtime/engine.py).
 # Each window: (label, first MS-AMP release it covers, last one, lowest DeepSpeed, highest DeepSpeed).
 MSAMP_DEEPSPEED_WINDOWS = (
     ("MS-AMP <= 0.3 (pins deepspeed 0.9.2)", (0, 2, 0), (0, 3, 99), (0, 9, 2), (0, 10, 0)),
@@ -251,8 +251,8 @@ MSAMP_RELEASE, MSAMP_RELEASE_DEEPSPEED = (0, 4, 0), (0, 13, 1)
 MSAMP_IMAGE = "ghcr.io/azure/msamp:v0.4.0-cuda12.2"
 # `import msamp` imports msamp.te, which loads TE's `transformer_engine_extensions` (msamp/te/extension.py); TE
 # renamed that module transformer_engine_torch in 1.8 (TE#877), and MS-AMP 0.4.0 pins TE v1.1 (pyproject.toml).
-# MS-AMP tests torch 1.14 and 2.1 only (.github/workflows/unit-tests.yaml: NGC 22.12 and 23.10; research/msamp.md
-# 3.5, 5.1). So MS-AMP lives in an environment of its own, below fp8dist's torch floor (TORCH_FLOOR).
+# MS-AMP tests torch 1.14 and 2.1 only (Azure/MS-AMP .github/workflows/unit-tests.yaml: NGC 22.12 and 23.10). So
+# MS-AMP lives in an environment of its own, below fp8dist's torch floor (TORCH_FLOOR).
 MSAMP_MAX_TE, MSAMP_PINNED_TE, MSAMP_TESTED_TORCH = (1, 7, 0), (1, 1, 0), (2, 1, 0)
 
 

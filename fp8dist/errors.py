@@ -1,9 +1,10 @@
 """Errors a user can act on. The CLI prints them without a traceback and exits 2."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 
 class ExitCode(IntEnum):
@@ -48,13 +49,20 @@ class Fp8distError(Exception):
 
 
 class ConfigError(Fp8distError):
-    """The config is invalid. Carries every issue found, not just the first."""
+    """The config is invalid. Carries every issue found, not just the first. `overrides`: the KEY=VALUE overrides
+    the issues come from, when the file itself is valid (the message then names them, not the file)."""
 
-    def __init__(self, issues: list[Issue], source: str | None = None):
+    def __init__(self, issues: list[Issue], source: str | None = None, overrides: Sequence[str] = ()):
         self.issues = list(issues)
         self.source = source
+        self.overrides = tuple(overrides)
         where = f" in {source}" if source else ""
-        lines = [f"invalid fp8dist config{where}: {len(self.issues)} problem(s)"]
+        if self.overrides:
+            named = ", ".join(repr(override) for override in self.overrides)
+            subject = f"override{'s' if len(self.overrides) > 1 else ''} {named}" + (f" of {source}" if source else "")
+        else:
+            subject = f"fp8dist config{where}"
+        lines = [f"invalid {subject}: {len(self.issues)} problem(s)"]
         lines += [f"  - {issue.render()}" for issue in self.issues]
         super().__init__("\n".join(lines))
 
@@ -65,3 +73,45 @@ class UnsupportedEnvironment(Fp8distError):
     def __init__(self, message: str, fix: str | None = None):
         self.fix = fix
         super().__init__(message + (f"\n  fix: {fix}" if fix else ""))
+
+
+class Problems(Fp8distError):
+    """Several independent problems found by one check (a run's up-front checks): each said with its own fix, so
+    the user fixes them all at once instead of meeting them one run at a time."""
+
+    def __init__(self, errors: Sequence[Fp8distError]):
+        self.errors = list(errors)
+        self.exit_code = max(error.exit_code for error in self.errors)
+        lines = [f"{len(self.errors)} problems, each below with its fix; nothing was started"]
+        for number, error in enumerate(self.errors, 1):
+            first, *rest = str(error).splitlines() or [type(error).__name__]
+            lines.append(f"  {number}. {first}")
+            lines += [f"     {line}" for line in rest]
+        super().__init__("\n".join(lines))
+
+
+class Checks:
+    """Runs independent checks and collects what each refuses (`with checks.one(): ...`); `raise_found` then
+    raises nothing, the one error as it is, or every error at once (Problems)."""
+
+    def __init__(self):
+        self.errors: list[Fp8distError] = []
+
+    def add(self, error: Fp8distError) -> None:
+        """A problem found without a call that raises it."""
+        self.errors.append(error)
+
+    @contextmanager
+    def one(self) -> Iterator[None]:
+        try:
+            yield
+        except Problems as exc:
+            self.errors.extend(exc.errors)
+        except Fp8distError as exc:
+            self.errors.append(exc)
+
+    def raise_found(self) -> None:
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        if self.errors:
+            raise Problems(self.errors)

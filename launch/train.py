@@ -3,11 +3,13 @@
     deepspeed --num_gpus 2 launch/train.py --fp8dist-config configs/deepspeed-bf16-zero2.yaml
     torchrun --nproc_per_node 2 launch/train.py --fp8dist-config configs/fsdp2-bf16.yaml
 
-The engine comes from the config (`engine: deepspeed | fsdp2`). Data is synthetic token batches; the
-model is the built-in tiny-llama unless --model names another (see fp8dist.runtime.models). On a machine
-without CUDA the ranks run on CPU with gloo. Prints the loss of every step on rank 0 and, last,
-`final_loss=<x> first_loss=<y>`. Step 1 runs under the dtype audit (fp8dist.audit.watch): its table is
-printed once on rank 0; `audit.first_step` in the config says what a mismatch does (warn | raise | off).
+The engine comes from the config (`engine: deepspeed | fsdp2`); `--fp8dist-set KEY=VALUE` (repeatable) overrides
+one of its keys, e.g. `--fp8dist-set precision.fp8.backend=none` (the `fp8dist` commands take the same KEY=VALUE as
+bare words). Data is synthetic token batches; the model is the built-in tiny-llama unless --model names another
+(see fp8dist.runtime.models). On a machine without CUDA the ranks run on CPU with gloo. Prints the loss of every
+step on rank 0 and, last, `final_loss=<x> first_loss=<y>`. Step 1 runs under the dtype audit
+(fp8dist.audit.watch): its table is printed once on rank 0; `audit.first_step` in the config says what a mismatch
+does (warn | raise | off).
 
 Checkpoints (fp8dist.engines.checkpoint): `--checkpoint-dir DIR` saves at the end, `--save-every N` also every
 N steps, `--resume` continues from the newest complete checkpoint in DIR, and `--export-hf OUT` writes the
@@ -25,12 +27,13 @@ import os
 import sys
 
 import fp8dist
-from fp8dist.errors import ExitCode, Fp8distError
+from fp8dist.errors import Checks, ExitCode, Fp8distError
+from fp8dist.runtime.models import MODEL_FORMS
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-llama", help="built-in name, local HF directory or module:factory")
+    parser.add_argument("--model", default="tiny-llama", help=f"{MODEL_FORMS} (default tiny-llama)")
     parser.add_argument("--steps", type=int, default=None,
                         help="the step the run ends at (default train.steps); with --resume, counted from step 0")
     parser.add_argument("--checkpoint-dir", metavar="DIR", default=None,
@@ -50,14 +53,35 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def check_args(args) -> None:
+def argument_problems(args) -> list[Fp8distError]:
+    """Every argument the run cannot take."""
+    problems = []
     if args.save_every is not None and args.save_every < 1:
-        raise Fp8distError(f"--save-every {args.save_every}: must be at least 1")
+        problems.append(Fp8distError(f"--save-every {args.save_every}: must be at least 1"))
     if (args.save_every is not None or args.resume) and not args.checkpoint_dir:
         flag = "--resume" if args.resume else "--save-every"
-        raise Fp8distError(f"{flag} needs --checkpoint-dir DIR (where the checkpoints are)")
+        problems.append(Fp8distError(f"{flag} needs --checkpoint-dir DIR (where the checkpoints are)"))
     if args.steps is not None and args.steps < 1:
-        raise Fp8distError(f"--steps {args.steps}: must be at least 1")
+        problems.append(Fp8distError(f"--steps {args.steps}: must be at least 1"))
+    return problems
+
+
+def checked_spec(args):
+    """The run's spec, after every up-front check that can fail: the arguments, the config and its overrides, and
+    (with --check, or when something failed already) the machine, the model and the export destination; every
+    problem at once."""
+    from fp8dist.runtime import loop
+
+    checks, spec = Checks(), None
+    for problem in argument_problems(args):
+        checks.add(problem)
+    with checks.one():
+        spec = fp8dist.spec_from_args(args)
+    if spec is not None and (args.check or checks.errors):
+        with checks.one():
+            loop.check_before_launch(spec, args.model, export_hf=args.export_hf)
+    checks.raise_found()
+    return spec
 
 
 def main(argv=None) -> int:
@@ -84,10 +108,8 @@ def main(argv=None) -> int:
 
     spec = None
     try:
-        check_args(args)
-        spec = fp8dist.spec_from_args(args)
+        spec = checked_spec(args)
         if args.check:
-            loop.check_before_launch(spec, args.model, export_hf=args.export_hf)
             print(f"train.py: {args.fp8dist_config or 'the schema defaults'}: can run here (engine {spec.engine}, FP8 backend "
                   f"{spec.fp8.backend}, --model {args.model})", flush=True)
             return ExitCode.OK

@@ -1,8 +1,8 @@
 """The expected dtype per phase for a config, derived from its spec (pure, no torch).
 
-Ground truth: schemas/dtype_tables.json (tables A and B). The derivation below reproduces every row
-of those tables from the preset and engine the row names (tests/unit/audit/test_audit_expected.py), so a
-config that is not a preset gets its expectation by the same rules.
+Ground truth: schemas/dtype_tables.json (tables A and B, with their public sources; docs/config.md prints them). The
+derivation below reproduces every row of those tables from the preset and engine the row names
+(tests/unit/audit/test_audit_expected.py), so a config that is not a preset gets its expectation by the same rules.
 """
 from __future__ import annotations
 
@@ -14,8 +14,23 @@ from fp8dist.engines.registry import facts_for
 # Optimizer states per parameter when a cell names one dtype for all of them (torch Adam/AdamW: exp_avg,
 # exp_avg_sq; fp8dist's SGD has no momentum).
 STATES_PER_PARAM = {"adam": 2, "adamw": 2, "sgd": 0}
-PHASES = ("loading", "preparation", "weights", "master_weights", "training", "gemm", "weight_gradients",
-          "optimizer", "communication", "weight_all_gather", "frozen_weights", "frozen_state")
+# The audit's phases, in the order of its table, and what each measures (audit/watching.py observes them).
+PHASES = {
+    "loading": "the parameters as loading made them (or, RAM-efficient loading, the safetensors files read into them)",
+    "preparation": "what the engine prepared for the optimizer to step: the master copy where the engine keeps one "
+                   "apart, else the weights",
+    "weights": "the module's parameters as each rank stores them (FSDP2's shards, ZeRO-3's partitions)",
+    "master_weights": "the copy the optimizer steps, where it is not the weights themselves (`n/a`: none apart)",
+    "training": "the operands of the matmuls that do not run in FP8: the compute dtype",
+    "gemm": "the operands of the weight GEMMs: FP8 (or FP4) where converted; the table says `(emulated)` when "
+            "dequantized values were multiplied in high precision",
+    "weight_gradients": "the gradients the optimizer reads as it steps",
+    "optimizer": "the optimizer states after the step (Adam: first moment + second moment)",
+    "communication": "the gradient reductions on the wire (2+ ranks)",
+    "weight_all_gather": "the weight all-gathers on the wire (FSDP2, 2+ ranks)",
+    "frozen_weights": "an adapter run's frozen base as stored",
+    "frozen_state": "gradients or optimizer states kept for the frozen base (expected: none)",
+}
 MULTI_RANK_PHASES = {"communication", "weight_all_gather"}
 
 

@@ -13,10 +13,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8dist.backends.storage import is_tensor_like, short, storage
-from fp8dist.audit.gemm_flops import GROUPED, WeightGemmLedger, is_low_precision
+from fp8dist.audit.gemm_flops import GROUPED, LOW_PRECISION, WeightGemmLedger, is_low_precision
 from fp8dist.audit.library_gemms import LibraryGemmRecorder
 
-__all__ = ["short", "summarize", "trainable", "MatmulRecorder", "describe_fp8", "low_precision_format",
+__all__ = ["short", "summarize", "trainable", "MatmulRecorder", "emulates", "describe_fp8", "low_precision_format",
            "compute_dtype", "optimizer_states", "state_tensors", "nbytes", "summarize_counts"]
 
 
@@ -50,11 +50,13 @@ class MatmulRecorder(TorchDispatchMode):
     """Records the operand formats of every matmul-like op (forward and backward), and of the GEMMs Transformer
     Engine and MS-AMP run outside aten; `ledger` counts the weight GEMMs' FLOPs per module and format
     (fp8dist.audit.gemm_flops), and gives an operand the format of the values it holds (an emulated MXFP8
-    GEMM's dequantized operands are MXFP8 values). `notes`: what the libraries said about their GEMMs."""
+    GEMM's dequantized operands are MXFP8 values). `emulated`: the low-precision GEMMs among `calls` that ran
+    emulated (`emulates`). `notes`: what the libraries said about their GEMMs."""
 
     def __init__(self):
         super().__init__()
         self.calls: Counter = Counter()
+        self.emulated: Counter = Counter()
         self.ledger = WeightGemmLedger()
         self.library = LibraryGemmRecorder(self.calls, self.ledger)
 
@@ -80,9 +82,12 @@ class MatmulRecorder(TorchDispatchMode):
         name = func.overloadpacket.__name__
         kwargs = kwargs or {}
         if name in MATMULS:
-            formats = (self.ledger.format_of(a) for a in args[:3] if isinstance(a, torch.Tensor))
+            tensors = [a for a in args[:3] if isinstance(a, torch.Tensor)]
+            formats = (self.ledger.format_of(a) for a in tensors)
             operands = tuple(f for f in formats if f.startswith(FLOAT_FORMATS) or is_low_precision(f))
             self.calls[(name, operands)] += 1
+            if any(map(is_low_precision, operands)) and any(emulates(t, self.ledger) for t in tensors):
+                self.emulated[(name, operands)] += 1
         out = func(*args, **kwargs)
         self.ledger.observe(name, args, kwargs, out)
         return out
@@ -93,6 +98,22 @@ class MatmulRecorder(TorchDispatchMode):
         for (name, operands), n in self.calls.items():
             (fp8 if any(is_low_precision(o) for o in operands) else other)[(name, operands)] += n
         return fp8, other
+
+
+def emulates(tensor, ledger: WeightGemmLedger) -> bool:
+    """Whether a low-precision GEMM on this operand runs emulated: its values dequantized, then multiplied by a
+    high-precision matmul (FP8's rounding, not an FP8 kernel). The operand carries the kernel choice (torchao 0.18):
+    a Float8TrainingTensor its ScaledMMConfig.emulate (float8/float8_ops.py `float8_mm`: `torch.mm` of the
+    dequantized operands when set, `torch._scaled_mm` otherwise), an MXTensor its `kernel_preference`
+    (mx_formats/mx_tensor.py `_addmm_mx_dispatch`: EMULATED dequantizes); a plain tensor that holds dequantized
+    FP8 values (the emulated MXFP8 grouped GEMMs, moe_training/mxfp8_grouped_mm.py) is emulated by what it is."""
+    config = getattr(tensor, "_linear_mm_config", None)
+    if config is not None:
+        return any(getattr(gemm, "emulate", False) for gemm in config)
+    preference = getattr(tensor, "kernel_preference", None)
+    if preference is not None:
+        return getattr(preference, "value", preference) == "emulated"
+    return not storage(tensor).format.startswith(LOW_PRECISION) and is_low_precision(ledger.format_of(tensor))
 
 
 def describe_fp8(fp8: Counter) -> str:

@@ -34,8 +34,14 @@ def build(spec: Spec, model: str, observed: dict[str, Any], nproc: int,
             "config": spec.source, "preset": spec.precision.preset, "nproc": nproc, "checks": checks,
             "bytes_per_param": per_param, "parameters": observed.get("_parameters"),
             "frozen_bytes_per_param": observed.get("_frozen_bytes"), "fp8_modules": observed.get("_decisions", []),
-            "gemm_flops": observed.get("_gemm_flops"),
+            "gemm_flops": observed.get("_gemm_flops"), "fp8_emulated": bool(observed.get("_fp8_emulated")),
             "communication_bytes": observed.get("_comm"), "outside_scope": outside}
+
+
+def shown(result: dict[str, Any], check: dict[str, Any]) -> str:
+    """The observed cell as the table shows it: the gemm row says when its FP8 GEMMs were emulated."""
+    emulated = check["phase"] == "gemm" and result.get("fp8_emulated")
+    return f"{check['observed']} (emulated)" if emulated else check["observed"]
 
 
 def table(result: dict[str, Any]) -> str:
@@ -43,7 +49,7 @@ def table(result: dict[str, Any]) -> str:
             f"{'es' if result['nproc'] > 1 else ''}), config {result['config']}"
             + (f", preset {result['preset']}" if result["preset"] else ""))
     rows = [("phase", "expected", "observed", ""), ("-----", "--------", "--------", "")]
-    rows += [(c["phase"], c["expected"], c["observed"], c["status"]) for c in result["checks"]]
+    rows += [(c["phase"], c["expected"], shown(result, c), c["status"]) for c in result["checks"]]
     widths = [max(len(str(r[i])) for r in rows) for i in range(3)]
     lines = [head, ""] + ["  ".join(str(r[i]).ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in rows]
     for c in result["checks"]:
@@ -62,7 +68,8 @@ def table(result: dict[str, Any]) -> str:
     flops = result.get("gemm_flops")
     if flops and flops["weight_gemm_flops"]:
         formats = ", ".join(f"{fmt} {share:.1%}" for fmt, share in flops["by_format"].items())
-        lines.append(f"weight-GEMM FLOPs in FP8: {flops['fp8_share']:.1%} ({formats})")
+        lines.append(f"weight-GEMM FLOPs in FP8: {flops['fp8_share']:.1%} ({formats})"
+                     + (", emulated" if result.get("fp8_emulated") else ""))
         kept: dict[str, list] = {}
         for row in flops["high_precision"]:
             if row["allowed"]:
@@ -102,7 +109,7 @@ def markdown(result: dict[str, Any]) -> str:
     marks = {OK: "yes", MISMATCH: "**no**", NOT_MEASURED: "**not measured**"}
     for c in result["checks"]:
         detail = c["detail"].replace("|", "/")
-        lines.append(f"| {c['phase']} | {c['expected']} | {c['observed']} | {marks[c['status']]} | {detail} |")
+        lines.append(f"| {c['phase']} | {c['expected']} | {shown(result, c)} | {marks[c['status']]} | {detail} |")
     if result["bytes_per_param"]:
         lines += ["", "Bytes per parameter: " + ", ".join(f"{k} {v}" for k, v in result["bytes_per_param"].items())]
     return "\n".join(lines) + "\n"

@@ -208,8 +208,13 @@ class Watch:
         compute, detail = probes.compute_dtype(other)
         out["training"] = _obs(compute, f"non-FP8 matmul operands: {detail}", measured=bool(other or fp8))
         notes = "".join(f"; {note}" for note in self.matmuls.notes)
+        emulated = sum(self.matmuls.emulated.values())
+        if emulated:
+            notes = (f"; emulated: {emulated} of {sum(fp8.values())} low-precision GEMMs multiplied dequantized "
+                     f"values in high precision (FP8's rounding, not an FP8 kernel)") + notes
         out["gemm"] = (_obs(probes.low_precision_format(fp8), probes.describe_fp8(fp8) + notes) if fp8
                        else _obs(compute, "no FP8/FP4 operands seen" + notes, measured=bool(other)))
+        out["_fp8_emulated"] = bool(emulated)
         self._weigh_gemms(out["gemm"])
         master_value, where, separate = self._masters
         if not separate and self._no_master_expected() and normalize(master_value) == self.spec.precision.weight_dtype:

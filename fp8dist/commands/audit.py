@@ -15,7 +15,7 @@ from fp8dist.audit.report import markdown, table
 from fp8dist.commands.output import dump_json
 from fp8dist.config.load import load_config
 from fp8dist.config.vocabulary import check_world_size
-from fp8dist.errors import ExitCode, Fp8distError
+from fp8dist.errors import Checks, ExitCode, Fp8distError
 from fp8dist.runtime.loading import check_efficient_loading
 from fp8dist.runtime.preflight import preflight
 from fp8dist.runtime.ranks import launch
@@ -24,11 +24,14 @@ TIMEOUT_S = 600  # default bound of an audit run (the CLI's --timeout)
 
 
 def check_before_launch(spec, model: str, nproc: int) -> None:
-    """Everything that can fail without launching: the model name, the backend, the engine's own refusals,
-    the ranks a hybrid shard group needs."""
-    check_efficient_loading(model, spec)
-    check_world_size(spec, nproc)
-    preflight(spec)
+    """Everything that can fail without launching, every refusal at once (Problems): the model name, the backend,
+    the engine's own refusals, the ranks a hybrid shard group needs."""
+    checks = Checks()
+    for check in (lambda: check_efficient_loading(model, spec), lambda: check_world_size(spec, nproc),
+                  lambda: preflight(spec)):
+        with checks.one():
+            check()
+    checks.raise_found()
 
 
 def measure(model: str, config: str | None, nproc: int, steps: int, timeout: float = TIMEOUT_S,

@@ -64,11 +64,20 @@ def backend_status(versions: dict[str, str | None], device: dict[str, Any]) -> d
         if ok and versions.get("deepspeed"):
             ok, why = compat.msamp_supports_deepspeed(compat.parse_version(versions["deepspeed"]),
                                                       compat.parse_version(versions["msamp"]))
+        status = {"usable": ok, "reason": why}
         if ok:
             native, native_why = compat.msamp_native_fp8(device["name"])
-            why = why if native else f"{why}; {native_why}"
-        out["msamp"] = {"usable": ok, "reason": why}
+            status = {"usable": True, "native_fp8": native, "reason": why if native else f"{why}; {native_why}"}
+        out["msamp"] = status
     return out
+
+
+def verdict(status: dict[str, Any]) -> str:
+    """`yes`, `no`, or `emulation only` for an FP8 backend that runs here without FP8 GEMM kernels (its formats and
+    rounding, high-precision matmuls)."""
+    if not status["usable"]:
+        return "no"
+    return "emulation only" if status.get("native_fp8") is False else "yes"
 
 
 def report() -> dict[str, Any]:
@@ -89,9 +98,10 @@ def render(info: dict[str, Any]) -> str:
     else:
         lines.append("device      CPU only (no CUDA GPU visible)")
     lines.append("")
+    marks = {name: verdict(status) for name, status in info["backends"].items()}
+    width = max(map(len, marks.values()))
     for name, status in info["backends"].items():
-        mark = "yes" if status["usable"] else "no "
-        lines.append(f"{mark}  {name:20s}{status['reason']}")
+        lines.append(f"{marks[name]:{width}s}  {name:20s}{status['reason']}")
     return "\n".join(lines) + "\n"
 
 

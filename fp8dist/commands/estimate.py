@@ -9,7 +9,8 @@ backward (parameters excluded; attention as flash attention keeps it), attribute
 so the config's `parallel.activation_checkpointing` can be counted: `full` (every block keeps its input) and
 `selective` (its input and the op outputs the engines' selective policy saves), each plus one block recomputed
 in backward. The transient peaks of backward (gathered weights in flight, the logits' gradient) and, from step 2
-on, the optimizer's states give the highest phase.
+on, the optimizer's states give the phase where a rank peaks: its bytes are the one total the estimate gives.
+Sizes print in binary units (KiB, MiB, GiB: powers of 1024).
 """
 from __future__ import annotations
 
@@ -58,6 +59,12 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2"}
 STORES = ("weights", "master_weights", "gradients", "optimizer", "buffers", "fp8_extras", "activations")
+# The phases of a step, each with every store alive in it (not an increment over the one before). The first four
+# are the training columns of the Model Memory Usage tool (huggingface.co/spaces/hf-accelerate/model-memory-usage),
+# counted for the first step, before the optimizer's states exist; from step 2 on the states are there during every
+# backward pass, which is where a run peaks (what published peaks measure).
+PHASES = {"model": "Model", "gradients": "Gradients", "backward_pass": "Backward pass",
+          "optimizer_step": "Optimizer step", "later_backward_pass": "Backward, step 2+"}
 
 
 @dataclass
@@ -143,6 +150,19 @@ def adapted_counts(meta: MetaModel, spec: Spec) -> tuple[int, int]:
     with torch.device("meta"):
         model = apply_adapter(meta.model, spec.adapter, spec.precision.weight_dtype, spec.train.seed)
     return split_parameters(model)
+
+
+def masters_note(spec: Spec, per_param: dict[str, float]) -> str | None:
+    """Why the master-weights store holds no bytes of its own (None when it does): no master copy at all, or the
+    engine's weights are the masters (FSDP2 shards the parameters in the master dtype: engines/fsdp2/facts.py)."""
+    from fp8dist.audit.expected import expected
+
+    if per_param["master_weights"]:
+        return None
+    cell = expected(spec, nproc=2)["master_weights"][0]
+    if cell == "n/a":
+        return "none: the optimizer steps the weights themselves (precision.master_weights)"
+    return f"the sharded {cell} parameters are the master weights (counted under weights; no copy beside them)"
 
 
 def bytes_per_param(spec: Spec) -> dict[str, float]:
@@ -399,13 +419,10 @@ def estimate(name: str, spec: Spec, world: int) -> dict[str, Any]:
     per_rank["fp8_extras"] = extras
     per_rank["activations"] = activations[spec.parallel.activation_checkpointing]
     host = offloaded(spec)
-    per_rank["total"] = sum(per_rank[store] for store in STORES if store not in host)
     device = {store: 0 if store in host else per_rank[store] for store in STORES}
     model = device["weights"] + device["master_weights"] + device["buffers"]
     transient = transient_bytes(meta, spec, shards)
     backward = model + device["gradients"] + device["activations"] + extras + sum(transient.values())
-    # seed 004's phases count the first step, before the optimizer's states exist; from step 2 on they are there
-    # during every backward pass, which is where a run peaks (what published peaks measure)
     phases = {"model": model, "gradients": model + device["gradients"], "backward_pass": backward,
               "optimizer_step": model + device["gradients"] + device["optimizer"],
               "later_backward_pass": backward + device["optimizer"]}
@@ -416,12 +433,14 @@ def estimate(name: str, spec: Spec, world: int) -> dict[str, Any]:
         "frozen_bytes_per_param": frozen_bytes_per_param(spec),
         "engine": spec.engine, "config": spec.source, "preset": spec.precision.preset,
         "micro_batch_size": spec.train.micro_batch_size, "seq_len": spec.train.seq_len,
-        "bytes_per_param": per_param, "shards": shards, "per_rank_bytes": per_rank,
-        "offloaded_to_host": sorted(host),
+        "bytes_per_param": per_param, "master_weights_note": masters_note(spec, per_param), "shards": shards,
+        "per_rank_bytes": per_rank, "offloaded_to_host": sorted(host),
+        "host_bytes": sum(per_rank[store] for store in host),
         "activations_bytes": {"none": activations["none"], "full_checkpointing": activations["full"],
                               "selective_checkpointing": activations["selective"],
                               "mode": spec.parallel.activation_checkpointing},
-        "phases_bytes": phases, "highest_phase": highest, "fp8_extras_counted": extras_how,
+        "phases_bytes": phases, "highest_phase": highest, "peak_bytes": phases[highest],
+        "fp8_extras_counted": extras_how,
         "transient_bytes": transient,
         "fp8_coverage": coverage,
     }
@@ -444,10 +463,14 @@ def render_table(result: dict[str, Any], markdown: bool = False) -> str:
     pr, ph = r["per_rank_bytes"], r["phases_bytes"]
     host = set(r["offloaded_to_host"])
     store_rows = [(store.replace("_", " ") + (" (host)" if store in host else ""), human(pr[store]))
-                  for store in STORES] + [("total on the device", human(pr["total"]))]
-    phase_names = {"model": "Model", "gradients": "Gradients", "backward_pass": "Backward pass",
-                   "optimizer_step": "Optimizer step", "later_backward_pass": "Backward, step 2+"}
-    cells = [human(ph[k]) for k in phase_names] + [human(ph[r["highest_phase"]])]
+                  for store in STORES]
+    if r["master_weights_note"]:
+        store_rows[STORES.index("master_weights")] = ("master weights", r["master_weights_note"])
+    stores_title = "Per rank, by store (KiB, MiB, GiB: powers of 1024)" + (
+        f"; (host): in host memory, {human(r['host_bytes'])} in all, outside the phases below" if host else "")
+    phases_title = "Per rank on the device, by phase of a step (cumulative: each column holds every store alive then)"
+    cells = [human(ph[k]) for k in PHASES]
+    peak = f"Peak per rank on the device: {human(r['peak_bytes'])}, in phase {PHASES[r['highest_phase']]}"
     cov = r["fp8_coverage"]
     experts = f", {cov['experts']} MoE experts modules" if cov.get("experts") else ""
     coverage = (f"FP8 coverage: {cov['fp8_share']:.1%} of weight-GEMM FLOPs ({cov['converted']} of {cov['linears']} "
@@ -470,18 +493,16 @@ def render_table(result: dict[str, Any], markdown: bool = False) -> str:
                         f"gradients and optimizer states; {r['frozen_parameters'] / 1e6:,.2f}M frozen ones their "
                         f"weights only, at {r['frozen_bytes_per_param']:g} bytes per parameter")
     if markdown:
-        lines = [f"**{head}**", "", "| store | per rank |", "|---|---|"]
+        lines = [f"**{head}**", "", f"{stores_title}:", "", "| store | per rank |", "|---|---|"]
         lines += [f"| {name} | {value} |" for name, value in store_rows]
-        lines += ["", "| Model | Gradients | Backward pass | Optimizer step | Backward, step 2+ | Highest |",
-                  "|---|---|---|---|---|---|",
-                  "| " + " | ".join(cells) + " |", ""] + [f"- {note}" for note in notes]
-        return "\n".join(lines) + "\n"
+        lines += ["", f"{phases_title}:", "", "| " + " | ".join(PHASES.values()) + " |",
+                  "|" + "---|" * len(PHASES), "| " + " | ".join(cells) + " |", "", f"**{peak}**", ""]
+        return "\n".join(lines + [f"- {note}" for note in notes]) + "\n"
     width = max(len(name) for name, _ in store_rows)
-    lines = [head, ""] + [f"{name.ljust(width)}  {value}" for name, value in store_rows]
-    headers = ["Model", "Gradients", "Backward pass", "Optimizer step", "Backward, step 2+", "Highest"]
-    widths = [max(len(h), len(c)) for h, c in zip(headers, cells)]
-    lines += ["", "  ".join(h.ljust(w) for h, w in zip(headers, widths)),
-              "  ".join(c.ljust(w) for c, w in zip(cells, widths)), ""] + notes
+    lines = [head, "", stores_title + ":"] + [f"{name.ljust(width)}  {value}" for name, value in store_rows]
+    widths = [max(len(h), len(c)) for h, c in zip(PHASES.values(), cells)]
+    lines += ["", phases_title + ":", "  ".join(h.ljust(w) for h, w in zip(PHASES.values(), widths)).rstrip(),
+              "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip(), "", peak, ""] + notes
     return "\n".join(lines) + "\n"
 
 

@@ -1,5 +1,5 @@
 """What the commands write: strict JSON, and files written atomically (a reader never sees half a file, an error
-leaves none)."""
+leaves none) with the permissions the umask gives any new file."""
 from __future__ import annotations
 
 import json
@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8dist.errors import Fp8distError
+from fp8dist.runtime.files import share
 
 
 def dump_json(document: Any) -> str:
@@ -50,6 +51,7 @@ def write_atomic(path: str, text: str) -> None:
         fd, tmp = tempfile.mkstemp(prefix=".fp8dist-", suffix=".partial", dir=target.parent)
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
+        share(tmp)  # mkstemp's file is 0600: the written file gets the umask's mode, as open() would give it
         os.replace(tmp, target)
     except BaseException as exc:
         if tmp is not None:

@@ -1,4 +1,5 @@
-"""`fp8dist schema` (the JSON Schema of the config) and `fp8dist presets` (the named presets)."""
+"""`fp8dist schema` (the JSON Schema of the config, or the readable reference: docs/config.md) and `fp8dist presets`
+(the named presets)."""
 from __future__ import annotations
 
 import sys
@@ -7,13 +8,22 @@ import fp8dist.config.schema as schema
 from fp8dist.commands.output import dump_json
 from fp8dist.errors import ExitCode
 
+TABLES_AT = ("Tables A and B, and the dtypes each preset makes the audit expect: docs/config.md "
+             "(or `fp8dist schema --format markdown`).")
+
 
 def run_schema(args) -> int:
-    sys.stdout.write(dump_json(schema.schema()))
+    if args.format == "markdown":
+        from fp8dist.commands.reference import markdown
+
+        sys.stdout.write(markdown())
+    else:
+        sys.stdout.write(dump_json(schema.schema()))
     return ExitCode.OK
 
 
 def run_presets(args) -> int:
     for name, preset in schema.presets().items():
         print(f"{name:24s} {preset['description']}")
+    print(f"\n{TABLES_AT}")
     return ExitCode.OK

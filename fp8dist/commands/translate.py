@@ -7,7 +7,8 @@ import sys
 from fp8dist.commands.output import check_output, dump_json, emit, write_atomic
 from fp8dist.config.load import load_config
 from fp8dist.errors import ExitCode, Fp8distError
-from fp8dist.formats.accelerate.translate import accelerate_file, render
+from fp8dist.formats.accelerate.translate import (NotExpressible, accelerate_file, nearest_accelerate_file,
+                                                  render)
 from fp8dist.commands.validate import said
 from fp8dist.translate.deepspeed import left_to_runtime, to_deepspeed
 from fp8dist.translate.fsdp2 import to_fsdp2
@@ -40,8 +41,23 @@ def run(args) -> int:
 def _accelerate(args, spec) -> int:
     """The Accelerate config file (YAML; JSON when -o names a .json file). The DeepSpeed config is embedded as JSON
     text on stdout; with -o it is written beside the file as <name>.deepspeed.json and named by its absolute path
-    (accelerate 1.15 HfDeepSpeedConfig reads both)."""
-    document, plan = accelerate_file(spec, args.deepspeed_version, args.torchao_version)
+    (accelerate 1.15 HfDeepSpeedConfig reads both). What Accelerate cannot express is moved to the nearest setting it
+    can, every difference said on stderr (and in the YAML's header); --strict refuses instead, writing nothing."""
+    if args.strict:
+        try:
+            document, plan = accelerate_file(spec, args.deepspeed_version, args.torchao_version)
+        except NotExpressible as exc:
+            raise Fp8distError(f"{exc}\n(--strict: without it, the nearest run Accelerate can express is written where "
+                               "one exists, every difference said)") from None
+        differences = []
+    else:
+        document, plan, spec, differences = nearest_accelerate_file(spec, args.deepspeed_version,
+                                                                     args.torchao_version)
+    for difference in differences:
+        print(f"{args.config}: differs for Accelerate: {difference}", file=sys.stderr)
+    if differences:
+        print(f"{args.config}: the file is the nearest run Accelerate can express, not this config's: "
+              f"{len(differences)} setting(s) differ (above); --strict refuses instead", file=sys.stderr)
     beside = None
     if args.output:
         target = check_output(args.output)
@@ -49,7 +65,7 @@ def _accelerate(args, spec) -> int:
             beside = target.with_name(target.name.rsplit(".", 1)[0] + ".deepspeed.json")
             document["deepspeed_config"]["deepspeed_config_file"] = str(beside.resolve())
     text = dump_json(document) if args.output and args.output.endswith(".json") else render(document, plan, spec,
-                                                                                             args.config)
+                                                                                             args.config, differences)
     if not args.output:
         sys.stdout.write(text)
         return ExitCode.OK

@@ -1,4 +1,5 @@
-"""`fp8dist validate CONFIG... [KEY=VALUE ...]`: the resolved config, or every error at once."""
+"""`fp8dist validate CONFIG... [KEY=VALUE ...]`: the resolved config, or every error at once: the config's own, and
+what `translate --to deepspeed` would refuse in its `deepspeed.extra` (fp8dist.translate.deepspeed.extra_issues)."""
 from __future__ import annotations
 
 import sys
@@ -6,7 +7,8 @@ import sys
 from fp8dist.commands.output import dump_json
 from fp8dist.config.load import load_config
 from fp8dist.config.reading import dump_yaml
-from fp8dist.errors import ExitCode, Fp8distError
+from fp8dist.errors import ConfigError, ExitCode, Fp8distError
+from fp8dist.translate.deepspeed import extra_issues
 
 
 def run(args) -> int:
@@ -16,6 +18,9 @@ def run(args) -> int:
     for path in args.config:
         try:
             spec = load_config(path, overrides=args.overrides)
+            issues = extra_issues(spec)
+            if issues:
+                raise ConfigError(issues, path)
         except Fp8distError as exc:
             print(exc, file=sys.stderr)
             failed += 1

@@ -17,7 +17,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--fp8dist-config", metavar="PATH", default=None,
                        help="fp8dist precision config (YAML). Without it: the schema defaults.")
     group.add_argument("--fp8dist-set", metavar="KEY=VALUE", action="append", default=[],
-                       help="override one config key, e.g. --fp8dist-set deepspeed.zero_stage=3 (repeatable)")
+                       help="override one config key (repeatable; the value is read as YAML), e.g. "
+                            "--fp8dist-set precision.fp8.backend=none; the fp8dist commands take the same KEY=VALUE "
+                            "as bare words after the config")
     if not any("--local_rank" in a.option_strings for a in parser._actions):
         parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                             help="set by the deepspeed launcher; the rank comes from the environment")

@@ -36,7 +36,7 @@ def apply_overrides(document: dict[str, Any], overrides: Sequence[str], source: 
         merged = OmegaConf.create(document)
     except (OmegaConfBaseException, ValueError, TypeError) as exc:
         raise ConfigError([Issue("", f"cannot build the config: {str(exc).splitlines()[0]}")], source) from None
-    for key, value in values:
+    for override, (key, value) in zip(overrides, values):
         try:
             OmegaConf.update(merged, key, value, merge=True)
         # omegaconf 2.3's key parser raises IndexError on a key that opens a bracket it never closes ("[x")
@@ -44,12 +44,12 @@ def apply_overrides(document: dict[str, Any], overrides: Sequence[str], source: 
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise ConfigError([Issue(key, f"not a key path, so the override cannot be applied ({first})",
                                      fix="name a key with dots between its sections, e.g. precision.load_dtype=bf16")],
-                              source) from None
+                              source, overrides=[override]) from None
     try:
         unresolved = OmegaConf.to_container(merged, resolve=False)
     except (OmegaConfBaseException, ValueError, TypeError) as exc:
         raise ConfigError([Issue("", f"cannot apply the overrides: {str(exc).splitlines()[0]}",
-                                 fix="check the KEY=VALUE words")], source) from None
+                                 fix="check the KEY=VALUE words")], source, overrides=overrides) from None
     issues = resolver_calls(unresolved)
     if issues:
         raise ConfigError(issues, source)
@@ -72,19 +72,21 @@ def apply_overrides(document: dict[str, Any], overrides: Sequence[str], source: 
 def _override_values(overrides: Sequence[str], source: str) -> list[tuple[str, Any]]:
     """(key, value) of each KEY=VALUE override, the value read by the config file's YAML reader; every malformed
     override is named."""
-    values, issues = [], []
+    values, issues, bad = [], [], []
     for override in overrides:
         key, equals, text = override.partition("=")
         if not equals or not key.strip():
             issues.append(Issue("", "override is not KEY=VALUE", override, "write e.g. precision.load_dtype=bf16"))
+            bad.append(override)
             continue
         try:
             values.append((key, reading.parse_yaml(text, f"override {override}") if text.strip() else None))
         except ConfigError as exc:
             issues += [Issue(key, f"the value of override {override!r}: {issue.message}", fix=issue.fix)
                        for issue in exc.issues]
+            bad.append(override)
     if issues:
-        raise ConfigError(issues, source)
+        raise ConfigError(issues, source, overrides=bad)
     return values
 
 
@@ -234,7 +236,37 @@ def load_config(config: str | Path | Mapping[str, Any] | Any = None,
                                      fix="pass a YAML path, a dict or an omegaconf DictConfig")])
         source, document = "<omegaconf>", OmegaConf.to_container(config, resolve=False)
         reading.check_plain(document, source)
+    try:
+        document, resolved = _resolved(document, overrides, source)
+    except ConfigError as exc:
+        if overrides and not exc.overrides and _valid_alone(document, source):
+            raise ConfigError(exc.issues, source, overrides=_overrides_of(exc.issues, overrides)) from None
+        raise
+    return Spec.from_dict(resolved, source=source, notes=tuple(rules.notes(resolved, written_settings(document))))
+
+
+def _resolved(document: Any, overrides: Sequence[str], source: str) -> tuple[Any, dict[str, Any]]:
+    """(the document with the overrides and interpolations applied, the resolved config)."""
     if overrides or any("${" in text for _, text in reading.strings(document)):
         document = apply_overrides(document, overrides, source)
-    resolved = resolve(document, source)
-    return Spec.from_dict(resolved, source=source, notes=tuple(rules.notes(resolved, written_settings(document))))
+    return document, resolve(document, source)
+
+
+def _valid_alone(document: Any, source: str) -> bool:
+    """Whether the config without its overrides is valid: then what is wrong came from the overrides."""
+    try:
+        _resolved(document, (), source)
+    except ConfigError:
+        return False
+    return True
+
+
+def _overrides_of(issues: Sequence[Issue], overrides: Sequence[str]) -> list[str]:
+    """The overrides that set a key some issue names (or a section holding it); all of them when none does (a
+    cross-field rule names another key than the one overridden)."""
+    def touches(override: str) -> bool:
+        key = override.partition("=")[0].strip()
+        return any(issue.path == key or issue.path.startswith(key + ".") or key.startswith(issue.path + ".")
+                   for issue in issues if issue.path)
+
+    return [override for override in overrides if touches(override)] or list(overrides)

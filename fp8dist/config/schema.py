@@ -111,8 +111,7 @@ def _issues_for(error) -> list[Issue]:
         node = _subschema(path) or error.schema
         allowed = _describe_allowed(node) or _describe_allowed(error.schema)
         if error.validator == "anyOf" and allowed is None:
-            return [Issue(where, "value does not match any allowed form", error.instance,
-                          fix=node.get("description"))]
+            return [Issue(where, "value does not match any allowed form", error.instance, fix=passing_value(node))]
         return [Issue(where, "value not allowed", error.instance,
                       fix=f"use one of: {allowed}" if allowed else None)]
     if error.validator == "type":
@@ -125,12 +124,53 @@ def _issues_for(error) -> list[Issue]:
 
 def _describe_fix(path: list[Any]) -> str | None:
     node = _subschema(path)
-    if not node:
-        return None
+    return passing_value(node) if node else None
+
+
+def passing_value(node: dict[str, Any]) -> str:
+    """A fix that names values which pass `node`: its allowed values, or its form with the bounds and, where the
+    schema has one, the default as an example ("write a number > 0, e.g. 0.001 (the default)")."""
     allowed = _describe_allowed(node)
     if allowed:
         return f"use one of: {allowed}"
-    return node.get("description")
+    example = f", e.g. {json.dumps(node['default'])} (the default)" if "default" in node else ""
+    return f"write {_form(node)}{example}"
+
+
+_NOUNS = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
+          "null": "null", "object": "a mapping of keys to values"}
+
+
+def _form(node: dict[str, Any]) -> str:
+    """What values pass `node`, in words: its type with the bounds the schema sets."""
+    if "$ref" in node:
+        return _form(_schema()["$defs"][node["$ref"].rsplit("/", 1)[-1]])
+    if "const" in node:
+        return json.dumps(node["const"])
+    if "enum" in node:
+        return "one of " + ", ".join(json.dumps(value) for value in node["enum"])
+    if "anyOf" in node:
+        return " or ".join(_form(option) for option in node["anyOf"])
+    types = node.get("type", [])
+    forms = [_typed_form(kind, node) for kind in ([types] if isinstance(types, str) else types)]
+    return " or ".join(forms) or "a JSON value"
+
+
+def _typed_form(kind: str, node: dict[str, Any]) -> str:
+    if kind in ("integer", "number"):
+        bounds = [f"{sign} {json.dumps(node[key])}" for key, sign in (("minimum", ">="), ("exclusiveMinimum", ">"),
+                                                                      ("maximum", "<="), ("exclusiveMaximum", "<"))
+                  if key in node]
+        return " ".join([_NOUNS[kind], " and ".join(bounds)]).strip()
+    if kind == "string" and node.get("minLength"):
+        return "a non-empty string"
+    if kind == "array":
+        low, high = node.get("minItems"), node.get("maxItems")
+        size = (f" of {low} items" if low is not None and low == high else
+                f" of at least {low} item{'s' if low > 1 else ''}" if low else "")
+        each = f", each {_form(node['items'])}" if isinstance(node.get("items"), dict) and node["items"] else ""
+        return f"a list{size}{each}"
+    return _NOUNS.get(kind, kind)
 
 
 def validate(document: Any) -> list[Issue]:

@@ -26,7 +26,8 @@ from typing import Any, Mapping
 
 from fp8dist.errors import Fp8distError, Issue
 
-# Names users know from FSDP1 / Accelerate's fsdp_config (seed 004), accepted and rewritten to ours.
+# Names users know from FSDP1 / Accelerate's fsdp_config (accelerate examples/config_yaml_templates/fsdp.yaml),
+# accepted and rewritten to ours.
 SHARDING_ALIASES = {"FULL_SHARD": "full", "SHARD_GRAD_OP": "grad_op", "HYBRID_SHARD": "hybrid", "NO_SHARD": "replicate"}
 ZERO_STAGE = {"full": 3, "grad_op": 2, "hybrid": 3, "replicate": 0}
 # parallel.offload -> (deepspeed.offload_optimizer, deepspeed.offload_param)

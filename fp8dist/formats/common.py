@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 import fp8dist.config.reading as reading
 import fp8dist.dtypes as dtypes
+from fp8dist.config.spec import weight_dtype_of
 from fp8dist.errors import ConfigError, Fp8distError, Issue
 
 KINDS = ("accelerate", "axolotl", "deepspeed", "trl", "peft")
@@ -54,6 +55,25 @@ class ImportProblem(Fp8distError):
         lines = [f"cannot import {source}{what}: {len(self.issues)} problem(s)"]
         lines += [f"  - {issue.render()}" for issue in self.issues]
         super().__init__("\n".join(lines))
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """The launch's own values, which Accelerate and the HF Trainer write into a DeepSpeed config's "auto" entries
+    (`fp8dist import` flags, named as `accelerate launch` / TrainingArguments name them; None: not given)."""
+
+    mixed_precision: str | None = None  # no | fp16 | bf16: accelerate launch --mixed_precision, TrainingArguments bf16/fp16
+    per_device_train_batch_size: int | None = None
+    gradient_accumulation_steps: int | None = None
+    learning_rate: float | None = None
+
+    def given(self) -> dict[str, Any]:
+        """flag -> value of the flags given."""
+        return {LAUNCHER_FLAGS[name]: value for name, value in vars(self).items() if value is not None}
+
+
+LAUNCHER_FLAGS = {"mixed_precision": "--mixed-precision", "per_device_train_batch_size": "--per-device-train-batch-size",
+                  "gradient_accumulation_steps": "--gradient-accumulation-steps", "learning_rate": "--learning-rate"}
 
 
 @dataclass
@@ -166,32 +186,59 @@ def yaml11_number(value: Any) -> Any:
 
 # transformers 5 TrainingArguments.optim names (training_args.py OptimizerNames) that fp8dist builds:
 # name -> (optimizer.name, optimizer.state_dtype or None). bitsandbytes' 8-bit AdamW becomes torchao's AdamW8bit, which
-# transformers runs for adamw_torch_8bit: the same blockwise 8-bit Adam states.
+# transformers runs for adamw_torch_8bit: the same blockwise 8-bit Adam states. The paged names are bitsandbytes'
+# AdamW with is_paged=True (transformers 5.24 trainer_optimizer.py _get_bitsandbytes_optimizer: optim_bits 32 or 8):
+# paging lets CUDA move the states to host memory under memory pressure, which changes no number; optim_bits 32
+# keeps fp32 states whatever the parameters' dtype.
 HF_OPTIMIZERS = {"adamw_torch": ("adamw", None), "adamw_torch_fused": ("adamw", None), "adamw_hf": ("adamw", None),
                  "adamw_torch_xla": ("adamw", None), "adamw_torch_npu_fused": ("adamw", None),
                  "adamw_apex_fused": ("adamw", None), "sgd": ("sgd", None), "adamw_torch_8bit": ("adamw", "int8"),
-                 "adamw_bnb_8bit": ("adamw", "int8"), "adamw_8bit": ("adamw", "int8")}
+                 "adamw_bnb_8bit": ("adamw", "int8"), "adamw_8bit": ("adamw", "int8"),
+                 "paged_adamw_32bit": ("adamw", "fp32"), "paged_adamw_8bit": ("adamw", "int8")}
+_PAGING = ("paging (bitsandbytes is_paged: CUDA unified memory moves the Adam states to host memory under GPU memory "
+           "pressure) is memory management, not numerics")
+
+
+def stepped_dtype(document: Mapping[str, Any]) -> str | None:
+    """The dtype the optimizer steps in an imported document (its master weights, else the weights as loaded), or
+    None where its precision is not known (a refused part)."""
+    precision = document.get("precision") or {}
+    if "load_dtype" not in precision:
+        return None
+    return weight_dtype_of(precision["load_dtype"], precision.get("master_weights", "none"))
 
 
 def hf_optimizer(key: str, name: Any, deepspeed: bool, optimizer: dict[str, Any], notes: Notes, issues: list[Issue],
-                 names: Mapping[str, tuple[str, str | None]] = HF_OPTIMIZERS, fsdp_fix: str = "FSDP") -> None:
+                 names: Mapping[str, tuple[str, str | None]] = HF_OPTIMIZERS, fsdp_fix: str = "FSDP",
+                 stepped: str | None = None) -> None:
     """`key: name` (a TrainingArguments optim name, as the HF Trainer, TRL and Axolotl take it) into `optimizer`, or
-    refused: an optimizer fp8dist does not build, or 8-bit states under DeepSpeed (fp8dist has them on FSDP2 only)."""
+    refused: an optimizer fp8dist does not build, 8-bit states under DeepSpeed (fp8dist has them on FSDP2 only), or
+    fp32 states over weights stepped in another dtype (`stepped`; torch.optim keeps states in the weights' dtype)."""
     name = str(name)
     mapped, state = names.get(name, (None, None))
-    if mapped is None:
+    if state == "fp32" and stepped not in (None, "fp32"):
+        issues.append(Issue(key, f"{name} keeps fp32 Adam states (bitsandbytes optim_bits=32) over the {stepped} weights "
+                            f"it steps; fp8dist's torch.optim AdamW keeps them in the weights' dtype ({stepped})", name,
+                            f"use adamw_torch ({stepped} states, as the weights), or {fsdp_fix}, which keeps fp32 "
+                            "master weights"))
+    elif mapped is None:
         issues.append(Issue(key, "fp8dist builds AdamW, Adam or SGD (torch.optim; int8 states through torchao's "
                             "AdamW8bit); this optimizer has no equivalent", name,
                             "use adamw_torch, adamw_torch_fused, adamw_torch_8bit or sgd"))
-    elif state and deepspeed:
+    elif state == "int8" and deepspeed:
         issues.append(Issue(key, "8-bit Adam states change the optimizer's numerics, and fp8dist has them on FSDP2 "
-                            "only (torchao AdamW8bit); under DeepSpeed the states would be fp32", name,
-                            f"use adamw_torch under DeepSpeed, or {fsdp_fix} for 8-bit states"))
+                            "only (torchao AdamW8bit); under DeepSpeed the states would be fp32" +
+                            (f" ({_PAGING})" if name.startswith("paged_") else ""), name,
+                            f"use adamw_torch (or paged_adamw_32bit) under DeepSpeed, or {fsdp_fix} for 8-bit states"))
     else:
         optimizer["name"] = mapped
         if state:
             optimizer["state_dtype"] = state
-            if name != "adamw_torch_8bit":
-                notes.resolved(key, "optimizer.state_dtype=int8", f"{name} (bitsandbytes) becomes torchao's "
-                               "AdamW8bit, which transformers runs for adamw_torch_8bit: the same blockwise 8-bit "
-                               "Adam states")
+        paged = f"; {_PAGING}, and fp8dist keeps the states on the device" if name.startswith("paged_") else ""
+        if state == "int8" and name != "adamw_torch_8bit":
+            notes.resolved(key, "optimizer.state_dtype=int8", f"{name} (bitsandbytes) becomes torchao's AdamW8bit, "
+                           "which transformers runs for adamw_torch_8bit: the same blockwise 8-bit Adam states"
+                           + paged)
+        elif state == "fp32":
+            notes.resolved(key, "optimizer.name=adamw, state_dtype=fp32", f"{name} is bitsandbytes' AdamW with 32-bit "
+                           "states: the AdamW update with fp32 states, as torch.optim.AdamW over fp32 weights" + paged)

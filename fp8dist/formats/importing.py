@@ -3,7 +3,9 @@ fp8dist YAML it becomes (comment lines first), validated like any config before 
 
 One importer per source format (fp8dist.formats.{accelerate,axolotl,deepspeed,trl,peft}.importer); each turns the parsed
 file into an fp8dist document plus notes: one comment line per source key that has no fp8dist meaning, and one per
-`"auto"` (or left-out key that matters to precision) saying what DeepSpeed or Accelerate would actually use.
+`"auto"` (or left-out key that matters to precision) saying what DeepSpeed or Accelerate would actually use. What a
+DeepSpeed JSON or an Accelerate config leaves to the launch command comes from the `Launcher` flags
+(--mixed-precision, --per-device-train-batch-size, --gradient-accumulation-steps, --learning-rate).
 """
 from __future__ import annotations
 
@@ -15,14 +17,21 @@ import fp8dist.config.reading as reading
 from fp8dist.errors import ConfigError, Issue
 from fp8dist.formats.accelerate import importer as accelerate
 from fp8dist.formats.axolotl import importer as axolotl
-from fp8dist.formats.common import (KINDS, TITLE, Imported, ImportProblem, WrongShape, comment_line,
-                                   read_document)
+from fp8dist.formats.common import (KINDS, LAUNCHER_FLAGS, TITLE, Imported, ImportProblem, Launcher, WrongShape,
+                                   comment_line, read_document)
 from fp8dist.formats.deepspeed import importer as deepspeed
 from fp8dist.formats.peft import importer as peft
 from fp8dist.formats.trl import importer as trl
 
 IMPORTERS = {"accelerate": accelerate.convert, "axolotl": axolotl.convert, "deepspeed": deepspeed.convert,
              "trl": trl.convert, "peft": peft.convert}
+# The kinds whose file leaves values to the launch command (Launcher: `fp8dist import` flags): a DeepSpeed JSON's
+# "auto", and what `accelerate launch` flags set over an Accelerate config. Axolotl and TRL files hold the HF
+# Trainer's arguments themselves; a PEFT file holds the adapter only.
+LAUNCHED = ("accelerate", "deepspeed")
+_OWN_VALUES = {"axolotl": "its bf16 / fp16 / fp8, micro_batch_size, gradient_accumulation_steps and learning_rate",
+               "trl": "its bf16 / fp16, per_device_train_batch_size, gradient_accumulation_steps and learning_rate",
+               "peft": "only the adapter: the precision, batch and learning rate are fp8dist's defaults"}
 
 # -- kinds ----------------------------------------------------------------------------------------------
 # Evidence of a kind: keys only that tool writes (a shared name counts where its shape tells the tools apart:
@@ -104,8 +113,27 @@ def detect(document: Mapping[str, Any]) -> str | None:
     return next(iter(found)) if len(found) == 1 else None
 
 
-def import_file(path: str | Path, kind: str | None = None) -> str:
-    """The fp8dist YAML (comment lines first) for a file of `kind` (detected when None); validated."""
+def launcher_issues(launcher: Launcher, kind: str) -> list[Issue]:
+    """The flags given that this kind of file does not take, and values no launch runs with."""
+    issues = []
+    for name, flag in LAUNCHER_FLAGS.items():
+        value = getattr(launcher, name)
+        if value is None:
+            continue
+        if kind not in LAUNCHED:
+            issues.append(Issue(flag, f"gives the launch's value to a DeepSpeed JSON or an Accelerate config; this "
+                                f"{TITLE[kind]} says {_OWN_VALUES[kind]}", value,
+                                f"drop {flag} (change the value in the file, or in the imported config)"))
+        elif name == "mixed_precision" and value not in ("no", "fp16", "bf16"):
+            issues.append(Issue(flag, "not a precision the launch takes", value, "use no, fp16 or bf16"))
+        elif name != "mixed_precision" and (isinstance(value, bool) or not value > 0 or value == float("inf")):
+            issues.append(Issue(flag, "must be a positive finite number", value, f"pass {flag} with the launch's value"))
+    return issues
+
+
+def import_file(path: str | Path, kind: str | None = None, launcher: Launcher = Launcher()) -> str:
+    """The fp8dist YAML (comment lines first) for a file of `kind` (detected when None); validated. `launcher`: the
+    launch's own values (`fp8dist import` flags), for what the file leaves to the launch command."""
     source = str(path)
     document, text = read_document(path)
     if not isinstance(document, Mapping):
@@ -131,7 +159,15 @@ def import_file(path: str | Path, kind: str | None = None) -> str:
         kind = next(iter(found))
     if kind not in KINDS:
         raise ImportProblem([Issue("--from", f"unknown kind; one of {', '.join(KINDS)}", kind)], source)
-    imported = convert(kind, document, text, source)
+    flags = launcher_issues(launcher, kind)
+    refused = {issue.path for issue in flags}
+    usable = Launcher(**{name: value for name, value in vars(launcher).items() if LAUNCHER_FLAGS[name] not in refused})
+    try:
+        imported = convert(kind, document, text, source, usable)
+    except ImportProblem as exc:
+        raise ImportProblem(flags + exc.issues, source, kind) from None
+    if flags:
+        raise ImportProblem(flags, source, kind)
     unreadable = reading.plain_data_issues(imported.document) + load.literal_interpolations(
         imported.document, f"(as the {TITLE[kind]} has it)")
     if unreadable:  # the output would not read back as the same config
@@ -144,8 +180,10 @@ def import_file(path: str | Path, kind: str | None = None) -> str:
     return render(imported, source)
 
 
-def convert(kind: str, document: Mapping[str, Any], text: str, source: str) -> Imported:
+def convert(kind: str, document: Mapping[str, Any], text: str, source: str, launcher: Launcher = Launcher()) -> Imported:
     try:
+        if kind in LAUNCHED:
+            return IMPORTERS[kind](dict(document), text, source, launcher)
         return IMPORTERS[kind](dict(document), text, source)
     except ImportProblem:
         raise

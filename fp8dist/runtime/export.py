@@ -28,6 +28,7 @@ import fp8dist.compat as compat
 import fp8dist.dtypes as dtypes
 from fp8dist.engines.registry import checkpoint_reader
 from fp8dist.errors import Fp8distError
+from fp8dist.runtime.files import share
 
 MARKER = "fp8dist-export.json"  # says a directory is an fp8dist export, which a new export may replace
 WEIGHTS = "model.safetensors"
@@ -64,6 +65,10 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
     adapters merged in."""
     from fp8dist.engines.checkpoint import HF_CONFIG_DIR, find_latest, read_manifest
 
+    if not Path(checkpoint).is_dir():
+        why = "is a file, not a directory" if Path(checkpoint).exists() else "does not exist"
+        raise Fp8distError(f"{checkpoint}: {why}\n  fix: pass the --checkpoint-dir of a launch/train.py run, or one "
+                           "step-NNNNNNNN checkpoint in it")
     path = find_latest(checkpoint)
     if path is None:
         raise Fp8distError(f"{checkpoint}: no complete checkpoint in it"
@@ -140,9 +145,7 @@ def _publish(scratch: Path, out: Path, path: Path, manifest: dict, dtype: str, n
     """The marker, ordinary permissions, and the finished scratch directory renamed to OUT_DIR."""
     (scratch / MARKER).write_text(json.dumps({"checkpoint": str(path.absolute()), "step": manifest["step"],
                                               "dtype": dtype, "files": names}, indent=1) + "\n")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(scratch, 0o777 & ~umask)  # mkdtemp makes it private; an export is an ordinary directory
+    share(scratch)  # mkdtemp's directory and safetensors' files are private; an export is shared like any model
     if out.exists():
         shutil.rmtree(out)
     os.rename(scratch, out)

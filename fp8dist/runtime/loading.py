@@ -1,7 +1,7 @@
 """RAM-efficient loading of a local Hugging Face model directory (`parallel.cpu_ram_efficient_loading`):
 no rank ever holds the full model.
 
-FSDP2 (research/scaling.md 1.5, verified on gloo): build on the meta device in the master dtype, with the
+FSDP2 (as Accelerate 1.15 utils/fsdp_utils.py fsdp2_prepare_model does it; verified on gloo): build on the meta device in the master dtype, with the
 buffers real (accelerate.init_empty_weights(include_buffers=False): RoPE's inv_freq is computed, not
 stored); `fsdp2.prepare` converts, wraps, compiles and shards it; then `ShardOnRead.materialize`
 allocates the local shards (`to_empty`), puts the buffers back and reads each rank's rows straight from
@@ -28,7 +28,7 @@ from fp8dist.errors import Fp8distError
 import fp8dist.dtypes as dtypes
 from fp8dist.dtypes import torch_dtype
 from fp8dist.runtime.adapters import apply_adapter
-from fp8dist.runtime.models import LoadedModel, causal_lm_batch, check_model_name, load_model
+from fp8dist.runtime.models import BUILTIN, LoadedModel, causal_lm_batch, check_model_name, load_model
 from fp8dist.translate.deepspeed import to_deepspeed
 
 
@@ -212,9 +212,12 @@ def check_efficient_loading(name: str, spec) -> None:
     """RAM-efficient loading reads files: MODEL must be a local Hugging Face directory (said before launch)."""
     check_model_name(name)
     if spec.parallel.cpu_ram_efficient_loading and not Path(name).is_dir():
+        hub = name not in BUILTIN and ":" not in name
+        what, get = (("a Hugging Face Hub id", f"download it first (`hf download {name} --local-dir DIR`)") if hub else
+                     ("built in memory", "save it first (model.save_pretrained(DIR))"))
         raise Fp8distError(f"parallel.cpu_ram_efficient_loading reads a local Hugging Face model directory; MODEL "
-                           f"{name!r} is built in memory\n  fix: save it first (model.save_pretrained(DIR)) and "
-                           "pass --model DIR, or set parallel.cpu_ram_efficient_loading=false")
+                           f"{name!r} is {what}\n  fix: {get} and name DIR as the model where you named {name!r}, "
+                           "or set parallel.cpu_ram_efficient_loading=false")
 
 
 def load_for_run(name: str, spec, plan: dict | None = None) -> LoadedModel:

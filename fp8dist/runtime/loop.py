@@ -29,7 +29,7 @@ from fp8dist.engines import registry
 from fp8dist.engines.advice import advise
 from fp8dist.engines.base import Engine, FirstStepAudit
 from fp8dist.engines.registry import facts_for
-from fp8dist.errors import Fp8distError
+from fp8dist.errors import Checks, Fp8distError
 from fp8dist.runtime import process_group
 from fp8dist.runtime.data import SYNTHETIC_BATCHES, batches_for
 from fp8dist.runtime.loading import check_efficient_loading, load_for_run
@@ -164,14 +164,20 @@ def lost_peer(exc: BaseException) -> bool:
 
 def check_before_launch(spec: Spec, model_name: str, *, export_hf: str | None = None) -> dict:
     """What one process can refuse before any rank starts: the backend's library and hardware, the engine's own
-    refusals, the export destination, the model name. Returns the run's translation. (launch/train.py --check runs
-    it alone, so the launch scripts refuse with one message before torchrun or deepspeed starts a rank.)"""
-    plan = preflight(spec)
+    refusals, the export destination, the model name; every refusal at once (Problems). Returns the run's
+    translation. (launch/train.py --check runs it alone, so the launch scripts refuse with one message before
+    torchrun or deepspeed starts a rank.)"""
+    checks, plan = Checks(), None
+    with checks.one():
+        plan = preflight(spec)
     if export_hf:
         from fp8dist.runtime.export import check_destination
 
-        check_destination(export_hf)
-    check_efficient_loading(model_name, spec)
+        with checks.one():
+            check_destination(export_hf)
+    with checks.one():
+        check_efficient_loading(model_name, spec)
+    checks.raise_found()
     return plan
 
 

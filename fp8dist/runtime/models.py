@@ -1,9 +1,12 @@
 """Models for the audit, the demos and the tests: built in (no download), a local Hugging Face
-directory, or `package.module:factory`. Each comes with a function that makes an input batch."""
+directory, a Hugging Face Hub id (resolved by transformers: its cache, or the Hub where there is a network), or
+`package.module:factory`. Each comes with a function that makes an input batch."""
 from __future__ import annotations
 
+import difflib
 import importlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -113,24 +116,53 @@ def _from_hf_config(config, dtype: str, seed: int) -> Any:
 
 BUILTIN = {"tiny-llama": tiny_llama_config, "small-llama": small_llama_config, "tiny-qwen2": lambda: tiny_config("qwen2"),
            "tiny-mixtral": lambda: tiny_moe_config("mixtral"), "small-mixtral": small_mixtral_config}
+# What a MODEL argument may be, for every --help and refusal that names the forms.
+MODEL_FORMS = (f"a built-in name ({', '.join(BUILTIN)}), a local Hugging Face model directory, a Hugging Face Hub "
+               "id (org/name, from the Hub cache or downloaded where there is a network), or package.module:factory")
+# A Hugging Face Hub model id, `org/name` (huggingface_hub validate_repo_id: letters, digits, - _ .). A bare word is
+# not taken for one (the Hub's once org-less models have org/name ids, e.g. openai-community/gpt2): a misspelt
+# built-in name is said here, not asked of the network.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 def check_model_name(name: str) -> None:
-    """Refuse a MODEL that names nothing fp8dist can build or load (cheap: no torch import)."""
+    """Refuse a MODEL that names nothing fp8dist can build or load. No torch import, except for a Hub id, which
+    transformers resolves (hub_config)."""
     if name in BUILTIN or ":" in name:
         return
-    if Path(name).is_dir():
-        config = Path(name) / "config.json"
+    path = Path(name)
+    if path.is_dir():
+        config = path / "config.json"
         if not config.exists():
             raise Fp8distError(f"{name} has no config.json: not a Hugging Face model directory")
         try:
             json.loads(config.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise Fp8distError(f"{config}: not JSON ({exc})") from None
-        _check_safetensors(Path(name))
+        _check_safetensors(path)
         return
-    raise Fp8distError(f"unknown MODEL {name!r}: use a built-in name ({', '.join(BUILTIN)}), a local Hugging Face "
-                       "model directory, or package.module:factory")
+    if path.exists():
+        raise Fp8distError(f"MODEL {name!r} is a file\n  fix: name the directory that holds the model's config.json")
+    if not HUB_ID.fullmatch(name) or ".." in name or "--" in name:
+        close = difflib.get_close_matches(name, BUILTIN, n=1, cutoff=0.8)
+        why = f"did you mean {close[0]}?" if close else "no such directory, and not a Hugging Face Hub id (org/name)"
+        raise Fp8distError(f"unknown MODEL {name!r}: {why}\n  fix: use {MODEL_FORMS}")
+    hub_config(name)
+
+
+def hub_config(name: str):
+    """The config of the Hub model `name`, as transformers resolves it: from its cache, or the Hub where there is a
+    network (HF_HUB_OFFLINE=1: the cache only). Refused with transformers' own reason when it cannot."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name)
+    except Exception as exc:  # noqa: BLE001 - OSError (not found, offline, gated), ValueError (unknown model type)...
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise Fp8distError(f"unknown MODEL {name!r}: not a built-in name or a local directory, and transformers cannot "
+                           f"resolve it as a Hugging Face Hub id: {reason[:600]}\n  fix: check the id; where this "
+                           "machine has no network, put the model in its Hub cache (`hf download ID` where there is "
+                           "one, then copy HF_HUB_CACHE) or name its local directory") from None
 
 
 def _check_safetensors(directory: Path) -> None:
@@ -148,28 +180,30 @@ def _check_safetensors(directory: Path) -> None:
 
 
 def load_model(name: str, dtype: str, seed: int = 0) -> LoadedModel:
-    """Build or load MODEL in the load dtype. No network access ever."""
+    """Build or load MODEL in the load dtype. Only a Hub id may reach the network (transformers resolves it)."""
     check_model_name(name)
     if name in BUILTIN:
         config = BUILTIN[name]()
         return LoadedModel(_from_hf_config(config, dtype, seed), causal_lm_batch(config.vocab_size), name)
     if Path(name).is_dir():
-        return _load_local_hf(Path(name), dtype)
-    return _load_factory(name, dtype, seed)
+        return _load_hf(name, dtype, local=True)
+    if ":" in name:
+        return _load_factory(name, dtype, seed)
+    return _load_hf(name, dtype, local=False)
 
 
-def _load_local_hf(path: Path, dtype: str) -> LoadedModel:
-    import torch
+def _load_hf(name: str, dtype: str, local: bool) -> LoadedModel:
+    """A local Hugging Face directory (`local`: never the network), or a Hub id as transformers resolves it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    where = f"in {name}" if local else name
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch_dtype(dtype))
+        config = AutoConfig.from_pretrained(name, local_files_only=local)
+        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=local, dtype=torch_dtype(dtype))
     except Exception as exc:  # transformers and safetensors raise many kinds; each says its cause in one line
-        raise Fp8distError(f"cannot load the Hugging Face model in {path}: {type(exc).__name__}: "
+        raise Fp8distError(f"cannot load the Hugging Face model {where}: {type(exc).__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
-    del torch
-    return LoadedModel(model, causal_lm_batch(config.vocab_size), str(path))
+    return LoadedModel(model, causal_lm_batch(config.vocab_size), name)
 
 
 def _load_factory(target: str, dtype: str, seed: int) -> LoadedModel:

@@ -12,7 +12,7 @@ from fp8dist.config.spec import Spec
 from fp8dist.engines.deepspeed import check_environment as check_deepspeed_environment
 from fp8dist.engines.optim import check_optimizer_environment
 from fp8dist.engines.registry import facts_for
-from fp8dist.errors import UnsupportedEnvironment
+from fp8dist.errors import Checks, UnsupportedEnvironment
 from fp8dist.machine import device_info
 
 
@@ -22,15 +22,22 @@ def translate(spec: Spec) -> dict:
 
 
 def preflight(spec: Spec, plan: dict | None = None) -> dict:
-    """Refuse what cannot run here (UnsupportedEnvironment, ConfigError); returns the run's translation."""
+    """Refuse what cannot run here (UnsupportedEnvironment, ConfigError; several at once: Problems); returns the
+    run's translation. A torch that cannot run stops the checks; the others are independent, and all are said."""
     installed = compat.installed_version("torch")
     ok, reason = compat.torch_supported(compat.parse_version(installed)) if installed else (False, "torch is missing")
     if not ok:
         raise UnsupportedEnvironment(reason, f"pip install 'torch>={compat.fmt(compat.TORCH_FLOOR)}'")
     device = device_info()
-    get_backend(spec).check_environment(device)  # a missing library is the first thing to say
-    check_optimizer_environment(spec, device)
-    plan = plan or translate(spec)
-    if spec.engine == "deepspeed":
-        check_deepspeed_environment(spec, plan)
+    checks = Checks()
+    with checks.one():
+        get_backend(spec).check_environment(device)
+    with checks.one():
+        check_optimizer_environment(spec, device)
+    with checks.one():
+        plan = plan or translate(spec)
+    if plan is not None and spec.engine == "deepspeed":
+        with checks.one():
+            check_deepspeed_environment(spec, plan)
+    checks.raise_found()
     return plan

@@ -56,10 +56,16 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def is_launcher_report(line: str) -> bool:
+    """A line of torchrun's own failure report (said better by fp8dist's message)."""
+    text = line.strip()
+    return (any(text.startswith(noise) for noise in _ELASTIC_NOISE)
+            or "torch.distributed.elastic" in line or "torch/distributed/elastic" in line
+            or re.fullmatch(r"\S+ FAILED", text) is not None)  # torchrun's "<module> FAILED" banner
+
+
 def failure_tail(output: str, lines: int = 15) -> str:
-    kept = [line for line in output.strip().splitlines()
-            if not any(line.strip().startswith(noise) or "torch.distributed.elastic" in line for noise in _ELASTIC_NOISE)
-            and not re.fullmatch(r"\S+ FAILED", line.strip())]  # torchrun's "<module> FAILED" banner
+    kept = [line for line in output.strip().splitlines() if not is_launcher_report(line)]
     return "\n".join(kept[-lines:])
 
 

@@ -1,6 +1,6 @@
 """Spec -> DeepSpeed config dict. Pure: no torch, no deepspeed import.
 
-Rules (research/deepspeed.md, DeepSpeed 0.19.8 sources):
+Rules (DeepSpeed 0.19.8 sources: deepspeed/runtime/config.py, deepspeed/runtime/precision_config.py):
 - exactly one of `bf16` / `fp16` / `torch_autocast`; never `amp` (removed in 0.19.8, #8564);
 - `torch_autocast` always with an explicit `dtype` (its default is fp16 on CUDA);
 - never `"auto"` inside a typed section (DeepSpeedConfigModel drops it silently);
@@ -34,7 +34,28 @@ def target_deepspeed_version(explicit: str | None) -> tuple[compat.Version, str]
 
 
 def to_deepspeed(spec: Spec, deepspeed_version: str | None = None) -> dict[str, Any]:
+    """The DeepSpeed config of `spec`, `deepspeed.extra` merged last; every problem of both at once (ConfigError)."""
     version, origin = target_deepspeed_version(deepspeed_version)
+    config, issues = _generated(spec, version, origin)
+    merged, extra_issues = _merged_with_extra(config, spec.deepspeed.extra, version)
+    if issues or extra_issues:
+        raise ConfigError(issues + extra_issues, spec.source)
+    return merged
+
+
+def extra_issues(spec: Spec) -> list[Issue]:
+    """What `translate --to deepspeed` refuses in `deepspeed.extra`, for the DeepSpeed it targets by default (installed,
+    else newest known): `validate` runs these checks too, so it never accepts an extra that translate refuses. The
+    checks of the generated sections against a DeepSpeed release (MS-AMP's windows, torch_autocast, bf16 masters)
+    stay with translate and the run's preflight, which know the version."""
+    if not spec.deepspeed.extra:
+        return []
+    version, origin = target_deepspeed_version(None)
+    return _merged_with_extra(_generated(spec, version, origin)[0], spec.deepspeed.extra, version)[1]
+
+
+def _generated(spec: Spec, version, origin) -> tuple[dict[str, Any], list[Issue]]:
+    """The keys fp8dist generates from the config (before `deepspeed.extra`), and what `version` cannot take."""
     issues: list[Issue] = []
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": spec.train.micro_batch_size,
@@ -56,9 +77,45 @@ def to_deepspeed(spec: Spec, deepspeed_version: str | None = None) -> dict[str, 
             config["zero_force_ds_cpu_optimizer"] = False
     if spec.fp8.backend == "msamp":
         config["msamp"] = _msamp_section(spec, version, origin, issues)
-    if issues:
-        raise ConfigError(issues, spec.source)
-    return merge_extra(config, spec.deepspeed.extra, version, spec.source)
+    return config, issues
+
+
+# The fp8dist key each generated DeepSpeed key comes from (dotted DeepSpeed path, or its section: the longest one
+# that prefixes a key wins), so a conflicting `deepspeed.extra` key is answered with the key to set instead.
+_LOSS_SCALING = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+GENERATED_FROM = {
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.gradient_accumulation_steps",
+    "gradient_clipping": "train.gradient_clipping",
+    "steps_per_print": "deepspeed.steps_per_print",
+    "communication_data_type": "precision.reduce_dtype",
+    "bf16": "precision.mixed_precision (bf16 with master weights)",
+    "bf16.bf16_master_weights_and_grads": "precision.master_weights",
+    "bf16.bf16_optimizer_states": "optimizer.state_dtype",
+    "fp16": "precision.mixed_precision (fp16 with master weights)",
+    **{f"fp16.{key}": f"precision.loss_scaling.{key}" for key in _LOSS_SCALING},
+    "fp16.fp16_master_weights_and_grads": "precision.master_weights",
+    "torch_autocast": "precision.mixed_precision (with precision.master_weights=none)",
+    "zero_optimization.stage": "parallel.sharding (or deepspeed.zero_stage)",
+    "zero_optimization.zero_hpz_partition_size": "parallel.shard_size",
+    "zero_optimization.offload_optimizer": "parallel.offload (or deepspeed.offload_optimizer)",
+    "zero_optimization.offload_param": "parallel.offload (or deepspeed.offload_param)",
+    "zero_optimization.offload_optimizer.nvme_path": "deepspeed.nvme_path",
+    "zero_optimization.offload_param.nvme_path": "deepspeed.nvme_path",
+    "data_types.grad_accum_dtype": "deepspeed.grad_accum_dtype",
+    "zero_allow_untested_optimizer": "optimizer.name",
+    "zero_force_ds_cpu_optimizer": "optimizer.name (with deepspeed.offload_optimizer)",
+    "msamp": "precision.fp8.backend (msamp)",
+    "msamp.opt_level": "precision.fp8.msamp.opt_level",
+    "msamp.use_te": "precision.fp8.msamp.use_te",
+}
+
+
+def generated_from(dotted: str) -> str | None:
+    """The fp8dist key that produces the generated DeepSpeed key `dotted` (GENERATED_FROM)."""
+    parts = dotted.split(".")
+    return next((GENERATED_FROM[".".join(parts[:n])] for n in range(len(parts), 0, -1)
+                 if ".".join(parts[:n]) in GENERATED_FROM), None)
 
 
 _HOW = ("run `deepspeed launch/train.py --fp8dist-config CONFIG`, or call fp8dist.engines.deepspeed.initialize(model, "
@@ -160,9 +217,9 @@ def _leaves(node: dict[str, Any], prefix: tuple = ()):
             yield prefix + (key,), value
 
 
-def merge_extra(config: dict[str, Any], extra: dict[str, Any], version, source: str) -> dict[str, Any]:
-    """Merge `deepspeed.extra` last. A key the translation generated, `"auto"`, `amp` on a
-    DeepSpeed that rejects it, or a second 16-bit mode are errors naming both sides."""
+def _merged_with_extra(config: dict[str, Any], extra: dict[str, Any], version) -> tuple[dict[str, Any], list[Issue]]:
+    """`deepspeed.extra` merged last, and what it cannot hold: a key the translation generated (named with the
+    fp8dist key that produces it), `"auto"`, `amp` on a DeepSpeed that rejects it, or a second 16-bit mode."""
     merged = copy.deepcopy(config)
     issues = []
     for path, value in _leaves(extra):
@@ -174,9 +231,11 @@ def merge_extra(config: dict[str, Any], extra: dict[str, Any], version, source: 
                 break
             node = node[part]
         if generated and path[-1] in node:
+            source = generated_from(dotted)
             issues.append(Issue(f"deepspeed.extra.{dotted}", f"conflicts with `{dotted}` = {node[path[-1]]!r}, which "
-                                "fp8dist generates from the config", value,
-                                "set it through the fp8dist key that produces it, or drop it from extra"))
+                                f"fp8dist generates from {source or 'the config'}", value,
+                                f"set {source.split(' ')[0]} instead, or drop {dotted} from deepspeed.extra" if source
+                                else "set it through the fp8dist key that produces it, or drop it from extra"))
             continue
         if value == "auto":
             issues.append(Issue(f"deepspeed.extra.{dotted}", "\"auto\" is only filled in by Accelerate/HF Trainer; "
@@ -193,9 +252,7 @@ def merge_extra(config: dict[str, Any], extra: dict[str, Any], version, source: 
         issues.append(Issue("deepspeed.extra", f"enables a second precision mode next to the generated one "
                             f"({', '.join(enabled + (['torch_autocast'] if 'torch_autocast' in merged else []))}); "
                             "DeepSpeed allows only one", fix="choose the mode with precision.mixed_precision"))
-    if issues:
-        raise ConfigError(issues, source)
-    return merged
+    return merged, issues
 
 
 def _set(node: dict[str, Any], path: tuple, value: Any) -> None:

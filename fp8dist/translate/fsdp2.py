@@ -84,7 +84,7 @@ def to_fsdp2(spec: Spec, torchao_version: str | None = None, te_version: str | N
                  "auto_rule": "Hugging Face _no_split_modules, else the children of the first nn.ModuleList"},
         "sharding": fsdp2_layout(spec.to_dict()),
         # pin_memory needs CUDA: CPUOffloadPolicy() pins by default and fails on CPU-only torch
-        # (torch 2.13 _fsdp_param.py; research/scaling.md section 6). The runtime pins where CUDA exists.
+        # (torch 2.13 torch/distributed/fsdp/_fully_shard/_fsdp_param.py). The runtime pins where CUDA exists.
         "offload_policy": {"class": "CPUOffloadPolicy", "pin_memory": "where CUDA is available"}
         if spec.parallel.offload == "params" else None,
         "activation_checkpointing": spec.parallel.activation_checkpointing,

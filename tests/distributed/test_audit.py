@@ -42,9 +42,9 @@ def test_table_b_rows_reproduce(config, row):
 def test_torchao_float8_gemm_and_float8_all_gather():
     result = audit("tiny-llama", "fsdp2-torchao-float8")
     assert result.returncode == 0, result.stderr[-3000:]
-    _, by_phase = checks(result)
+    data, by_phase = checks(result)
     gemm = by_phase["gemm"]
-    assert gemm["observed"] == "fp8"
+    assert gemm["observed"] == "fp8" and data["fp8_emulated"] is True  # emulate: true, as on every CPU
     assert "e4m3xe4m3" in gemm["detail"] and "e5m2xe4m3" in gemm["detail"]  # forward, backward (grad in e5m2)
     assert by_phase["weight_all_gather"]["observed"] == "fp8"
     assert by_phase["training"]["observed"] == "bf16"  # lm_head and attention stay bf16
@@ -111,6 +111,7 @@ def test_moe_experts_in_fp8_pass_and_a_linear_only_conversion_fails_naming_them(
     assert converted.returncode == 0, converted.stdout[-3000:] + converted.stderr[-3000:]
     data, _ = checks(converted)
     assert data["gemm_flops"]["fp8_share"] >= 0.75 and data["gemm_flops"]["by_format"]["mxfp8"] > 0.5
+    assert data["fp8_emulated"] is True
     linears_only = audit(model, "fsdp2-moe-mxfp8", overrides=["precision.fp8.torchao.experts=none"])
     assert linears_only.returncode == 1
     data, by_phase = checks(linears_only)

@@ -84,7 +84,8 @@ def test_msamp_o2_trains_under_deepspeed_on_gpu():
 @pytest.mark.parametrize("level", ["o1", "o2", "o3"])
 def test_msamp_audit_against_table_a(level):
     """The MS-AMP rows of table A, measured on the Linear weights MS-AMP converts. MS-AMP's code (not its
-    docs) casts weights to e4m3 with fp16 masters under DeepSpeed at every level (research/msamp.md 4): a
+    docs) casts weights to e4m3 with fp16 masters under DeepSpeed at every level (Azure/MS-AMP v0.4.0
+    msamp/deepspeed/runtime/engine.py, zero/fp8_stage_1_and_2.py): a
     failing O1/O2 'weights' row here is that finding, reported, not hidden."""
     data, by_phase = audit(f"msamp-{level}")
     assert by_phase["gemm"]["observed"] == "fp8", by_phase["gemm"]

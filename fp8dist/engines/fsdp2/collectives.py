@@ -2,7 +2,7 @@
 sends (benchmarks/comm_bytes.py; the audit reads every collective on the wire instead: fp8dist.audit.wire).
 
 gloo has no float8 dtypes ("Invalid scalar type"), so 1-byte floats are viewed as uint8 for the
-transfer (research/torchao_fsdp2.md 1.5); the bytes sent are unchanged. Interface:
+transfer (torch 2.13 ProcessGroupGloo has no case for them); the bytes sent are unchanged. Interface:
 torch.distributed.fsdp._fully_shard._fsdp_collectives.DefaultAllGather (torch 2.13).
 """
 from __future__ import annotations

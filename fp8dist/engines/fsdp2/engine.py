@@ -1,7 +1,7 @@
 """FSDP2 engine: execute the plan of fp8dist.translate.fsdp2 on a real model.
 
-The order of model transforms, written once here (torchtitan parallelize_llama, Accelerate fsdp2_prepare_model;
-research/scaling.md 1.5): upcast to the master dtype (FSDP2 wants one original dtype per group) -> FP8
+The order of model transforms, written once here (torchtitan parallelize_llama, Accelerate fsdp2_prepare_model):
+upcast to the master dtype (FSDP2 wants one original dtype per group) -> FP8
 conversion -> activation checkpointing -> torch.compile per block, in place -> fully_shard each block, then the
 root, on the mesh of `parallel.sharding` -> (meta-built models) materialise the shards and load the weights ->
 the optimizer. Compiling blocks in place before sharding (torchtitan apply_compile: "per-TransformerBlock compile

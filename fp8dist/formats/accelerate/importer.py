@@ -1,4 +1,4 @@
-"""An Accelerate config file (`accelerate config` / seed 004's fsdp_config.yaml) -> an fp8dist config.
+"""An Accelerate config file (`accelerate config` / examples/config_yaml_templates/fsdp.yaml) -> an fp8dist config.
 
 Read as accelerate 1.15 runs it (compat.ACCELERATE_KNOWN): FSDP (1 or 2) becomes engine fsdp2 with the
 precision Accelerate's FSDP2 gives (mixed_precision X: MixedPrecisionPolicy(X, X, X) on weights upcast to fp32;
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fp8dist.errors import Issue
-from fp8dist.formats.common import (Imported, ImportProblem, Notes, integer, mapping, read_beside, read_json_text,
-                               set_path, truthy)
+from fp8dist.formats.common import (LAUNCHER_FLAGS, Imported, ImportProblem, Launcher, Notes, integer, mapping,
+                                   read_beside, read_json_text, set_path, truthy)
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
 from fp8dist.formats.accelerate.sections import fp8_section, fsdp_settings, note_accelerate_refusals
 from fp8dist.formats.accelerate.translate import ADAPTER_MARK, LOAD_DTYPE_MARK
@@ -91,7 +91,9 @@ def _distributed_type(doc: dict[str, Any], notes: Notes, source: str) -> str:
     return str(value).upper()
 
 
-def convert(document: dict[str, Any], text: str, source: str) -> Imported:
+def convert(document: dict[str, Any], text: str, source: str, launcher: Launcher = Launcher()) -> Imported:
+    """`launcher`: what the `accelerate launch` command line (and the script) give: its --mixed_precision wins over
+    the file's, as in commands/launch.py _validate_launch_command; batch and learning rate are the script's."""
     notes, issues = Notes(), []
     doc = dict(document)
     mark = _MARK.search(text)
@@ -99,17 +101,26 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
     dist = _distributed_type(doc, notes, source)
     raw_mixed = doc.pop("mixed_precision", None)
     mixed = "no" if raw_mixed in (None, False) else str(raw_mixed).lower()
-    if mixed not in ("no", "bf16", "fp16", "fp8"):
+    if mixed not in ("no", "bf16", "fp16", "fp8"):  # said, and the rest of the file read as without it
         issues.append(Issue("mixed_precision", "not one of Accelerate's modes", raw_mixed, "use no, bf16, fp16 or fp8"))
-        raise ImportProblem(issues, source, "accelerate")
+        mixed = "no"
+    if launcher.mixed_precision:
+        section = doc.get("deepspeed_config")
+        beside_file = dist == "DEEPSPEED" and isinstance(section, Mapping) and section.get(
+            "deepspeed_config_file") not in (None, "none")  # said in _deepspeed
+        if raw_mixed is not None and launcher.mixed_precision != mixed and not beside_file:
+            notes.resolved("mixed_precision", launcher.mixed_precision, f"--mixed-precision, as accelerate launch "
+                           f"--mixed_precision, wins over the file's {mixed}")
+        mixed = launcher.mixed_precision
     fp8_config = mapping(doc.pop("fp8_config", None), "fp8_config")
     if mixed != "fp8" and fp8_config:
         notes.dropped("fp8_config", fp8_config, "acts only with mixed_precision: fp8 (accelerate launch exports it then)")
     if dist == "DEEPSPEED":
-        out = _deepspeed(mapping(doc.pop("deepspeed_config", None), "deepspeed_config"), raw_mixed, mixed, notes,
-                         issues, source)
+        out = _deepspeed(mapping(doc.pop("deepspeed_config", None), "deepspeed_config"), raw_mixed, mixed, launcher,
+                         notes, issues, source)
     elif dist == "FSDP" or dist in _DDP:
         out = _fsdp(doc, dist, mixed, load_dtype, notes, issues, source)
+        _script_values(launcher, out, notes)
     else:
         raise ImportProblem([Issue("distributed_type", "fp8dist runs FSDP2 or DeepSpeed (or replicated data parallelism "
                                    "as FSDP2 with nothing sharded); this Accelerate mode (Megatron-LM, TPU) has no fp8dist "
@@ -203,6 +214,19 @@ def _fsdp(doc: dict[str, Any], dist: str, mixed: str, load_dtype: str | None, no
     return out
 
 
+def _script_values(launcher: Launcher, out: dict[str, Any], notes: Notes) -> None:
+    """The batch and learning rate given as flags: under FSDP or DDP they are the script's (its DataLoader,
+    Accelerator(gradient_accumulation_steps=...) and optimizer), which an Accelerate config file does not hold."""
+    for field, key in (("per_device_train_batch_size", "train.micro_batch_size"),
+                       ("gradient_accumulation_steps", "train.gradient_accumulation_steps"),
+                       ("learning_rate", "optimizer.lr")):
+        value = getattr(launcher, field)
+        if value is not None:
+            set_path(out, key, value)
+            notes.resolved(key, value, f"{LAUNCHER_FLAGS[field]}: the script's value (an Accelerate config file has "
+                           "no place for it)")
+
+
 def _gpus_per_node(doc: Mapping[str, Any]) -> int | None:
     processes, machines = doc.get("num_processes"), doc.get("num_machines", 1)
     if isinstance(processes, int) and processes > 0 and isinstance(machines, int) and machines > 0:
@@ -211,26 +235,41 @@ def _gpus_per_node(doc: Mapping[str, Any]) -> int | None:
 
 
 # -- DeepSpeed -----------------------------------------------------------------------------------------------
-def _deepspeed(config: dict[str, Any], raw_mixed: Any, mixed: str, notes: Notes, issues: list[Issue],
-               source: str) -> dict[str, Any] | None:
+def _deepspeed(config: dict[str, Any], raw_mixed: Any, mixed: str, launcher: Launcher, notes: Notes,
+               issues: list[Issue], source: str) -> dict[str, Any] | None:
     config = dict(config)
     file = config.pop("deepspeed_config_file", None)
     zero3_init = config.pop("zero3_init_flag", None)
     for key in [k for k in config if (rule := DEEPSPEED_KEYS.rule(k)) is not None and rule.cls is KeyClass.NO_EFFECT]:
         DEEPSPEED_KEYS.settle(key, config.pop(key), notes, issues, shown=f"deepspeed_config.{key}")
     if file not in (None, "none"):
-        if raw_mixed is not None:
-            notes.dropped("mixed_precision", raw_mixed, "accelerate launch refuses it next to a deepspeed_config_file "
-                          "(the DeepSpeed config's sections decide); used only to fill \"auto\"")
+        # accelerate 1.15 commands/launch.py launch_command: a mixed_precision from the config file (not from the
+        # command line) goes into ACCELERATE_CONFIG_DS_FIELDS, which DeepSpeedPlugin._deepspeed_config_checks
+        # refuses next to a deepspeed_config_file; `accelerate launch --mixed_precision X` is the launch's precision.
+        if raw_mixed is not None and launcher.mixed_precision is None:
+            issues.append(Issue("mixed_precision", "accelerate launch refuses it next to a deepspeed_config_file "
+                                "(DeepSpeedPlugin._deepspeed_config_checks) unless its --mixed_precision flag is "
+                                "given, which then decides", raw_mixed,
+                                "remove it from the file (`accelerate config` writes none with a deepspeed_config_file) "
+                                "and pass the precision you launch with: fp8dist import FILE --mixed-precision "
+                                "no|fp16|bf16, as accelerate launch --mixed_precision"))
+        elif raw_mixed is not None:
+            notes.dropped("mixed_precision", raw_mixed, "next to a deepspeed_config_file, accelerate launch "
+                          "--mixed_precision (here --mixed-precision) takes its place")
         for key, value in config.items():
             notes.dropped(f"deepspeed_config.{key}", value, "accelerate launch refuses it next to a "
                           "deepspeed_config_file")
-        ds, where = _deepspeed_file(str(file), source)
-        ctx = AutoContext(mixed_precision=mixed if raw_mixed is not None else None)
+        try:
+            ds, where = _deepspeed_file(str(file), source)
+        except ImportProblem as exc:  # reported with the file's other problems
+            issues.extend(exc.issues)
+            return None
+        ctx = AutoContext.of_launch(launcher, who="accelerate launch")
         prefix = f"deepspeed_config_file ({where}): "
     else:
-        ds = _plugin_config(config, mixed, notes, issues)
-        ctx, prefix = AutoContext(mixed_precision=mixed), "deepspeed_config (as DeepSpeedPlugin builds it): "
+        ds = _plugin_config(config, mixed, notes, issues)  # its bf16 / fp16 sections written from `mixed`
+        ctx = AutoContext.of_launch(launcher, who="Accelerate 1.15")
+        prefix = "deepspeed_config (as DeepSpeedPlugin builds it): "
     try:
         out = convert_config(ds, source, notes, ctx, prefix)
     except ImportProblem as exc:

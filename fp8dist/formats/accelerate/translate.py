@@ -10,17 +10,23 @@ Everything here follows accelerate 1.15 (compat.ACCELERATE_KNOWN):
   utils/fsdp_utils.py).
 
 What Accelerate cannot express is an error naming the fp8dist key (docs/accelerate.md lists them), never a
-silent drop. The DeepSpeed config is fp8dist's own translation (to_deepspeed), carried whole.
+silent drop. For a config file, `nearest_accelerate_file` moves each such key to the nearest value Accelerate can
+express (Refusal.nearest) and lists every difference; keys with no near value (FP8 under DeepSpeed, FP8 experts or
+adapters, fp16 loss scaling on FSDP2, ...) stay refused. The DeepSpeed config is fp8dist's own translation
+(to_deepspeed), carried whole.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 import fp8dist.compat as compat
+from fp8dist.config.load import load_config
 from fp8dist.config.spec import Spec
 from fp8dist.errors import ConfigError, Fp8distError, Issue
-from fp8dist.formats.common import comment_line
+from fp8dist.formats.common import comment_line, set_path
 from fp8dist.translate.deepspeed import to_deepspeed
 from fp8dist.translate.fsdp2 import float8_plan
 
@@ -30,6 +36,14 @@ MODES = ("file", "python", "trainer")
 _HOW = {"file": "an Accelerate config file", "python": "Accelerate's Accelerator",
         "trainer": "transformers.TrainingArguments (through Accelerate)"}
 _HELPER = "fp8dist.integrations.accelerator_kwargs(CONFIG) in your script"
+
+
+@dataclass(frozen=True)
+class Refusal(Issue):
+    """What Accelerate cannot express, with the nearest setting it can (`nearest`: fp8dist keys -> values; None where
+    no Accelerate run keeps what the key asks for: FP8 under DeepSpeed, MoE experts or LoRA adapters in FP8, ...)."""
+
+    nearest: dict[str, Any] | None = field(default=None, kw_only=True, compare=False)
 
 
 class NotExpressible(ConfigError):
@@ -80,16 +94,17 @@ def _check_fp8_compute(spec: Spec, mode: str, issues: list[Issue]) -> None:
     if not spec.fp8.enabled:
         return
     if mode == "trainer":
-        issues.append(Issue("precision.fp8.backend", "transformers.TrainingArguments has no FP8 setting: it reads FP8 "
+        issues.append(Refusal("precision.fp8.backend", "transformers.TrainingArguments has no FP8 setting: it reads FP8 "
                             "only from ACCELERATE_MIXED_PRECISION=fp8 and turns it off again when bf16 or fp16 is set "
                             "(transformers 5 training_args.py, section 'Mixed Precision')", spec.fp8.backend,
                             "launch with the file of `fp8dist translate CONFIG --to accelerate`, or build the "
                             f"Accelerator with {_HELPER}"))
     if p.mixed_precision != compat.ACCELERATE_FP8_COMPUTE_DTYPE:
-        issues.append(Issue("precision.mixed_precision", "Accelerate's fp8 mode computes every non-FP8 op in bf16 "
+        issues.append(Refusal("precision.mixed_precision", "Accelerate's fp8 mode computes every non-FP8 op in bf16 "
                             "(FSDP2: MixedPrecisionPolicy of bf16; DeepSpeed: a bf16 section, and an fp16 section is "
                             "refused; accelerate 1.15 utils/dataclasses.py set_mixed_precision)", p.mixed_precision,
-                            "set precision.mixed_precision=bf16 (with master_weights=fp32)"))
+                            "set precision.mixed_precision=bf16 (with master_weights=fp32)",
+                              nearest={"precision.mixed_precision": "bf16"}))
 
 
 def _fsdp_plan(spec: Spec, mode: str, mixed: str, issues: list[Issue], notes: list[str]) -> dict[str, Any]:
@@ -100,14 +115,15 @@ def _fsdp_plan(spec: Spec, mode: str, mixed: str, issues: list[Issue], notes: li
     if p.weight_dtype != stored:
         key = "precision.master_weights" if p.master_weights != "none" else "precision.load_dtype"
         value = p.master_weights if p.master_weights != "none" else p.load_dtype
-        issues.append(Issue(key, f"Accelerate's FSDP2 keeps the weights the optimizer steps in {stored}: with "
+        issues.append(Refusal(key, f"Accelerate's FSDP2 keeps the weights the optimizer steps in {stored}: with "
                             "mixed_precision set it upcasts every trainable parameter to fp32, without it they stay "
                             "in the loading dtype (accelerate 1.15 utils/fsdp_utils.py fsdp2_prepare_model); this "
                             f"config steps {p.weight_dtype}", value,
-                            "use master_weights=fp32 with mixed precision, or master_weights=none without it"))
+                            "use master_weights=fp32 with mixed precision, or master_weights=none without it",
+                              nearest={"precision.master_weights": "fp32" if mixed != "no" else "none"}))
     if p.compute_dtype == "fp16":
         ls = p.loss_scaling
-        issues.append(Issue("precision.loss_scaling", "Accelerate scales fp16 losses under FSDP2 with torch's GradScaler, "
+        issues.append(Refusal("precision.loss_scaling", "Accelerate scales fp16 losses under FSDP2 with torch's GradScaler, "
                             "which has neither hysteresis nor a minimum scale and grows every 2000 steps by default "
                             "(accelerate 1.15 accelerator.py get_fsdp2_grad_scaler); fp8dist's schedule (DeepSpeed's) "
                             "cannot be given to it", {"hysteresis": ls.hysteresis, "min_loss_scale": ls.min_loss_scale,
@@ -121,42 +137,47 @@ def _fsdp_plan(spec: Spec, mode: str, mixed: str, issues: list[Issue], notes: li
             how = (f"mixed_precision {mixed} gives FSDP2 one dtype for parameters, reduction and outputs ({want})"
                    if compute else "without mixed_precision FSDP2 reduces in the parameters' dtype "
                    f"(the loading dtype, {p.load_dtype})")
-            issues.append(Issue("precision.reduce_dtype", f"{_HOW[mode]} cannot set a reduce dtype: {how} "
+            issues.append(Refusal("precision.reduce_dtype", f"{_HOW[mode]} cannot set a reduce dtype: {how} "
                                 "(accelerate 1.15 utils/dataclasses.py FullyShardedDataParallelPlugin.set_mixed_precision)",
                                 p.reduce_dtype, f"set precision.reduce_dtype={want}, or build the Accelerator with "
-                                f"{_HELPER} (it passes a MixedPrecisionPolicy)"))
+                                f"{_HELPER} (it passes a MixedPrecisionPolicy)", nearest={"precision.reduce_dtype": want}))
         if not f.cast_forward_inputs:
-            issues.append(Issue("fsdp2.cast_forward_inputs", f"{_HOW[mode]} cannot set MixedPrecisionPolicy."
+            issues.append(Refusal("fsdp2.cast_forward_inputs", f"{_HOW[mode]} cannot set MixedPrecisionPolicy."
                                 "cast_forward_inputs (it keeps torch's default, true)", False,
-                                f"remove the key, or build the Accelerator with {_HELPER}"))
+                                f"remove the key, or build the Accelerator with {_HELPER}",
+                                  nearest={"fsdp2.cast_forward_inputs": True}))
     if f.output_dtype is not None and f.output_dtype != compute:
-        issues.append(Issue("fsdp2.output_dtype", "Accelerate gives every FSDP2 unit the same MixedPrecisionPolicy, "
+        issues.append(Refusal("fsdp2.output_dtype", "Accelerate gives every FSDP2 unit the same MixedPrecisionPolicy, "
                             "so an output dtype for the root alone cannot be set (accelerate 1.15 utils/fsdp_utils.py "
                             "fsdp2_prepare_model)", f.output_dtype,
-                            "remove fsdp2.output_dtype (outputs stay in the compute dtype)"))
+                            "remove fsdp2.output_dtype (outputs stay in the compute dtype)",
+                              nearest={"fsdp2.output_dtype": None}))
     sharding = "full" if par.sharding == "auto" else par.sharding
     parallelism = None
     if sharding == "hybrid":
         if mode == "file":
-            issues.append(Issue("parallel.sharding", "an Accelerate config file writes HSDP as parallelism_config "
+            issues.append(Refusal("parallel.sharding", "an Accelerate config file writes HSDP as parallelism_config "
                                 "dp_replicate_size x dp_shard_size, which must equal the number of processes, and an "
                                 "fp8dist config does not fix the world size", "hybrid",
                                 f"build the Accelerator with {_HELPER} (it reads WORLD_SIZE), or add "
                                 f"parallelism_config_dp_shard_size: {par.shard_size} and "
                                 "parallelism_config_dp_replicate_size: WORLD/"
-                                f"{par.shard_size} under parallelism_config yourself"))
+                                f"{par.shard_size} under parallelism_config yourself",
+                                  nearest={"parallel.sharding": "full", "parallel.shard_size": None}))
         parallelism = {"dp_shard_size": par.shard_size, "dp_replicate_size": f"world_size / {par.shard_size}"}
     if par.activation_checkpointing == "selective":
-        issues.append(Issue("parallel.activation_checkpointing", "Accelerate's FSDP2 activation checkpointing wraps "
+        issues.append(Refusal("parallel.activation_checkpointing", "Accelerate's FSDP2 activation checkpointing wraps "
                             "whole blocks (torch checkpoint_wrapper, full recompute); it has no op-level policy "
                             "(accelerate 1.15 accelerator.py)", "selective",
-                            "use parallel.activation_checkpointing=full, or fp8dist's own runtime"))
+                            "use parallel.activation_checkpointing=full, or fp8dist's own runtime",
+                              nearest={"parallel.activation_checkpointing": "full"}))
     if par.cpu_ram_efficient_loading and spec.fp8.backend == "torchao":
-        issues.append(Issue("parallel.cpu_ram_efficient_loading", "Accelerate refuses torchao FP8 with FSDP2 and "
+        issues.append(Refusal("parallel.cpu_ram_efficient_loading", "Accelerate refuses torchao FP8 with FSDP2 and "
                             "cpu_ram_efficient_loading (accelerate 1.15 accelerator.py: 'torchao with FSDP2 and "
                             "cpu_ram_efficient_loading is not supported')", True,
                             "set parallel.cpu_ram_efficient_loading=false for Accelerate, or keep it and run "
-                            "fp8dist's own FSDP2 runtime (launch/torchrun.sh), which loads each rank's shards"))
+                            "fp8dist's own FSDP2 runtime (launch/torchrun.sh), which loads each rank's shards",
+                              nearest={"parallel.cpu_ram_efficient_loading": False}))
     if par.cpu_ram_efficient_loading:
         notes.append("RAM-efficient loading in Accelerate: rank 0 reads the checkpoint and broadcasts the shards "
                      "(fsdp2_load_full_state_dict); fp8dist's runtime reads each rank's own rows")
@@ -183,16 +204,16 @@ def _ddp_plan(spec: Spec, mode: str, issues: list[Issue], notes: list[str]) -> d
     torch DistributedDataParallel). fp8dist's replicate keeps its own numbers where that differs: refused, named."""
     p, par, issues_before = spec.precision, spec.parallel, len(issues)
     if p.weight_dtype != p.load_dtype:
-        issues.append(Issue("precision.master_weights", f"Accelerate's DDP steps the weights as loaded "
+        issues.append(Refusal("precision.master_weights", f"Accelerate's DDP steps the weights as loaded "
                             f"({p.load_dtype}); this config keeps {p.weight_dtype} master weights", p.master_weights,
                             "set precision.master_weights=none (or load in the master dtype: precision.load_dtype="
-                            f"{p.weight_dtype})"))
+                            f"{p.weight_dtype})", nearest={"precision.load_dtype": p.weight_dtype}))
     if p.reduce_dtype != p.load_dtype:
-        issues.append(Issue("precision.reduce_dtype", f"DDP all-reduces each gradient in its parameter's dtype "
+        issues.append(Refusal("precision.reduce_dtype", f"DDP all-reduces each gradient in its parameter's dtype "
                             f"({p.load_dtype}); this config reduces in {p.reduce_dtype}", p.reduce_dtype,
-                            f"set precision.reduce_dtype={p.load_dtype}"))
+                            f"set precision.reduce_dtype={p.load_dtype}", nearest={"precision.reduce_dtype": p.load_dtype}))
     if p.compute_dtype == "fp16":
-        issues.append(Issue("precision.loss_scaling", "Accelerate scales fp16 losses with torch's GradScaler, which has "
+        issues.append(Refusal("precision.loss_scaling", "Accelerate scales fp16 losses with torch's GradScaler, which has "
                             "neither hysteresis nor a minimum scale; fp8dist's schedule (DeepSpeed's) cannot be given "
                             "to it", p.mixed_precision, "use bf16, or fp8dist's own runtime (launch/train.py)"))
     for key, value, why in (("parallel.offload", par.offload, "DDP keeps everything on the device"),
@@ -201,13 +222,14 @@ def _ddp_plan(spec: Spec, mode: str, issues: list[Issue], notes: list[str]) -> d
                             ("parallel.cpu_ram_efficient_loading", par.cpu_ram_efficient_loading, "Accelerate's "
                              "RAM-efficient loading is FSDP's")):
         if value not in ("none", False):
-            issues.append(Issue(key, f"{why} (accelerate 1.15)", value,
+            issues.append(Refusal(key, f"{why} (accelerate 1.15)", value,
                                 "remove it for Accelerate's DDP, or use parallel.sharding=full (FSDP) / fp8dist's own "
                                 "runtime" + (" (call model.gradient_checkpointing_enable() in your script for "
-                                             "activation checkpointing)" if "activation" in key else "")))
+                                             "activation checkpointing)" if "activation" in key else ""),
+                                  nearest={key: False if value is True else "none"}))
     if mode != "python" and not spec.fsdp2.cast_forward_inputs:
-        issues.append(Issue("fsdp2.cast_forward_inputs", "an FSDP2 setting; Accelerate's DDP has no such policy", False,
-                            "remove the key"))
+        issues.append(Refusal("fsdp2.cast_forward_inputs", "an FSDP2 setting; Accelerate's DDP has no such policy", False,
+                              "remove the key", nearest={"fsdp2.cast_forward_inputs": True}))
     if len(issues) == issues_before:
         notes.append("DDP: run it with `accelerate launch --num_processes N` (N 1 runs one process); the weights stay in "
                      f"the loading dtype ({p.load_dtype}), as in fp8dist's parallel.sharding: replicate")
@@ -225,13 +247,14 @@ def _deepspeed_plan(spec: Spec, mode: str, deepspeed_version: str | None, issues
     if par.activation_checkpointing != "none" and (mode != "trainer" or par.activation_checkpointing == "selective"):
         how = ("TrainingArguments(activation_checkpointing=True) recomputes whole blocks only"
                if mode == "trainer" else "Accelerate has no activation checkpointing for DeepSpeed")
-        issues.append(Issue("parallel.activation_checkpointing", f"{how} (accelerate 1.15 accelerator.py "
+        issues.append(Refusal("parallel.activation_checkpointing", f"{how} (accelerate 1.15 accelerator.py "
                             "_prepare_deepspeed)", par.activation_checkpointing,
                             "call model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
                             "False}) in your script and set parallel.activation_checkpointing=none here, or use "
-                            "transformers.TrainingArguments (training_arguments_kwargs) with full"))
+                            "transformers.TrainingArguments (training_arguments_kwargs) with full",
+                              nearest={"parallel.activation_checkpointing": "full" if mode == "trainer" else "none"}))
     if spec.fp8.enabled and mode == "file":
-        issues.append(Issue("precision.fp8.backend", "an Accelerate config file turns FP8 on only with mixed_precision: "
+        issues.append(Refusal("precision.fp8.backend", "an Accelerate config file turns FP8 on only with mixed_precision: "
                             "fp8, and `accelerate launch` refuses mixed_precision next to a deepspeed_config_file "
                             "(accelerate 1.15 commands/launch.py marks it in ACCELERATE_CONFIG_DS_FIELDS; "
                             "DeepSpeedPlugin._deepspeed_config_checks raises), while Accelerate's own DeepSpeed keys "
@@ -239,10 +262,10 @@ def _deepspeed_plan(spec: Spec, mode: str, deepspeed_version: str | None, issues
                             f"build the Accelerator with {_HELPER} (mixed_precision='fp8' with the DeepSpeed dict), "
                             "or run fp8dist's runtime: deepspeed launch/train.py --fp8dist-config CONFIG"))
     if spec.fp8.enabled and spec.precision.master_weights == "none":
-        issues.append(Issue("precision.master_weights", "Accelerate's fp8 mode adds a bf16 section to the DeepSpeed "
+        issues.append(Refusal("precision.master_weights", "Accelerate's fp8 mode adds a bf16 section to the DeepSpeed "
                             "config, next to the torch_autocast section fp8dist writes for weights without masters "
                             "(accelerate 1.15 utils/dataclasses.py DeepSpeedPlugin.set_mixed_precision)", "none",
-                            "set precision.master_weights=fp32"))
+                            "set precision.master_weights=fp32", nearest={"precision.master_weights": "fp32"}))
     if spec.deepspeed.zero_stage == 3 and not par.cpu_ram_efficient_loading:
         notes.append("zero3_init_flag false: Accelerate would otherwise build a ZeRO-3 model inside "
                      "deepspeed.zero.Init (fp8dist does that only with parallel.cpu_ram_efficient_loading)")
@@ -263,14 +286,14 @@ def _fp8_plan(spec: Spec, mode: str, torchao_version: str | None, issues: list[I
 def _torchao_plan(spec: Spec, mode: str, torchao_version: str | None, issues: list[Issue]) -> dict[str, Any]:
     ao, modules = spec.fp8.torchao, spec.fp8.modules
     if ao.recipe_name == "mxfp8":
-        issues.append(Issue("precision.fp8.torchao.recipe_name", "Accelerate's torchao path builds a Float8LinearConfig "
+        issues.append(Refusal("precision.fp8.torchao.recipe_name", "Accelerate's torchao path builds a Float8LinearConfig "
                             "(accelerate 1.15 utils/ao.py convert_model_to_fp8_ao); torchao's MXFP8 Linear is another "
                             "module it does not apply", ao.recipe_name,
                             "use tensorwise, rowwise or rowwise_with_gw_hp for Accelerate, or train with fp8dist's "
                             "runtime (launch/train.py, fp8dist.engines)"))
         return {}
     if ao.experts in ("float8", "mxfp8"):
-        issues.append(Issue("precision.fp8.torchao.experts", "Accelerate converts nn.Linear layers only; MoE experts "
+        issues.append(Refusal("precision.fp8.torchao.experts", "Accelerate converts nn.Linear layers only; MoE experts "
                             "would stay in bf16", ao.experts,
                             "set precision.fp8.torchao.experts=none (and accept bf16 experts under Accelerate), or "
                             "train with fp8dist's runtime"))
@@ -283,15 +306,16 @@ def _torchao_plan(spec: Spec, mode: str, torchao_version: str | None, issues: li
                "AORecipeKwargs)")
         for key, value, default in (("recipe_name", ao.recipe_name, "tensorwise"), ("emulate", ao.emulate, False)):
             if value != default:
-                issues.append(Issue(f"precision.fp8.torchao.{key}", why, value,
+                issues.append(Refusal(f"precision.fp8.torchao.{key}", why, value,
                                     f"set it to {json.dumps(default)} for the file, or build the Accelerator with "
-                                    f"{_HELPER} (it passes a full Float8LinearConfig)"))
+                                    f"{_HELPER} (it passes a full Float8LinearConfig)",
+                                      nearest={f"precision.fp8.torchao.{key}": default}))
         if recompute:
-            issues.append(Issue("precision.fp8.torchao.force_recompute_fp8_weight_in_bwd", f"{why}; the torchao "
+            issues.append(Refusal("precision.fp8.torchao.force_recompute_fp8_weight_in_bwd", f"{why}; the torchao "
                                 f"targeted here ({plan['torchao_version']}) needs it set",
                                 ao.force_recompute_fp8_weight_in_bwd, f"build the Accelerator with {_HELPER}"))
     if spec.adapter.enabled and (mode == "file" or modules.skip_first_last):
-        issues.append(Issue("adapter.kind", "Accelerate's own torchao filter (every nn.Linear but the first and the "
+        issues.append(Refusal("adapter.kind", "Accelerate's own torchao filter (every nn.Linear but the first and the "
                             "last, dims multiples of 16; accelerate 1.15 utils/ao.py filter_linear_layers) also "
                             "converts LoRA's lora_A / lora_B Linears, so the adapters would train in float8", "lora",
                             f"set precision.fp8.modules.skip_first_last=false and build the Accelerator with {_HELPER} "
@@ -300,35 +324,39 @@ def _torchao_plan(spec: Spec, mode: str, torchao_version: str | None, issues: li
         # Accelerate's own filter: every Linear except the first and the last, dims divisible by 16.
         if modules.exclude or not modules.skip_first_last:
             key = "precision.fp8.modules.exclude" if modules.exclude else "precision.fp8.modules.skip_first_last"
-            issues.append(Issue(key, "Accelerate's torchao filter keeps exactly the first and the last nn.Linear in high "
+            issues.append(Refusal(key, "Accelerate's torchao filter keeps exactly the first and the last nn.Linear in high "
                                 "precision (and those whose dims are not multiples of 16); a config file cannot pass "
                                 "another, and fp8dist can pass its own only without skip_first_last (accelerate 1.15 "
                                 "utils/ao.py convert_model_to_fp8_ao)",
                                 list(modules.exclude) if modules.exclude else modules.skip_first_last,
                                 "set precision.fp8.modules={exclude: [], skip_first_last: true} (Accelerate's filter)"
-                                + ("" if mode == "file" else ", or skip_first_last=false with any exclude list")))
+                                + ("" if mode == "file" else ", or skip_first_last=false with any exclude list"),
+                                  nearest={"precision.fp8.modules.exclude": [],
+                                           "precision.fp8.modules.skip_first_last": True}))
         if ao.pad_inner_dim:
-            issues.append(Issue("precision.fp8.torchao.pad_inner_dim", "Accelerate's torchao filter skips every Linear "
+            issues.append(Refusal("precision.fp8.torchao.pad_inner_dim", "Accelerate's torchao filter skips every Linear "
                                 "whose dims are not multiples of 16, so padding never converts them (accelerate 1.15 "
                                 "utils/ao.py filter_linear_layers)", True,
                                 "set pad_inner_dim=false, or modules.skip_first_last=false with "
-                                f"{_HELPER} (fp8dist's own filter)"))
+                                f"{_HELPER} (fp8dist's own filter)", nearest={"precision.fp8.torchao.pad_inner_dim": False}))
     if (spec.engine == "fsdp2" and linear["enable_fsdp_float8_all_gather"] and spec.precision.load_dtype != "fp32"
             and accelerate_mixed_precision(spec) != "no"):
         # Verified on torch 2.13 / torchao 0.18: `param.data = param.data.to(fp32)` on a
         # WeightWithDynamicFloat8CastTensor changes the wrapper's dtype, not its inner tensor, and fully_shard then
         # fails with "FSDP expects uniform original parameter dtype". fp8dist's runtime upcasts before converting.
-        issues.append(Issue("precision.load_dtype", "Accelerate converts to float8 before its FSDP2 upcast to fp32 "
+        issues.append(Refusal("precision.load_dtype", "Accelerate converts to float8 before its FSDP2 upcast to fp32 "
                             "masters (accelerate 1.15 utils/fsdp_utils.py fsdp2_prepare_model: param.data = "
                             "param.data.to(float32)), which leaves torchao's float8 all-gather weights in the load "
                             "dtype: FSDP2 then stops with 'FSDP expects uniform original parameter dtype'",
                             spec.precision.load_dtype,
                             "set precision.load_dtype=fp32 (load the model in fp32: nothing left to upcast), or "
-                            "enable_fsdp_float8_all_gather=false, or run fp8dist's own FSDP2 runtime"))
+                            "enable_fsdp_float8_all_gather=false, or run fp8dist's own FSDP2 runtime",
+                              nearest={"precision.load_dtype": "fp32"}))
     if linear["enable_fsdp_float8_all_gather"] and not ao.precompute_float8_dynamic_scale_for_fsdp:
-        issues.append(Issue("precision.fp8.torchao.precompute_float8_dynamic_scale_for_fsdp", "Accelerate always "
+        issues.append(Refusal("precision.fp8.torchao.precompute_float8_dynamic_scale_for_fsdp", "Accelerate always "
                             "registers torchao's scale precompute after each optimizer step with float8 all-gather "
-                            "(accelerate 1.15 accelerator.py _prepare_ao)", False, "remove the key (true)"))
+                            "(accelerate 1.15 accelerator.py _prepare_ao)", False, "remove the key (true)",
+                              nearest={"precision.fp8.torchao.precompute_float8_dynamic_scale_for_fsdp": True}))
     return {"backend": "torchao", "accelerate_backend": compat.ACCELERATE_FP8_BACKEND["torchao"],
             "float8_linear_config": linear, "force_recompute_fp8_weight_in_bwd": recompute,
             "module_filter": {"accelerate_default": modules.skip_first_last, "exclude": list(modules.exclude),
@@ -339,35 +367,43 @@ def _te_plan(spec: Spec, issues: list[Issue]) -> dict[str, Any]:
     te, modules = spec.fp8.te, spec.fp8.modules
     if not compat.TE_RECIPES[te.recipe].accelerate:
         built = [r for r in compat.TE_RECIPES.values() if r.accelerate]
-        issues.append(Issue("precision.fp8.te.recipe", f"Accelerate builds only {' or '.join(r.cls for r in built)} "
+        issues.append(Refusal("precision.fp8.te.recipe", f"Accelerate builds only {' or '.join(r.cls for r in built)} "
                             "(accelerate 1.15 utils/transformer_engine.py apply_fp8_autowrap)", te.recipe,
-                            f"use recipe {' or '.join(r.name for r in built)}, or fp8dist's own runtime"))
+                            f"use recipe {' or '.join(r.name for r in built)}, or fp8dist's own runtime",
+                              # current scaling's per-tensor scales are nearest to delayed scaling's; block and FP4
+                              # recipes have no near Accelerate recipe
+                              nearest={"precision.fp8.te.recipe": "delayed"} if te.recipe == "current" else None))
     for field in ("reduce_amax", "use_power_2_scales", "enable_2d_quantization"):
         if getattr(te, field) is not None:
-            issues.append(Issue(f"precision.fp8.te.{field}", "TERecipeKwargs has no such field, so Accelerate's recipe "
+            issues.append(Refusal(f"precision.fp8.te.{field}", "TERecipeKwargs has no such field, so Accelerate's recipe "
                                 "keeps Transformer Engine's default (accelerate 1.15 utils/dataclasses.py)",
-                                getattr(te, field), f"remove precision.fp8.te.{field}"))
+                                getattr(te, field), f"remove precision.fp8.te.{field}",
+                                  nearest={f"precision.fp8.te.{field}": None}))
     if modules.exclude or modules.skip_first_last:
-        issues.append(Issue("precision.fp8.modules.exclude" if modules.exclude else "precision.fp8.modules.skip_first_last",
+        issues.append(Refusal("precision.fp8.modules.exclude" if modules.exclude else "precision.fp8.modules.skip_first_last",
                             "Accelerate swaps every nn.Linear whose dims are multiples of 16 for te.Linear, lm_head "
                             "included (accelerate 1.15 utils/transformer_engine.py convert_model)",
                             list(modules.exclude) if modules.exclude else True,
-                            "set precision.fp8.modules={exclude: [], skip_first_last: false}"))
+                            "set precision.fp8.modules={exclude: [], skip_first_last: false}",
+                              nearest={"precision.fp8.modules.exclude": [],
+                                       "precision.fp8.modules.skip_first_last": False}))
     if not te.swap_layernorm:
-        issues.append(Issue("precision.fp8.te.swap_layernorm", "Accelerate always swaps nn.LayerNorm for te.LayerNorm "
-                            "(accelerate 1.15 utils/transformer_engine.py convert_model)", False, "remove the key (true)"))
+        issues.append(Refusal("precision.fp8.te.swap_layernorm", "Accelerate always swaps nn.LayerNorm for te.LayerNorm "
+                            "(accelerate 1.15 utils/transformer_engine.py convert_model)", False, "remove the key (true)",
+                              nearest={"precision.fp8.te.swap_layernorm": True}))
     # Accelerate passes TE only the fields that differ from TERecipeKwargs' own defaults (KwargsHandler.to_kwargs,
     # defaults taken with a clean environment), so a value equal to Accelerate's default never reaches TE and
     # TE's default applies: amax_compute_algo most_recent and, for MXFP8, fp8_format HYBRID cannot be asked for.
     if te.amax_compute_algo == "most_recent":
-        issues.append(Issue("precision.fp8.te.amax_compute_algo", "most_recent is TERecipeKwargs' default, which "
+        issues.append(Refusal("precision.fp8.te.amax_compute_algo", "most_recent is TERecipeKwargs' default, which "
                             "Accelerate leaves out of the recipe, so Transformer Engine's own default (max) applies "
                             "(accelerate 1.15 utils/dataclasses.py KwargsHandler.to_kwargs)", "most_recent",
-                            "use max (TE's default), or fp8dist's own runtime"))
+                            "use max (TE's default), or fp8dist's own runtime",
+                              nearest={"precision.fp8.te.amax_compute_algo": "max"}))
     if te.recipe == "mxfp8" and te.fp8_format == "HYBRID":
-        issues.append(Issue("precision.fp8.te.fp8_format", "HYBRID is TERecipeKwargs' default, which Accelerate leaves "
+        issues.append(Refusal("precision.fp8.te.fp8_format", "HYBRID is TERecipeKwargs' default, which Accelerate leaves "
                             "out, so MXFP8BlockScaling keeps its own E4M3 (KwargsHandler.to_kwargs)", "HYBRID",
-                            "use E4M3 or leave it null"))
+                            "use E4M3 or leave it null", nearest={"precision.fp8.te.fp8_format": "E4M3"}))
     recipe = {name: getattr(te, name) for name in ("fp8_format", "margin", "amax_history_len", "amax_compute_algo")
               if getattr(te, name) is not None}
     return {"backend": "te", "accelerate_backend": compat.ACCELERATE_FP8_BACKEND["te"], "recipe": recipe,
@@ -416,6 +452,61 @@ def accelerate_file(spec: Spec, deepspeed_version: str | None = None,
     return doc, plan
 
 
+def nearest_accelerate_file(spec: Spec, deepspeed_version: str | None = None, torchao_version: str | None = None
+                            ) -> tuple[dict[str, Any], dict[str, Any], Spec, list[str]]:
+    """The file of the nearest run Accelerate can express: each key it refuses moved to its nearest value
+    (Refusal.nearest), one at a time (a move can settle another refusal: fp32 loading for DDP's fp32 masters also
+    settles its fp32 reduction), until the file holds. (document, plan, the spec it expresses, every difference from
+    `spec`: `KEY: FROM -> TO (why)`). NotExpressible naming the keys with no nearest value when one is left, and the
+    full refusal when the moved values break one of fp8dist's own rules."""
+    current, why, refused = spec, {}, None
+    while True:
+        try:
+            document, plan = accelerate_file(current, deepspeed_version, torchao_version)
+            break
+        except NotExpressible as exc:
+            refused = refused or exc.issues
+            stuck = [issue for issue in exc.issues if getattr(issue, "nearest", None) is None]
+            if stuck:
+                raise NotExpressible(stuck, spec.source, "file") from None
+            moves = exc.issues[0].nearest
+            if any(key in why for key in moves):  # a move that does not settle its refusal: never loop
+                raise NotExpressible(refused, spec.source, "file") from None
+            why.update({key: exc.issues[0].message for key in moves})
+            try:
+                current = _moved(current, moves)
+            except ConfigError:  # fp8dist's own rules refuse the nearest values: the whole refusal stands
+                raise NotExpressible(refused, spec.source, "file") from None
+    before, after = _flat(spec.to_dict()), _flat(current.to_dict())
+    differences = [f"{key}: {json.dumps(before.get(key))} -> {json.dumps(after.get(key))}"
+                   + (f" ({why[key]})" if key in why else "") for key in sorted(set(before) | set(after), key=_order(why))
+                   if before.get(key) != after.get(key)]
+    return document, plan, current, differences
+
+
+def _moved(spec: Spec, moves: dict[str, Any]) -> Spec:
+    document = spec.to_dict()
+    for key, value in moves.items():
+        set_path(document, key, value)
+    return dataclasses.replace(load_config(document), source=spec.source)
+
+
+def _flat(document: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in document.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _order(moved: dict[str, Any]):
+    """The keys moved first, in the order they were moved, then any key that followed from them."""
+    rank = {key: index for index, key in enumerate(moved)}
+    return lambda key: (rank.get(key, len(rank)), key)
+
+
 def _fp8_config(fp8: dict[str, Any]) -> dict[str, Any]:
     """fp8_config entries under the names the recipe kwargs read (each becomes ACCELERATE_FP8_<KEY>)."""
     out: dict[str, Any] = {"backend": fp8["accelerate_backend"]}
@@ -437,8 +528,10 @@ LOAD_DTYPE_MARK = "# fp8dist: precision.load_dtype="
 ADAPTER_MARK = "# fp8dist: adapter="
 
 
-def render(document: dict[str, Any], plan: dict[str, Any], spec: Spec, source: str) -> str:
-    """The file: a comment header (what it needs from the launch and the script), then the YAML."""
+def render(document: dict[str, Any], plan: dict[str, Any], spec: Spec, source: str,
+           differences: list[str] = ()) -> str:
+    """The file: a comment header (what it needs from the launch and the script, and where the run differs from
+    `source`: nearest_accelerate_file), then the YAML."""
     import yaml
 
     o, t = spec.optimizer, spec.train
@@ -464,5 +557,9 @@ def render(document: dict[str, Any], plan: dict[str, Any], spec: Spec, source: s
     same, reason = compat.accelerate_matches(compat.parse_version(installed) if installed else None)
     if not same:
         lines.append(f"# note: {reason}")
+    if differences:
+        lines.append(comment_line(f"NOT the run of {source}: the nearest one Accelerate can express, "
+                                  f"{len(differences)} setting(s) differ (`fp8dist translate --strict` refuses instead):"))
+        lines += [comment_line(f"  differs: {difference}") for difference in differences]
     lines += [comment_line(f"note: {note}") for note in plan["notes"]]
     return "\n".join(lines) + "\n" + yaml.safe_dump(document, sort_keys=False, default_flow_style=False, width=4096)

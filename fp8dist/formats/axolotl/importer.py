@@ -1,4 +1,4 @@
-"""An Axolotl YAML -> an fp8dist config (seed 002's FP8 + FSDP2 example, Axolotl's docs/mixed_precision).
+"""An Axolotl YAML -> an fp8dist config (Axolotl's examples/llama-3/3b-fp8-fsdp2.yaml, docs/mixed_precision).
 
 Axolotl trains through transformers' Trainer and Accelerate, so its precision is Accelerate's:
 - `bf16` defaults to `auto` (Axolotl's schema): on where the GPU has bf16, and then it wins over `fp16` (axolotl
@@ -21,7 +21,7 @@ import fp8dist.compat as compat
 from fp8dist.errors import Issue
 from fp8dist.formats.accelerate.sections import fsdp_settings, note_accelerate_refusals
 from fp8dist.formats.common import (HF_OPTIMIZERS, Imported, ImportProblem, Notes, WrongShape, hf_optimizer, integer,
-                                   mapping, read_beside, truthy, yaml11_number)
+                                   mapping, read_beside, stepped_dtype, truthy, yaml11_number)
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
 from fp8dist.formats.keys import Table, disabled, kept, no_effect, one_or_unset, refused
 
@@ -75,7 +75,8 @@ KEYS = Table("Axolotl", {
     "adam_eps": kept("optimizer.eps", example=1e-8),
     "adam_beta1": kept("optimizer.betas[0]", example=0.9),
     "adam_beta2": kept("optimizer.betas[1]", example=0.95),
-    "optimizer": kept("optimizer.name / state_dtype (8-bit Adam: torchao AdamW8bit on FSDP2)", example="adamw_torch"),
+    "optimizer": kept("optimizer.name / state_dtype (8-bit Adam: torchao AdamW8bit on FSDP2; paged_adamw_32bit / _8bit: "
+                      "that AdamW, paging being memory management)", example="adamw_torch"),
     # refused: what fp8dist cannot keep
     "adapter": refused(_ADAPTER, "use adapter: lora on a bf16 base, or keep training it with Axolotl",
                        unless=lambda value: disabled(value) or value == "lora",
@@ -209,11 +210,13 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
         issues.append(Issue("deepspeed", "set together with FSDP; Accelerate runs one of them", deepspeed,
                             "remove deepspeed or fsdp_config"))
     if deepspeed:
-        ds, where = read_beside(str(deepspeed), Path(source).parent, "deepspeed", source)
+        out = {"engine": "deepspeed"}  # what the rest of the file is read against when the JSON cannot be
         try:
+            ds, where = read_beside(str(deepspeed), Path(source).parent, "deepspeed", source)
             out = convert_config(ds, source, notes, ctx, f"deepspeed ({where}): ")
-        except ImportProblem as exc:
-            raise ImportProblem(issues + exc.issues, source, "axolotl") from None
+        except ImportProblem as exc:  # reported with the file's other problems
+            issues.extend(exc.issues)
+            ds = {}
         if (ds.get("zero_optimization") or {}).get("stage") == 3 and cfg.get("adapter") == "lora":
             notes.resolved("parallel.cpu_ram_efficient_loading", False, "under ZeRO-3 the HF Trainer builds the model "
                            "inside deepspeed.zero.Init; fp8dist adds LoRA adapters to a fully loaded model, then "
@@ -429,6 +432,6 @@ def _train_and_optimizer(cfg: dict[str, Any], out: dict[str, Any], notes: Notes,
         optimizer.setdefault("betas", [yaml11_number(cfg.pop("adam_beta1", 0.9)), yaml11_number(cfg.pop("adam_beta2", 0.999))])
     if "optimizer" in cfg:
         hf_optimizer("optimizer", cfg.pop("optimizer"), deepspeed, optimizer, notes, issues, _OPTIMIZERS,
-                     "FSDP2 (fsdp_config)")
+                     "FSDP2 (fsdp_config)", stepped_dtype(out))
     if not optimizer:
         out.pop("optimizer")

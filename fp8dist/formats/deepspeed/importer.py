@@ -3,10 +3,11 @@
 Precision sections (bf16 / fp16 / torch_autocast, communication_data_type, data_types, msamp) become
 `precision`; zero_optimization's stage and offload the `parallel` vocabulary (fp8dist/config/vocabulary.py);
 batch and clipping keys `train`; the optimizer section `optimizer`; every other DeepSpeed key goes to
-`deepspeed.extra` unchanged. `"auto"` is what only Accelerate / HF Trainer fill in: it is resolved to what they
-would use (AutoContext: the launching tool's own setting where the caller knows it, else Accelerate 1.15's
-default), said in a note; DeepSpeed alone would drop it inside a typed section (DeepSpeedConfigModel) or crash on
-a top-level scalar.
+`deepspeed.extra` unchanged. `"auto"` is what only Accelerate / the HF Trainer fill in, from the launch (DeepSpeed
+alone would drop it inside a typed section, DeepSpeedConfigModel, or crash on a top-level scalar): it is resolved
+to what they would use (AutoContext: the launching tool's settings, from the file that names this JSON or from
+`fp8dist import` flags), said in a note. An "auto" precision with no launch precision known is refused, naming
+--mixed-precision: the file alone does not say whether it runs in fp32, fp16 or bf16.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import fp8dist.compat as compat
 from fp8dist.config.vocabulary import DEEPSPEED_OFFLOAD, ZERO_STAGE
 import fp8dist.dtypes as dtypes
 from fp8dist.errors import Issue
-from fp8dist.formats.common import Imported, ImportProblem, Notes, dtype_name, mapping, set_path, truthy
+from fp8dist.formats.common import (LAUNCHER_FLAGS, Imported, ImportProblem, Launcher, Notes, dtype_name, mapping,
+                                   set_path, truthy)
 from fp8dist.formats.keys import KeyClass, Table, disabled, kept, no_effect, one_or_unset, refused
 
 SHARDING_OF_STAGE = {stage: name for name, stage in ZERO_STAGE.items() if name != "hybrid"}
@@ -115,9 +117,10 @@ _OPTIMIZERS = {"adamw": "adamw", "adam": "adamw", "sgd": "sgd"}
 
 @dataclass
 class AutoContext:
-    """What fills "auto": the launching tool's settings where known (None: Accelerate 1.15's default)."""
+    """What fills "auto": the launching tool's settings where known (None: not known; then the fill of Accelerate 1.15
+    and the HF Trainer where both agree, said in a note, and a refusal for the precision)."""
 
-    who: str = "Accelerate 1.15"
+    who: str = "the launcher (Accelerate or the HF Trainer)"
     mixed_precision: str | None = None  # no | bf16 | fp16 | fp8
     micro_batch_size: int | None = None
     gradient_accumulation_steps: int | None = None
@@ -126,11 +129,27 @@ class AutoContext:
     weight_decay: float | None = None
     betas: list | None = None
     eps: float | None = None
+    # True: the values come from `fp8dist import` flags (Launcher), not from a file of the launching tool
+    from_flags: bool = False
+
+    @classmethod
+    def of_launch(cls, launcher: Launcher, who: str = "the launcher (Accelerate or the HF Trainer)") -> "AutoContext":
+        """The context of a DeepSpeed JSON that the launch command fills (a bare JSON, or an Accelerate config's)."""
+        return cls(who=who, mixed_precision=launcher.mixed_precision,
+                   micro_batch_size=launcher.per_device_train_batch_size,
+                   gradient_accumulation_steps=launcher.gradient_accumulation_steps, lr=launcher.learning_rate,
+                   from_flags=True)
+
+    def setting(self, flag_field: str, value: Any) -> str:
+        """Where a known value came from, for a note."""
+        if self.from_flags:
+            return f"{LAUNCHER_FLAGS[flag_field]} {value}"
+        return f"{self.who}'s own setting"
 
 
-def convert(document: dict[str, Any], text: str, source: str) -> Imported:
+def convert(document: dict[str, Any], text: str, source: str, launcher: Launcher = Launcher()) -> Imported:
     notes = Notes()
-    return Imported("deepspeed", convert_config(document, source, notes, AutoContext()), notes)
+    return Imported("deepspeed", convert_config(document, source, notes, AutoContext.of_launch(launcher)), notes)
 
 
 def convert_config(config: Mapping[str, Any], source: str, notes: Notes, ctx: AutoContext,
@@ -188,18 +207,52 @@ class _Importer:
         set_path(self.extra, dotted, value)
 
     # -- precision ------------------------------------------------------------------------------------------
-    def _enabled(self, name: str, block: Any) -> bool:
-        if block is None:
-            return False
-        value = block.get("enabled", False)
-        if value == "auto":
-            mixed = self.ctx.mixed_precision
-            resolved = (mixed == name) or (name == "bf16" and mixed == "fp8")
-            self.notes.auto(self.key(f"{name}.enabled"), resolved,
-                            f"{self.ctx.who} fills it from its mixed_precision ({mixed or 'no'}"
-                            f"{'' if mixed else ', its default'}); DeepSpeed alone would read false")
-            return resolved
-        return bool(truthy(value))
+    def _launched(self, blocks: dict[str, Any]) -> dict[str, Any] | None:
+        """The bf16 / fp16 sections as the launch leaves them, or None (a problem was added). With the launch's mixed
+        precision known, what accelerate 1.15 utils/dataclasses.py DeepSpeedPlugin.set_mixed_precision does (the
+        HF Trainer's Accelerator runs it too; transformers 5.24 integrations/deepspeed.py trainer_config_process
+        fills "auto" alike): "auto" becomes fp16.enabled = (fp16), bf16.enabled = (bf16 or fp8); a missing section
+        of that dtype is added; the other 16-bit dtype enabled in the file is refused. Unknown: the file as DeepSpeed
+        reads it, and an "auto" precision refused, since it may run in fp32, fp16 or bf16."""
+        mixed, who = self.ctx.mixed_precision, self.ctx.who
+        autos = [name for name, block in blocks.items() if block is not None and block.get("enabled") == "auto"]
+        if mixed is None:
+            if autos:
+                self.issues.append(Issue(
+                    self.key(f"{autos[0]}.enabled"), f"\"auto\" ({' and '.join(f'{n}.enabled' for n in autos)}): the "
+                    "launcher fills it with the precision it is started with (accelerate launch --mixed_precision; "
+                    "the HF Trainer's bf16 / fp16 arguments), which this file does not say, so the run may be fp32, "
+                    "fp16 or bf16", "auto", "pass the precision you launch with: fp8dist import FILE --mixed-precision "
+                    "no|fp16|bf16 (Accelerate's flag; bf16 for TrainingArguments(bf16=True))"))
+                return None
+            return blocks
+        wanted = {"bf16": mixed in ("bf16", "fp8"), "fp16": mixed == "fp16"}
+        where = self.ctx.setting("mixed_precision", mixed) if self.ctx.from_flags else f"{who}'s mixed precision {mixed}"
+        if mixed != "no":
+            other = "bf16" if mixed == "fp16" else "fp16"
+            if blocks[other] is not None and str(blocks[other].get("enabled")).lower() == "true":
+                self.issues.append(Issue(self.key(f"{other}.enabled"), f"enabled, while the launch runs {mixed} "
+                                         f"({where}): Accelerate refuses that (\"`--mixed_precision` arg cannot be set "
+                                         f"to `{mixed}` when `{other}` is set in the DeepSpeed config file\", "
+                                         "utils/dataclasses.py DeepSpeedPlugin.set_mixed_precision)", True,
+                                         f"set {other}.enabled to \"auto\" or false, or launch with {other}"))
+                return None
+        for name in ("bf16", "fp16"):
+            if blocks[name] is None and wanted[name]:
+                blocks[name] = {"enabled": True, "auto_cast": True} if name == "fp16" else {"enabled": True}
+                self.notes.resolved(self.key(name), blocks[name], f"the file has no {name} section and {where} asks "
+                                    "for it: Accelerate adds it (DeepSpeedPlugin.set_mixed_precision)")
+            elif name in autos:
+                blocks[name] = {**blocks[name], "enabled": wanted[name]}
+                self.notes.auto(self.key(f"{name}.enabled"), wanted[name], f"{where}: Accelerate and the HF Trainer "
+                                f"fill {name}.enabled with it (DeepSpeedPlugin.set_mixed_precision, transformers "
+                                "integrations/deepspeed.py trainer_config_process); DeepSpeed alone would read false")
+            elif blocks[name] is not None and self.ctx.from_flags and bool(truthy(blocks[name].get("enabled"))) \
+                    != wanted[name]:
+                self.notes.resolved(self.key(f"{name}.enabled"), blocks[name].get("enabled"), f"written in the file: "
+                                    f"{where} fills only \"auto\" under Accelerate (the HF Trainer refuses the "
+                                    "mismatch)")
+        return blocks
 
     def _precision(self) -> str | None:
         c, precision = self.config, {}
@@ -209,7 +262,11 @@ class _Importer:
                                 for k in ("bf16", "fp16", "torch_autocast"))
         for key in ("bf16", "fp16", "torch_autocast"):
             c.pop(key, None)
-        on = [name for name, block in (("bf16", bf16), ("fp16", fp16)) if self._enabled(name, block)]
+        launched = self._launched({"bf16": bf16, "fp16": fp16})
+        if launched is None:
+            return None
+        bf16, fp16 = launched["bf16"], launched["fp16"]
+        on = [name for name, block in launched.items() if block is not None and truthy(block.get("enabled", False))]
         autocast_on = isinstance(autocast, dict) and bool(truthy(autocast.get("enabled", False)))
         if len(on) > 1:
             self.issues.append(Issue(self.key("bf16"), "both bf16 and fp16 are enabled; DeepSpeed refuses that",
@@ -353,32 +410,52 @@ class _Importer:
             self._keep(f"zero_optimization.{key}", value)
 
     # -- batch, clipping, optimizer -------------------------------------------------------------------------
-    def _value(self, key: str, known: Any, fallback: Any, why: str) -> Any:
-        value = self.config.pop(key, None)
-        if value != "auto":
-            return value
-        resolved = known if known is not None else fallback
-        self.notes.auto(self.key(key), resolved, why if known is None else f"{self.ctx.who}'s own setting")
-        return resolved
+    def _launch_value(self, key: str, value: Any, flag_field: str | None, known: Any, fallback: Any, why: str) -> Any:
+        """`value` of `key` as the launch leaves it: "auto" filled with the launch's own value (`known`), else with
+        `fallback`, said with `why`. A value the launch command gives (an `fp8dist import` flag, `flag_field`) fills a
+        key the file leaves out too, and contradicting a value written in the file is refused, as the HF Trainer
+        refuses it (transformers 5.24 integrations/deepspeed.py HfTrainerDeepSpeedConfig.fill_match)."""
+        flagged = self.ctx.from_flags and flag_field is not None and known is not None
+        if value == "auto":
+            resolved = known if known is not None else fallback
+            self.notes.auto(self.key(key), resolved, self.ctx.setting(flag_field, known) if known is not None else why)
+            return resolved
+        if flagged and value is None:
+            self.notes.resolved(self.key(key), known, f"left out of the file: {self.ctx.setting(flag_field, known)}")
+            return known
+        if flagged and value != known:
+            self.issues.append(Issue(self.key(key), f"written in the file, while {self.ctx.setting(flag_field, known)} "
+                                     "launches with another value: the HF Trainer refuses that mismatch "
+                                     "(transformers integrations/deepspeed.py fill_match)", value,
+                                     f"write \"auto\" there (or {known}), or launch and import without "
+                                     f"{LAUNCHER_FLAGS[flag_field]}"))
+        return value
+
+    def _value(self, key: str, flag_field: str | None, known: Any, fallback: Any, why: str) -> Any:
+        return self._launch_value(key, self.config.pop(key, None), flag_field, known, fallback, why)
 
     def _train(self) -> None:
         ctx, train = self.ctx, {}
         written = {key: self.config.get(key) not in (None, "auto") for key in
                    ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")}
-        micro = self._value("train_micro_batch_size_per_gpu", ctx.micro_batch_size, 2,
-                            f"{ctx.who} uses the DataLoader's batch_size; fp8dist's default 2 kept: set "
-                            "train.micro_batch_size to it")
-        accum = self._value("gradient_accumulation_steps", ctx.gradient_accumulation_steps,
-                            compat.ACCELERATE_DS_AUTO["gradient_accumulation_steps"],
-                            f"{ctx.who}'s gradient_accumulation_steps default")
+        micro = self._value("train_micro_batch_size_per_gpu", "per_device_train_batch_size", ctx.micro_batch_size, 2,
+                            f"{ctx.who} fills it with the launch's batch per rank (the HF Trainer's "
+                            "per_device_train_batch_size, Accelerate's DataLoader batch_size), which the file does not "
+                            "say: fp8dist's default 2 kept; pass --per-device-train-batch-size N")
+        accum = self._value("gradient_accumulation_steps", "gradient_accumulation_steps",
+                            ctx.gradient_accumulation_steps, compat.ACCELERATE_DS_AUTO["gradient_accumulation_steps"],
+                            "the default of both the HF Trainer and Accelerate (gradient_accumulation_steps 1); pass "
+                            "--gradient-accumulation-steps N if you launch with another")
         batch = self.config.pop("train_batch_size", None)
         self._batch_triangle(written, micro, accum, batch)
         if micro is not None and accum is None and not written["gradient_accumulation_steps"]:
             accum = 1
             self.notes.resolved(self.key("gradient_accumulation_steps"), 1, "left out: DeepSpeed's default with a "
                                 "micro batch (runtime/config.py _set_batch_related_parameters)")
-        clip = self._value("gradient_clipping", ctx.gradient_clipping, compat.ACCELERATE_DS_AUTO["gradient_clipping"],
-                           f"{ctx.who} fills 1.0 (accelerator.py _prepare_deepspeed)")
+        clip = self._value("gradient_clipping", None, ctx.gradient_clipping,
+                           compat.ACCELERATE_DS_AUTO["gradient_clipping"], "the HF Trainer fills its max_grad_norm "
+                           "(default 1.0), Accelerate 1.0 (accelerator.py _prepare_deepspeed): edit "
+                           "train.gradient_clipping if your launch clips at another norm")
         if clip is None and ctx.gradient_clipping is None:
             clip = 1.0
             self.notes.resolved(self.key("gradient_clipping"), 1.0, "left out: DeepSpeed's default since "
@@ -428,6 +505,10 @@ class _Importer:
 
     def _optimizer(self) -> None:
         if "optimizer" not in self.config:
+            if self.ctx.from_flags and self.ctx.lr is not None:
+                set_path(self.doc, "optimizer.lr", self.ctx.lr)
+                self.notes.resolved("optimizer.lr", self.ctx.lr, "the file has no optimizer section (your script "
+                                    f"builds it): {self.ctx.setting('learning_rate', self.ctx.lr)}")
             return
         block = mapping(self.config.pop("optimizer"), self.key("optimizer"))
         kind = str(block.get("type", "")).lower()
@@ -461,18 +542,20 @@ class _Importer:
                     self.notes.dropped(self.key(f"optimizer.params.{key}"), params.pop(key),
                                        "kept as optimizer.name" if key == "adam_w_mode" else
                                        "which implementation steps (torch's or DeepSpeed's fused Adam): the same update")
-        fills = {"lr": (ctx.lr, compat.ACCELERATE_DS_AUTO["optimizer.params.lr"], "DummyOptim's lr"),
-                 "weight_decay": (ctx.weight_decay, compat.ACCELERATE_DS_AUTO["optimizer.params.weight_decay"],
-                                  "DummyOptim's weight_decay"),
-                 "betas": (ctx.betas, [0.9, 0.999], "torch's default"), "eps": (ctx.eps, 1e-8, "torch's default")}
-        for key, (known, fallback, why) in fills.items():
-            if key not in params:
+        lr = compat.ACCELERATE_DS_AUTO["optimizer.params.lr"]
+        fills = {"lr": ("learning_rate", ctx.lr, lr, f"the launch's learning rate, which the file does not say: "
+                        f"Accelerate's DummyOptim default {lr} kept (the HF Trainer's learning_rate defaults to 5e-5, "
+                        "transformers 5.24 training_args.py); pass --learning-rate LR"),
+                 "weight_decay": (None, ctx.weight_decay, compat.ACCELERATE_DS_AUTO["optimizer.params.weight_decay"],
+                                  "the default of both the HF Trainer (weight_decay) and Accelerate (DummyOptim)"),
+                 "betas": (None, ctx.betas, [0.9, 0.999], "the HF Trainer's adam_beta1 / adam_beta2 defaults, "
+                           "torch's"),
+                 "eps": (None, ctx.eps, 1e-8, "the HF Trainer's adam_epsilon default, torch's")}
+        for key, (flag_field, known, fallback, why) in fills.items():
+            if key not in params and not (flag_field and ctx.from_flags and known is not None):
                 continue
-            value = params.pop(key)
-            if value == "auto":
-                value = known if known is not None else fallback
-                self.notes.auto(self.key(f"optimizer.params.{key}"), value,
-                                f"{ctx.who}'s own setting" if known is not None else f"{ctx.who} fills {why}")
+            value = self._launch_value(f"optimizer.params.{key}", params.pop(key, None), flag_field, known, fallback,
+                                       why)
             out[key] = list(value) if key == "betas" else value
         for key, value in params.items():
             self.notes.dropped(self.key(f"optimizer.params.{key}"), value, "no fp8dist optimizer setting")

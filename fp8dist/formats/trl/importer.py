@@ -34,7 +34,7 @@ import fp8dist.compat as compat
 from fp8dist.errors import Issue
 from fp8dist.formats.accelerate.sections import fsdp_settings, note_accelerate_refusals
 from fp8dist.formats.common import (Imported, ImportProblem, Notes, WrongShape, dtype_name, hf_optimizer, integer,
-                                   mapping, read_beside, truthy, yaml11_number)
+                                   mapping, read_beside, stepped_dtype, truthy, yaml11_number)
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
 from fp8dist.formats.keys import Table, disabled, kept, no_effect, one_or_unset, refused
 
@@ -90,7 +90,8 @@ KEYS = Table("TRL", {
     "adam_epsilon": kept("optimizer.eps", example=1e-8),
     "adam_beta1": kept("optimizer.betas[0]", example=0.9),
     "adam_beta2": kept("optimizer.betas[1]", example=0.95),
-    "optim": kept("optimizer.name / state_dtype (AdamW, SGD; 8-bit AdamW: torchao AdamW8bit on FSDP2)",
+    "optim": kept("optimizer.name / state_dtype (AdamW, SGD; 8-bit AdamW: torchao AdamW8bit on FSDP2; paged_adamw_32bit"
+                  " / _8bit: that AdamW, paging being memory management)",
                   example="adamw_torch"),
     # adapters (ModelConfig)
     "use_peft": kept("adapter.kind lora (with lora_r, lora_alpha, lora_dropout, lora_target_modules)"),
@@ -361,8 +362,12 @@ def _fsdp(fsdp: Any, config: Any, source: str, notes: Notes, issues: list[Issue]
     """TrainingArguments `fsdp` (true, or the option string / list) + `fsdp_config` (a dict or a JSON path) ->
     (parallel, fsdp2), read as transformers 5.24 _process_fsdp_args / _apply_legacy_fsdp_to_config does."""
     if isinstance(config, str):
-        config, where = read_beside(config, Path(source).parent, "fsdp_config", source)
-        notes.resolved("fsdp_config", where, "read from that JSON")
+        try:
+            config, where = read_beside(config, Path(source).parent, "fsdp_config", source)
+            notes.resolved("fsdp_config", where, "read from that JSON")
+        except ImportProblem as exc:  # reported with the file's other problems
+            issues.extend(exc.issues)
+            config = {}
     settings = {(key[5:] if key.startswith("fsdp_") else key): value
                 for key, value in mapping(config, "fsdp_config").items()}
     version = settings.pop("version", None)
@@ -397,7 +402,11 @@ def _deepspeed(cfg: dict[str, Any], deepspeed: Any, mixed: str, source: str, not
     if isinstance(deepspeed, Mapping):
         ds, where = dict(deepspeed), "inline"
     elif isinstance(deepspeed, str):
-        ds, where = read_beside(deepspeed, Path(source).parent, "deepspeed", source)
+        try:
+            ds, where = read_beside(deepspeed, Path(source).parent, "deepspeed", source)
+        except ImportProblem as exc:  # reported with the file's other problems
+            issues.extend(exc.issues)
+            return {"engine": "deepspeed"}
     else:
         raise WrongShape("deepspeed", deepspeed, "the path of a DeepSpeed JSON, or its dict")
     ctx = AutoContext(who="HF Trainer (TRL)", mixed_precision=mixed,
@@ -410,8 +419,9 @@ def _deepspeed(cfg: dict[str, Any], deepspeed: Any, mixed: str, source: str, not
                       betas=[yaml11_number(cfg.get("adam_beta1", 0.9)), yaml11_number(cfg.get("adam_beta2", 0.999))])
     try:
         out = convert_config(ds, source, notes, ctx, f"deepspeed ({where}): ")
-    except ImportProblem as exc:
-        raise ImportProblem(issues + exc.issues, source, "trl") from None
+    except ImportProblem as exc:  # reported with the file's other problems
+        issues.extend(exc.issues)
+        return {"engine": "deepspeed"}
     if (ds.get("zero_optimization") or {}).get("stage") == 3:
         if peft:
             notes.resolved("parallel.cpu_ram_efficient_loading", False, "under ZeRO-3 the HF Trainer builds the model "
@@ -492,7 +502,7 @@ def _train_and_optimizer(cfg: dict[str, Any], out: dict[str, Any], notes: Notes,
         name = "adamw_torch_fused"
         notes.resolved("optim", name, "left out: TrainingArguments' default (transformers 5; adamw_torch in 4.x): "
                        "torch AdamW")
-    hf_optimizer("optim", name, deepspeed, optimizer, notes, issues)
+    hf_optimizer("optim", name, deepspeed, optimizer, notes, issues, stepped=stepped_dtype(out))
     if not optimizer:
         out.pop("optimizer")
 

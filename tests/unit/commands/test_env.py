@@ -40,3 +40,21 @@ def test_te_installed_but_unimportable_or_on_old_gpus(monkeypatch):
     out = status(a100, monkeypatch=monkeypatch, transformer_engine="2.20.2")["transformer_engine"]
     assert not out["usable"] and "8.0" in out["reason"]
     assert status(H200, monkeypatch=monkeypatch, transformer_engine="2.20.2")["transformer_engine"]["usable"]
+
+
+def _line(info, backend):
+    return next(line for line in environment.render(info).splitlines() if f" {backend} " in line)
+
+
+def test_the_table_says_emulation_only_where_fp8_runs_without_fp8_kernels(monkeypatch):
+    def info(device, **versions):
+        return {"python": "3.11", "platform": "linux", "versions": {}, "device": device,
+                "backends": status(device, monkeypatch=monkeypatch, **versions)}
+
+    cpu = info(CPU, torchao="0.18.0")
+    assert _line(cpu, "torchao_float8").startswith("emulation only ")
+    assert _line(cpu, "fsdp2").startswith("yes ") and _line(cpu, "transformer_engine").startswith("no ")
+    assert _line(info(H100, torchao="0.18.0"), "torchao_float8").startswith("yes ")
+    on_h200 = info(H200, deepspeed="0.13.1", msamp="0.4.0")  # MS-AMP's GEMMs are FP8 on H100 only
+    assert _line(on_h200, "msamp").startswith("emulation only ")
+    assert _line(info(H100, deepspeed="0.13.1", msamp="0.4.0"), "msamp").startswith("yes ")

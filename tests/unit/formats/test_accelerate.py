@@ -222,9 +222,11 @@ def test_cli_translate_to_accelerate(tmp_path):
 
 def test_cli_translate_to_accelerate_refusal_writes_nothing(tmp_path):
     out = tmp_path / "acc.yaml"
-    result = run_cli("translate", "configs/fsdp2-bf16.yaml", "--to", "accelerate", "-o", out)
+    result = run_cli("translate", "configs/fsdp2-bf16.yaml", "--to", "accelerate", "--strict", "-o", out)
     assert result.returncode == 2 and "precision.reduce_dtype" in result.stderr and "fix:" in result.stderr
     assert "Traceback" not in result.stderr and list(tmp_path.iterdir()) == []
+    result = run_cli("translate", "configs/fsdp2-lora-float8.yaml", "--to", "accelerate", "-o", out)  # no nearest run
+    assert result.returncode == 2 and "adapter.kind" in result.stderr and list(tmp_path.iterdir()) == []
     result = run_cli("translate", "configs/deepspeed-bf16-zero2.yaml", "--to", "accelerate", "-o", tmp_path / "no" / "x.yaml")
     assert result.returncode == 2 and "does not exist" in result.stderr and list(tmp_path.iterdir()) == []
 

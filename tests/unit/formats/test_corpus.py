@@ -3,7 +3,9 @@ and PEFT adapter_config.json files copied from public repositories, each with it
 own tool runs in MEANING.json) imports with no file changing meaning: each either imports with the source's engine,
 sharding, precision, offload, activation checkpointing, micro batch, accumulation and FP8 (field by field against
 MEANING.json; for TRL recipes also the load dtype, the master weights and the adapter; for PEFT files the adapter,
-everything else at fp8dist's defaults), or is refused naming the key that fp8dist cannot keep."""
+everything else at fp8dist's defaults), or is refused naming the key that fp8dist cannot keep. A DeepSpeed JSON whose
+precision is "auto" (MEANING.json: the launching tool fills it) is refused naming --mixed-precision, and imports
+with its meaning once the launch's precision is given."""
 import json
 import shutil
 from pathlib import Path
@@ -12,7 +14,7 @@ import pytest
 import yaml
 
 from fp8dist.config.load import load_config
-from fp8dist.formats.common import ImportProblem
+from fp8dist.formats.common import ImportProblem, Launcher
 from fp8dist.formats.importing import import_file
 from fp8dist.translate import to_deepspeed
 from tests.conftest import ROOT
@@ -31,7 +33,7 @@ REFUSED = {
     "accelerate/trl__examples_accelerate_configs_context_parallel_2gpu.yaml": ["parallelism_config.parallelism_config_cp_size"],
     "axolotl/axolotl__examples_alst_llama3-8b-deepspeed-alst.yaml": ["optimizer", "context_parallel_size"],
     "axolotl/axolotl__examples_alst_llama3-8b-fsdp2-alst.yaml": ["context_parallel_size"],
-    "axolotl/axolotl__examples_archived_dbrx_8bit-lora.yaml": ["optimizer", "load_in_8bit"],
+    "axolotl/axolotl__examples_archived_dbrx_8bit-lora.yaml": ["load_in_8bit"],
     "axolotl/axolotl__examples_archived_dbrx_fft-ds-zero3.yaml": ["optimizer", "unfrozen_parameters"],
     "axolotl/axolotl__examples_archived_openllama-3b_lora.yml": ["load_in_8bit"],
     "axolotl/axolotl__examples_distributed-parallel_llama-3_1-8b-hsdp-tp.yaml": ["tensor_parallel_size"],
@@ -71,7 +73,7 @@ REFUSED = {
     "trl/alignment-handbook__recipes_constitutional-ai_dpo_config_anthropic.yaml": ["optim"],
     "trl/alignment-handbook__recipes_zephyr-141b-A35b_orpo_config_qlora.yaml": ["load_in_4bit"],
     "trl/alignment-handbook__recipes_zephyr-7b-beta_dpo_config_lora.yaml": ["torch_dtype", "optim"],
-    "trl/alignment-handbook__recipes_zephyr-7b-beta_dpo_config_qlora.yaml": ["load_in_4bit", "optim"],
+    "trl/alignment-handbook__recipes_zephyr-7b-beta_dpo_config_qlora.yaml": ["load_in_4bit"],
     "trl/alignment-handbook__recipes_zephyr-7b-beta_sft_config_qlora.yaml": ["load_in_4bit"],
     "peft/bert-gpt2-multitask-finetuning__adapter_config.json": ["modules_to_save", "task_type"],
     "peft/fine-tuning-gemma-2-9b-it-on-healthcare-dataset-using-qlora-trl-kaggle-p100-__adapter_config.json":
@@ -90,6 +92,11 @@ AXOLOTL_LOAD_DTYPE = {
     "axolotl/axolotl__examples_qwen2_adamw-pretrain-fsdp2.yaml": "bf16",  # bf16: auto
     "axolotl/axolotl__examples_mistral_mps_lora-mps.yml": "bf16",  # bf16: auto
 }
+
+
+# DeepSpeed JSONs whose bf16 / fp16 "enabled" is "auto": the launch decides their precision, which the file does not say
+LAUNCH_DECIDES = {relative for relative, meaning in MEANING.items()
+                  if meaning["tool"] == "deepspeed" and meaning.get("mixed_precision") == "auto"}
 
 
 def stage(relative: str, directory: Path) -> Path:
@@ -178,8 +185,15 @@ def test_a_real_config_imports_with_its_meaning_or_is_refused_naming_the_key(rel
     monkeypatch.chdir(tmp_path)
     if SOURCES[relative]["tool"] == "peft":  # MEANING.json names the refused keys itself
         assert MEANING[relative]["refused"] == REFUSED.get(relative), relative
+    launcher = Launcher()
+    if relative in LAUNCH_DECIDES and relative not in REFUSED:
+        with pytest.raises(ImportProblem) as unsaid:
+            import_file(path.name)
+        assert [issue.path.rsplit(".", 1)[-1] for issue in unsaid.value.issues] == ["enabled"], unsaid.value
+        assert "--mixed-precision no|fp16|bf16" in unsaid.value.issues[0].fix
+        launcher = Launcher(mixed_precision="bf16")
     try:
-        text = import_file(path.name)
+        text = import_file(path.name, launcher=launcher)
     except ImportProblem as exc:
         named = {issue.path for issue in exc.issues}
         assert relative in REFUSED, f"refused, but it keeps its meaning in fp8dist: {exc}"
@@ -191,6 +205,8 @@ def test_a_real_config_imports_with_its_meaning_or_is_refused_naming_the_key(rel
     spec = load_config(tmp_path / "imported.yaml")
     got = meaning_of(spec)
     assert not differences(got, MEANING[relative]), (differences(got, MEANING[relative]), text)
+    if launcher.mixed_precision:
+        assert got["mixed_precision"] == "bf16", text
     if SOURCES[relative]["tool"] == "peft":  # the file says only the adapter: the rest is fp8dist's defaults
         assert yaml.safe_load(text).keys() == {"adapter"} and "# resolved: precision / engine / batch" in text, text
         assert spec == load_config({"adapter": yaml.safe_load(text)["adapter"]})

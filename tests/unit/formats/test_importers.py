@@ -1,12 +1,12 @@
 """`fp8dist import`: Accelerate configs, Axolotl YAMLs and DeepSpeed JSONs become fp8dist configs that validate and
-translate back to the same precision; seeds 002 and 004 import; "auto" is resolved in a comment; hostile files exit 2."""
+translate back to the same precision; Axolotl's FP8 + FSDP2 example and Accelerate's fsdp_config import; "auto" is resolved in a comment; hostile files exit 2."""
 import json
 import time
 
 import pytest
 
 from fp8dist.config.load import load_config
-from fp8dist.formats.common import ImportProblem
+from fp8dist.formats.common import ImportProblem, Launcher
 from fp8dist.formats.importing import import_file
 from fp8dist.translate import to_deepspeed, to_fsdp2
 from fp8dist.formats.accelerate.translate import NotExpressible, accelerate_file, render
@@ -141,14 +141,15 @@ HF_ZERO2 = {  # the HF docs' ds_config_zero2.json, "auto" everywhere
 def test_deepspeed_auto_values_are_resolved_in_comments(tmp_path):
     path = tmp_path / "ds_config_zero2.json"
     path.write_text(json.dumps(HF_ZERO2))
-    text = import_file(path)
+    text = import_file(path, launcher=Launcher(mixed_precision="no"))  # the "auto" precision: test_launch_values.py
     for key in ("fp16.enabled", "bf16.enabled", "optimizer.params.lr", "optimizer.params.betas",
                 "gradient_accumulation_steps", "gradient_clipping", "train_micro_batch_size_per_gpu",
                 "zero_optimization.reduce_bucket_size"):
         assert f"# auto: {key} ->" in text, key
     assert "# not kept: scheduler:" in text and "# auto: train_batch_size -> micro batch x accumulation" in text
+    assert "pass --per-device-train-batch-size N" in text and "pass --learning-rate LR" in text  # defaults said
     spec = imported_spec(text, tmp_path)
-    assert spec.precision.mixed_precision == "none" and spec.precision.reduce_dtype == "fp32"  # Accelerate's default "no"
+    assert spec.precision.mixed_precision == "none" and spec.precision.reduce_dtype == "fp32"  # launched with "no"
     assert spec.optimizer.lr == 0.001 and spec.train.gradient_clipping == 1.0
     assert spec.parallel.offload == "optimizer" and spec.deepspeed.zero_stage == 2
     ds = to_deepspeed(spec, DS_VERSION)
@@ -172,8 +173,9 @@ def test_accelerate_deepspeed_auto_takes_mixed_precision_and_plugin_keys(tmp_pat
     with_file = tmp_path / "with_file.yaml"
     with_file.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n"
                          "  zero3_init_flag: false\n")
-    spec = imported_spec(import_file(with_file), tmp_path, "b.yaml")
-    assert spec.precision.mixed_precision == "none"  # "auto" with no mixed_precision: Accelerate's "no"
+    # "auto" next to a file: accelerate launch --mixed_precision decides (without it: test_launch_values.py)
+    spec = imported_spec(import_file(with_file, launcher=Launcher(mixed_precision="fp16")), tmp_path, "b.yaml")
+    assert spec.precision.mixed_precision == "fp16" and spec.precision.loss_scaling.initial_scale_power == 16
 
 
 def test_accelerate_fp8_config_keys_that_accelerate_never_reads(tmp_path):

@@ -72,9 +72,9 @@ def accelerate(key: str, rule, tmp_path) -> dict:
 
 def accelerate_deepspeed(key: str, rule, tmp_path) -> dict:
     config = {"zero_stage": 3 if key.startswith("zero3") or key == "offload_param_device" else 2, key: rule.example}
-    if key == "deepspeed_config_file":
+    if key == "deepspeed_config_file":  # as `accelerate config` writes it: the JSON decides, no mixed_precision
         (tmp_path / "ds.json").write_text(json.dumps(DS_FILE))
-        config = {key: "ds.json"}
+        return {"distributed_type": "DEEPSPEED", "deepspeed_config": {key: "ds.json"}}
     return {"distributed_type": "DEEPSPEED", "mixed_precision": "bf16", "deepspeed_config": config}
 
 

@@ -133,7 +133,7 @@ def test_optim(tmp_path, optim, name, state):
     assert (o.name, o.state_dtype) == (name, state)
 
 
-@pytest.mark.parametrize("optim", ["rmsprop", "paged_adamw_32bit", "adafactor", "lion_8bit"])
+@pytest.mark.parametrize("optim", ["rmsprop", "adafactor", "lion_8bit", "paged_lion_8bit"])
 def test_an_optimizer_fp8dist_has_not_is_refused(tmp_path, optim):
     assert _refused(tmp_path, {"optim": optim}) == {"optim"}
 

@@ -34,3 +34,19 @@ def test_check_refuses_bad_arguments_and_overrides():
     assert bad_set.returncode == 2 and "train.steps" in bad_set.stderr and "Traceback" not in bad_set.stderr
     no_dir = run(sys.executable, ROOT / "launch" / "train.py", "--check", "--resume")
     assert no_dir.returncode == 2 and "--resume needs --checkpoint-dir" in no_dir.stderr
+
+
+def test_check_reports_every_problem_at_once(tmp_path):
+    """One --check lists all it refuses (arguments, config override, export destination, model), each with its fix,
+    instead of one per run."""
+    occupied = tmp_path / "occupied"
+    occupied.write_text("not an export directory\n")
+    result = run(sys.executable, ROOT / "launch" / "train.py", "--check", "--steps", "0", "--resume",
+                 "--fp8dist-config", ROOT / "configs" / "fsdp2-bf16.yaml",
+                 "--fp8dist-set", "parallel.cpu_ram_efficient_loading=true", "--export-hf", occupied)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert "4 problems, each below with its fix; nothing was started" in result.stderr, result.stderr
+    for fragment in ("1. --resume needs --checkpoint-dir", "2. --steps 0: must be at least 1", f"{occupied}: is a file",
+                     "MODEL 'tiny-llama' is built in memory"):
+        assert fragment in result.stderr, result.stderr
