@@ -19,6 +19,7 @@ from typing import Any
 from fp8dist.config.load import load_config
 from fp8dist.dtypes import torch_dtype
 from fp8dist.errors import ExitCode, Fp8distError
+from fp8dist.runtime.files import share
 from fp8dist.runtime.ranks import PROGRESS, emit
 
 
@@ -170,6 +171,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     os.close(fd)
     try:
         fig.savefig(tmp, format="png")
+        share(tmp)  # mkstemp's 0600: the plot gets the umask's mode, as open() would give it
         os.replace(tmp, path)
     finally:
         plt.close(fig)

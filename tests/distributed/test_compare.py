@@ -45,6 +45,11 @@ def test_float8_tracks_bf16_on_a_users_text_file_with_a_plot(tmp_path):
     assert report["losses"]["config"] != report["losses"]["baseline"]  # two real runs, not one
     assert "tokenised by" in result.stderr and "baseline step 8/8" in result.stderr  # data source, progress
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    assert plot.stat().st_mode & 0o777 == 0o666 & ~mask  # the umask's mode, not a temporary file's 0600
 
 
 def test_fp32_and_bf16_agree_within_tolerance():
