@@ -13,24 +13,16 @@ from fp8dist.formats.common import ImportProblem, Launcher
 from fp8dist.formats.importing import import_file
 from tests.conftest import run_cli
 from tests.unit.formats.importing import refused_keys
+from tests.unit.formats.test_importers import HF_ZERO2
 
-# The HF docs' ds_config_zero3.json (transformers docs, deepspeed.md "ZeRO-3 example"), "auto" everywhere
-HF_ZERO3 = {
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
-    "bf16": {"enabled": "auto"},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                 "warmup_num_steps": "auto"}},
-    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none", "pin_memory": True},
-                          "offload_param": {"device": "none", "pin_memory": True}, "overlap_comm": True,
-                          "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
-                          "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
-                          "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
-                          "stage3_gather_16bit_weights_on_model_save": True},
-    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
-    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
-}
+# The HF docs' ds_config_zero3.json (transformers docs, deepspeed.md "ZeRO-3 example"), "auto" everywhere: the
+# ZeRO-2 example's sections with its own zero_optimization.
+HF_ZERO3 = {**HF_ZERO2, "zero_optimization": {
+    "stage": 3, "offload_optimizer": {"device": "none", "pin_memory": True},
+    "offload_param": {"device": "none", "pin_memory": True}, "overlap_comm": True, "contiguous_gradients": True,
+    "sub_group_size": 1e9, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+    "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+    "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True}}
 
 
 def _written(tmp_path, name, document):
