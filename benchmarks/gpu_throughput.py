@@ -53,18 +53,18 @@ def gpu_problem() -> str | None:
         return "torch is not installed"
     if not torch.cuda.is_available():
         return "no CUDA GPU is visible (this benchmark measures real FP8 GEMMs: H100/H200, SM 8.9+)"
-    import fp8dist.compat as compat
+    from fp8dist.facts.torchao import torchao_fp8_hardware
     capability = torch.cuda.get_device_capability(0)
-    ok, why = compat.torchao_fp8_hardware("tensorwise", capability)
+    ok, why = torchao_fp8_hardware("tensorwise", capability)
     if not ok:
         return f"{torch.cuda.get_device_name(0)}: {why}"
     return None
 
 
 def skip_reason(name: str, capability) -> str | None:
-    import fp8dist.compat as compat
+    from fp8dist.facts.torchao import torchao_fp8_hardware
     if name == "float8 rowwise":
-        ok, why = compat.torchao_fp8_hardware("rowwise", capability)
+        ok, why = torchao_fp8_hardware("rowwise", capability)
         if not ok:
             return why
     if name.startswith("te ") and importlib.util.find_spec("transformer_engine") is None:

@@ -40,6 +40,9 @@ BENCHMARKS = {
     "watch_overhead": Benchmark("watch_overhead.py", ("--pairs", "4", "--rounds", "2"), (
         "watch_observed_step_fsdp2_bf16", "watch_after_fsdp2_bf16", "watch_observed_step_deepspeed_zero2_bf16",
         "watch_after_deepspeed_zero2_bf16", "watch_after_noise_floor_fsdp2_bf16")),
+    "numerics_overhead": Benchmark("numerics_overhead.py", ("--pairs", "3"), tuple(
+        f"{figure}_{case}" for case in ("float8_tensorwise", "float8_rowwise", "moe_mxfp8_experts")
+        for figure in ("numerics_watched_step", "watched_step"))),
     "comm_bytes": Benchmark("comm_bytes.py", (), (
         "allgather_bytes_fp8_vs_bf16_linear_weights", "allgather_bytes_fp8_vs_bf16_linear_on_the_wire",
         "allgather_bytes_fp8_vs_bf16_whole_model")),

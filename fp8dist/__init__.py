@@ -6,6 +6,8 @@ libraries' known-benign start-up messages (fp8dist.library_noise), so importing 
 This module is also the composition root: it hands the first-step audit (fp8dist.audit, a layer above the
 engines) to the engines, which never import it (docs/architecture.md).
 """
+from typing import TYPE_CHECKING
+
 from fp8dist import library_noise
 from fp8dist.config.arguments import add_config_arguments, spec_from_args
 from fp8dist.config.load import load_config
@@ -13,12 +15,15 @@ from fp8dist.config.spec import Spec
 from fp8dist.engines.base import provide_first_step_audit
 from fp8dist.errors import ConfigError, ExitCode, Fp8distError, UnsupportedEnvironment
 
+if TYPE_CHECKING:
+    from fp8dist.translate import EnginePlan
+
 __version__ = "0.1.0"
 __all__ = ["load_config", "load_model", "Spec", "ConfigError", "ExitCode", "Fp8distError", "UnsupportedEnvironment",
            "add_config_arguments", "spec_from_args", "__version__"]
 
 
-def load_model(name_or_dir: str, spec: Spec, *, plan: dict | None = None):
+def load_model(name_or_dir: str, spec: Spec, *, plan: "EnginePlan | None" = None):
     """MODEL as a run of `spec` needs it, returned as a fp8dist.runtime.models.LoadedModel (`.model` for the engine
     setup, `.materialize` for fp8dist.engines.fsdp2.prepare, `.make_batch`): RAM-efficiently where
     `parallel.cpu_ram_efficient_loading` says so (a local Hugging Face directory only), else fully on every rank.

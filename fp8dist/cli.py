@@ -87,6 +87,7 @@ def _audit(args):
 
 def build_parser() -> argparse.ArgumentParser:
     from fp8dist import __version__
+    from fp8dist.estimate.shapes import SHAPES
     from fp8dist.runtime.models import BUILTIN, MODEL_FORMS
 
     parser = _Parser(prog="fp8dist", description=__doc__.splitlines()[0])
@@ -147,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("estimate", help="per-rank memory of a run (model built on the meta device: no weights read)")
     p.add_argument("model", help=f"built-in name ({', '.join(BUILTIN)}), "
-                   "a shape (llama-3-8b, llama-3-70b, mixtral-8x7b, qwen3-30b-a3b, bert-base-cased), a local Hugging Face "
+                   f"a shape ({', '.join(SHAPES)}), a local Hugging Face "
                    "model directory, or a config.json; KEY=VALUE config overrides may follow")
     p.add_argument("--config", help="fp8dist config (default: the schema defaults)")
     p.add_argument("--world-size", type=int, default=1, help="ranks the run shards over (default 1)")
@@ -187,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2, help="training steps to observe")
     p.add_argument("--timeout", type=float, default=AUDIT_TIMEOUT_S,
                    help=f"seconds the audit run may take before it is stopped (default {AUDIT_TIMEOUT_S})")
+    p.add_argument("--numerics", action="store_true",
+                   help="also check every FP8 weight GEMM of the audited step: each operand cast's underflow and "
+                        "saturation, the GEMM's SQNR against high precision (limits: audit.numerics); that step "
+                        "costs up to 3x a plain one")
     p.set_defaults(func=_audit)
 
     p = sub.add_parser("run", usage="fp8dist run CONFIG [KEY=VALUE ...] [--nproc N] [--launcher L] -- SCRIPT [ARGS ...]",
@@ -212,7 +217,8 @@ def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     """KEY=VALUE words after the command are config overrides, not positionals."""
     if not argv or argv[0] not in TAKES_OVERRIDES:
         return argv, []
-    rest, overrides = [], []
+    rest: list[str] = []
+    overrides: list[str] = []
     for word in argv:
         (overrides if ("=" in word and not word.startswith("-") and not os.path.exists(word)) else rest).append(word)
     return rest, overrides

@@ -48,7 +48,7 @@ CONFIG_DTYPES = ("fp32", "bf16", "fp16")
 # Bytes per element of a table cell's format family (audit/expected.py: bytes a config implies per parameter).
 FAMILY_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "fp4": 0.5, "int8": 1, "int4": 0.5, "none": 0, "n/a": 0}
 
-_BY_NAME = {}
+_BY_NAME: dict[str, DType] = {}
 for _entry in TABLE:
     _BY_NAME.setdefault(_entry.name, _entry)
 _BY_TORCH = {entry.torch: entry for entry in TABLE}

@@ -1,5 +1,5 @@
 """What this machine is: the visible accelerator (name, compute capability, CUDA version). torch is imported only
-when asked; installed package versions come from compat.installed_version (metadata, no import)."""
+when asked; installed package versions come from facts.versions.installed_version (metadata, no import)."""
 from __future__ import annotations
 
 from typing import Any

@@ -231,7 +231,7 @@ REFUSALS = [
     Refusal("deepspeed-nvme-params", {**DS, "deepspeed": {"zero_stage": 3, "offload_param": "nvme",
                                                           "nvme_path": "/tmp/nvme"}}, "async_io", "environment", "libaio"),
     Refusal("fsdp2-fp8-states-on-cpu", {"optimizer": {"state_dtype": "fp8"}}, "AdamWFp8", "environment", "cuda"),
-    # Cross-field rules (fp8dist/config/rules.py): every Issue it can raise.
+    # Cross-field rules (fp8dist/config/rules/): every Issue they can raise.
     Refusal("master-without-mixed", {"precision": {"mixed_precision": "none"}}, "a master copy only exists"),
     Refusal("bf16-master-fp16-compute", {"precision": {"master_weights": "bf16", "mixed_precision": "fp16"}},
             "bf16 master weights need bf16 mixed precision"),
@@ -303,6 +303,8 @@ REFUSALS = [
             "parameter offload needs ZeRO stage 3"),
     Refusal("ds-optimizer-offload-zero0", {**DS, "deepspeed": {"zero_stage": 0, "offload_optimizer": "cpu"}},
             "optimizer offload needs ZeRO stage >= 1"),
+    Refusal("ds-parallel-offload-optimizer-replicate", {**DS, "parallel": {"sharding": "replicate", "offload": "optimizer"}},
+            "optimizer offload is ZeRO-Offload, which needs ZeRO stage >= 1"),
     Refusal("ds-nvme-without-path", {**DS, "deepspeed": {"offload_optimizer": "nvme"}}, "nvme offload needs a path"),
     Refusal("ds-bf16-masters-zero0", {**DS, "precision": {"master_weights": "bf16"}, "deepspeed": {"zero_stage": 0}},
             "bf16 master weights need ZeRO stage >= 1"),
@@ -333,6 +335,12 @@ REFUSALS = [
     # Moved keys are refused with their new name.
     Refusal("moved-deepspeed-fp16", {**DS, "deepspeed": {"fp16": {"loss_scale": 0}}},
             "moved to `precision.loss_scaling`"),
+    # The numerics limits are shares (0..1) and dB floors (>= 0); every one out of range is named at once. What
+    # they judge is tested in-process (tests/unit/audit/test_numerics.py): `--numerics` is not part of a run.
+    Refusal("numerics-limits-out-of-range", {"audit": {"numerics": {
+        "max_underflow": 1.5, "max_saturated": -0.1,
+        "min_sqnr_db": {"forward": -1, "input_grad": -1, "weight_grad": -1}}}},
+        "audit.numerics.max_underflow: 1.5 is greater than the maximum of 1"),
 ]
 
 
@@ -388,15 +396,16 @@ def _key(value: Any) -> str:
 def active(path: str, resolved: dict) -> bool:
     """Does this key act in this resolved config? A block's defaults do not run when its backend or engine
     is off (te.recipe is `delayed` in every config, but only a TE run exercises it)."""
-    from fp8dist.config.rules import compute_dtype
+    from fp8dist.config.spec import compute_dtype_of
 
-    fp8 = resolved["precision"]["fp8"]
+    precision, fp8 = resolved["precision"], resolved["precision"]["fp8"]
     gates = {
         "precision.fp8.torchao.": fp8["backend"] == "torchao",
         "precision.fp8.te.": fp8["backend"] == "te" or (fp8["backend"] == "msamp" and fp8["msamp"]["use_te"]),
         "precision.fp8.msamp.": fp8["backend"] == "msamp",
         "precision.fp8.modules.": fp8["backend"] != "none",
-        "precision.loss_scaling.": compute_dtype(resolved) == "fp16",
+        "precision.loss_scaling.": compute_dtype_of(precision["mixed_precision"], precision["load_dtype"],
+                                                    precision["master_weights"]) == "fp16",
         "fsdp2.": resolved["engine"] == "fsdp2",
         "adapter.base_dtype": resolved["adapter"]["kind"] != "none",
         "deepspeed.": resolved["engine"] == "deepspeed",
@@ -478,6 +487,8 @@ AUDIT_ROWS = {  # what the audit shows for a key: the phases whose expected dtyp
     "parallel.offload": "weights / masters / optimizer where offloaded (their dtype does not change)",
     "engine": "engine (recognised from the prepared objects), then every phase",
     "audit.first_step": "whether step 1 is audited, and what a mismatch does",
+    **{f"audit.numerics.{key}": "numerics (with `--numerics` / `watch(..., numerics=True)`)" for key in (
+        "max_underflow", "max_saturated", "min_sqnr_db.forward", "min_sqnr_db.input_grad", "min_sqnr_db.weight_grad")},
     "precision.fp8.modules.exclude": "FP8 modules list",
     "precision.fp8.modules.skip_first_last": "FP8 modules list",
     "precision.fp8.torchao.pad_inner_dim": "FP8 modules list",

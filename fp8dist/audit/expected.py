@@ -30,8 +30,23 @@ PHASES = {
     "weight_all_gather": "the weight all-gathers on the wire (FSDP2, 2+ ranks)",
     "frozen_weights": "an adapter run's frozen base as stored",
     "frozen_state": "gradients or optimizer states kept for the frozen base (expected: none)",
+    "numerics": "with `--numerics` (`watch(..., numerics=True)`) only: every FP8 weight GEMM's operand casts (share "
+                "underflowed to 0, share clamped) and its SQNR against high precision, within `audit.numerics`",
 }
 MULTI_RANK_PHASES = {"communication", "weight_all_gather"}
+# The numerics row's values (fp8dist.audit.numerics): expected `healthy`; observed `outside thresholds` fails.
+HEALTHY, OUTSIDE, NOT_MEASURED_VALUE = "healthy", "outside thresholds", "not measured"
+
+
+def numerics_expected(spec: Spec) -> tuple[str, str]:
+    """The numerics row, for a step watched with numerics: healthy FP8 GEMMs, or none without an FP8 backend."""
+    if not spec.fp8.enabled:
+        return "n/a", "no FP8 backend: no FP8 GEMM to measure"
+    limits = spec.audit.numerics
+    sqnr = limits.min_sqnr_db
+    return HEALTHY, (f"audit.numerics: every cast underflows <= {limits.max_underflow:g} and saturates <= "
+                     f"{limits.max_saturated:g}; SQNR >= {sqnr.forward:g} / {sqnr.input_grad:g} / "
+                     f"{sqnr.weight_grad:g} dB (forward / input_grad / weight_grad)")
 
 
 def tables() -> dict:

@@ -257,7 +257,7 @@ def summarize(ledger: WeightGemmLedger, kept: dict[str, str], fp8_expected: bool
               phases_by_design: dict[str, str] | None = None) -> dict:
     """The audit JSON's `gemm_flops`. `kept`: module -> why the config keeps it in high precision (the FP8
     backend's exclusions); `phases_by_design`: phase -> why the recipe runs that GEMM of every converted module
-    in high precision (compat.TORCHAO_HIGH_PRECISION_GEMMS). A high-precision weight GEMM is `allowed` when the
+    in high precision (facts.torchao.TORCHAO_HIGH_PRECISION_GEMMS). A high-precision weight GEMM is `allowed` when the
     config says so (or no FP8 is configured); any other is what the gemm row fails on."""
     phases_by_design = phases_by_design or {}
     total = sum(ledger.flops.values())

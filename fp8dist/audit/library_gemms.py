@@ -114,8 +114,8 @@ class LibraryGemmRecorder:
         self.notes.append("MS-AMP's FP8 GEMMs are counted by calls, not FLOPs (gemm_flops covers aten's GEMMs)")
         device = getattr(sys.modules.get("msamp.common.utils.device"), "Device", None)
         if device is not None and not device.is_fp8_supported():
-            import fp8dist.compat as compat
-            self.notes.append(compat.msamp_native_fp8(_gpu_name())[1])
+            from fp8dist.facts.msamp import msamp_native_fp8
+            self.notes.append(msamp_native_fp8(_gpu_name())[1])
 
     def __exit__(self, *exc) -> None:
         for owner, attr, original in reversed(self._restore):

@@ -7,7 +7,7 @@ as aten matmuls (TorchDispatchMode) and, for Transformer Engine and MS-AMP, at t
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Iterable
+from typing import AbstractSet, Any, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -94,7 +94,8 @@ class MatmulRecorder(TorchDispatchMode):
 
     def split(self) -> tuple[Counter, Counter]:
         """(GEMMs with an FP8/FP4 operand, the others)."""
-        fp8, other = Counter(), Counter()
+        fp8: Counter = Counter()
+        other: Counter = Counter()
         for (name, operands), n in self.calls.items():
             (fp8 if any(is_low_precision(o) for o in operands) else other)[(name, operands)] += n
         return fp8, other
@@ -117,7 +118,7 @@ def emulates(tensor, ledger: WeightGemmLedger) -> bool:
 
 
 def describe_fp8(fp8: Counter) -> str:
-    formats = Counter()
+    formats: Counter[str] = Counter()
     for (_, operands), n in fp8.items():
         formats["x".join(o.replace("fp8_", "") for o in operands)] += n  # e4m3xe4m3, e5m2xe4m3, mxfp8xmxfp8...
     return ", ".join(f"{k}: {v}" for k, v in sorted(formats.items()))
@@ -136,7 +137,7 @@ def low_precision_format(fp8: Counter) -> str:
 
 def compute_dtype(other: Counter) -> tuple[str, str]:
     """Dominant operand dtype of the non-FP8 matmuls, with the breakdown."""
-    dtypes = Counter()
+    dtypes: Counter[str] = Counter()
     for (_, operands), n in other.items():
         for o in set(operands):
             dtypes[o] += n
@@ -146,7 +147,7 @@ def compute_dtype(other: Counter) -> tuple[str, str]:
     return top[0][0] if len(top) == 1 else "+".join(sorted(dtypes)), ", ".join(f"{k}: {v}" for k, v in top)
 
 
-def optimizer_states(optimizer, skip: set[int] = frozenset()) -> tuple[str, dict[str, Any]]:
+def optimizer_states(optimizer, skip: AbstractSet[int] = frozenset()) -> tuple[str, dict[str, Any]]:
     """Adam-like states as 'exp_avg+exp_avg_sq' storage formats; other optimizers: all tensor states.
     `skip`: ids of state tensors left out (those a low-bit optimizer keeps in full precision by design)."""
     per_key: dict[str, Counter] = {}
@@ -157,7 +158,7 @@ def optimizer_states(optimizer, skip: set[int] = frozenset()) -> tuple[str, dict
                 per_key.setdefault(key, Counter())[s.format] += s.numel
     if not per_key:
         return "none", {}
-    ordered = [k for k in ("exp_avg", "exp_avg_sq") if k in per_key] or sorted(per_key)
+    ordered: list[str] = [k for k in ("exp_avg", "exp_avg_sq") if k in per_key] or sorted(per_key)
     parts = ["+".join(sorted(per_key[k])) for k in ordered]
     return "+".join(parts), {k: dict(v) for k, v in per_key.items()}
 

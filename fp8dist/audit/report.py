@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fp8dist.audit.expected import expected, normalize
+from fp8dist.audit.expected import expected, normalize, numerics_expected
 from fp8dist.backends.module_filter import ADAPTER_REASON
 from fp8dist.config.spec import Spec
 
@@ -12,14 +12,17 @@ OK, MISMATCH, NOT_MEASURED = "ok", "MISMATCH", "NOT MEASURED"
 
 
 def build(spec: Spec, model: str, observed: dict[str, Any], nproc: int,
-          outside: dict[str, str] | None = None) -> dict[str, Any]:
+          outside: dict[str, str] | None = None, data_size: int | None = None) -> dict[str, Any]:
     """One check per phase, the engine that ran first. A row is `ok` only when it was measured and matches:
     a value read from a setting, or no probe result at all, is NOT MEASURED and keeps the verdict from PASS.
-    `outside`: phases that happen before the observed block (phase -> why), left out of the checks and said."""
+    `outside`: phases that happen before the observed block (phase -> why), left out of the checks and said.
+    `data_size`: the data-parallel ranks, whose gradients reduce (default: all `nproc` ranks)."""
     outside = outside or {}
     checks = []
     rows = {"engine": (spec.engine, "engine (recognised from the prepared model and optimizer)"),
-            **expected(spec, nproc)}
+            **expected(spec, data_size or nproc)}
+    if "numerics" in observed:  # a step watched with numerics=True
+        rows["numerics"] = numerics_expected(spec)
     for phase, (want, why) in rows.items():
         if phase in outside:
             continue
@@ -35,7 +38,8 @@ def build(spec: Spec, model: str, observed: dict[str, Any], nproc: int,
             "bytes_per_param": per_param, "parameters": observed.get("_parameters"),
             "frozen_bytes_per_param": observed.get("_frozen_bytes"), "fp8_modules": observed.get("_decisions", []),
             "gemm_flops": observed.get("_gemm_flops"), "fp8_emulated": bool(observed.get("_fp8_emulated")),
-            "communication_bytes": observed.get("_comm"), "outside_scope": outside}
+            "communication_bytes": observed.get("_comm"), "outside_scope": outside,
+            **({"numerics": observed["_numerics"]} if "_numerics" in observed else {})}
 
 
 def shown(result: dict[str, Any], check: dict[str, Any]) -> str:
@@ -70,15 +74,16 @@ def table(result: dict[str, Any]) -> str:
         formats = ", ".join(f"{fmt} {share:.1%}" for fmt, share in flops["by_format"].items())
         lines.append(f"weight-GEMM FLOPs in FP8: {flops['fp8_share']:.1%} ({formats})"
                      + (", emulated" if result.get("fp8_emulated") else ""))
-        kept: dict[str, list] = {}
+        allowed: dict[str, list] = {}  # reason -> the rows it keeps in high precision
         for row in flops["high_precision"]:
             if row["allowed"]:
-                kept.setdefault(row["reason"], []).append(row)
+                allowed.setdefault(row["reason"], []).append(row)
             else:
                 lines.append(f"  ! {row['module']}: {row['share']:.1%} in high precision ({row['reason']})")
-        for reason, rows in kept.items():
-            names = ", ".join(r["module"] for r in rows[:3]) + (f" and {len(rows) - 3} more" if len(rows) > 3 else "")
-            lines.append(f"  - {names}: {sum(r['share'] for r in rows):.1%} in high precision ({reason})")
+        for reason, gemms in allowed.items():
+            names = ", ".join(g["module"] for g in gemms[:3]) + (
+                f" and {len(gemms) - 3} more" if len(gemms) > 3 else "")
+            lines.append(f"  - {names}: {sum(g['share'] for g in gemms):.1%} in high precision ({reason})")
     converted = [m for m in result["fp8_modules"] if m["convert"]]
     if result["fp8_modules"]:
         kept = [m for m in result["fp8_modules"] if not m["convert"]]
@@ -86,11 +91,26 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"FP8 modules: {len(converted)} of {len(result['fp8_modules'])} converted; kept: " +
                      ("; ".join([f"{m['fqn']} ({m['reason']})" for m in kept if m not in adapters]
                                 + ([f"{len(adapters)} Linears: {ADAPTER_REASON}"] if adapters else [])) or "none"))
+    lines += numerics_lines(result.get("numerics"))
     for phase, why in result.get("outside_scope", {}).items():
         lines.append(f"  - {phase}: not part of this audit ({why})")
     lines.append("")
     lines.append(verdict(result))
     return "\n".join(lines) + "\n"
+
+
+def numerics_lines(numerics: dict[str, Any] | None) -> list[str]:
+    """The worst modules of a numerics check (fp8dist.audit.numerics), each by its metric nearest to or beyond its
+    limit; `!` marks the failing ones."""
+    if not numerics or not numerics["worst"]:
+        return []
+    lines = ["FP8 numerics, worst modules (underflow / saturated: share of the cast's values; SQNR: dB):"]
+    for f in numerics["worst"]:
+        what = " ".join(part for part in (f["module"], f["gemm"], f["operand"]) if part)
+        bound = f"min {f['limit']:g}" if f["metric"] == "sqnr_db" else f"max {f['limit']:g}"
+        value = "n/a" if f["value"] is None else f"{f['value']:.4g}"
+        lines.append(f"  {'!' if f['fails'] else '-'} {what}: {f['metric']} {value} ({bound})")
+    return lines
 
 
 def verdict(result: dict[str, Any]) -> str:

@@ -22,24 +22,25 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any
+from typing import Any, Literal, cast
 
 import fp8dist.audit.probes as probes
-import fp8dist.compat as compat
 from fp8dist.audit.gemm_flops import clean_name, summarize as summarize_gemm_flops
+from fp8dist.audit.numerics import NumericsRecorder, observe as observe_numerics
 from fp8dist.backends.module_filter import LinearInfo, decide, is_adapter, linear_infos
 from fp8dist.audit.expected import expected, normalize
 from fp8dist.audit.report import build, table, verdict
 from fp8dist.audit.wire import REDUCTIONS, WireRecorder
 from fp8dist.backends.storage import is_scaling_tensor
 from fp8dist.config.load import load_config
+from fp8dist.config.parallel import parallel_dims
 from fp8dist.config.spec import Spec
-from fp8dist.engines.inspector import local
 from fp8dist.engines.optim import full_precision_by_design
 from fp8dist.engines.registry import inspector_for
+from fp8dist.facts.torchao import TORCHAO_HIGH_PRECISION_GEMMS
 from fp8dist.runtime.adapters import split_parameters
 from fp8dist.errors import ExitCode, Fp8distError
-from fp8dist.translate.fsdp2 import float8_plan
+from fp8dist.translate.fsdp2 import module_filter_plan
 
 ON_MISMATCH = ("warn", "raise", "ignore", "defer")  # defer: decide later with Watch.conclude
 FLOAT8_WIRE = {"uint8", "fp8_e4m3", "fp8_e5m2"}  # gloo carries float8 as uint8 (engines/collectives.py)
@@ -61,20 +62,6 @@ def model_name(module) -> str:
     return path or next(c.__name__ for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
 
 
-def _stored(param):
-    """What a rank stores of a parameter: ZeRO-3's partition, FSDP2's local shard, else the tensor."""
-    return param.ds_tensor if hasattr(param, "ds_tensor") else local(param)
-
-
-def _stepped(optimizer) -> list:
-    """The module parameters an optimizer steps: DeepSpeed's ZeRO optimizers keep them in `bit16_groups` (stage
-    1/2) or `fp16_groups` (stage 3), DeepSpeed 0.19.8; a torch optimizer in its param groups."""
-    groups = getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "fp16_groups", None)
-    if groups is None:
-        groups = [group["params"] for group in getattr(optimizer, "param_groups", [])]
-    return [p for group in groups for p in group]
-
-
 def _spec(config) -> Spec:
     return config if isinstance(config, Spec) else load_config(config)
 
@@ -83,7 +70,7 @@ class Watch:
     """Context manager behind `watch`. After the block: `report`, `passed`, and `observed` (the raw cells)."""
 
     def __init__(self, model, optimizer, config, *, on_mismatch: str = "warn", name: str | None = None,
-                 verbose: bool = False, loading: dict | None = None):
+                 verbose: bool = False, loading: dict | None = None, numerics: bool = False):
         if on_mismatch not in ON_MISMATCH:
             raise Fp8distError(f"on_mismatch={on_mismatch!r}: use one of {', '.join(ON_MISMATCH)}")
         self.spec = _spec(config)
@@ -94,14 +81,19 @@ class Watch:
         self.passed: bool | None = None
         self._gradients: dict[str, Any] | None = None
         self._stack: contextlib.ExitStack | None = None
+        self.matmuls: probes.MatmulRecorder | None = None  # the step's recorders, from __enter__ to _release
+        self.wire: WireRecorder | None = None
+        self.numerics = numerics
+        self._numerics: NumericsRecorder | None = None
 
     # -- entering: what the prepared run stores before the step -------------------------------------------
     def __enter__(self) -> "Watch":
-        import torch.distributed as dist
+        import fp8dist.distributed as distributed
 
         self.inspector = inspector_for(self.model, self.optimizer)
-        self.nproc = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.rank = dist.get_rank() if self.nproc > 1 else 0
+        self.nproc = distributed.world_size()
+        self.rank = distributed.rank() if self.nproc > 1 else 0
+        self.data_size = parallel_dims(self.spec, self.nproc).data_size  # the ranks whose gradients reduce
         self._observe_stores()
         self.matmuls, self.wire = probes.MatmulRecorder(), WireRecorder()
         import torch
@@ -111,6 +103,8 @@ class Watch:
             # graph, and Dynamo refuses to compile while a non-infra dispatch mode is active (fullgraph=True
             # raises, torchao's low-bit AdamW is one) (torch 2.13 torch/_dynamo/eval_frame.py). Same dtypes.
             stack.enter_context(torch.compiler.set_stance("force_eager"))
+            if self.numerics:  # before the dispatch modes: its weight gathers are not the step's wire
+                self._numerics = stack.enter_context(NumericsRecorder(self.inspector.module))
             stack.enter_context(self.inspector.capture_gradients(self._record_gradients))
             stack.enter_context(self.wire)
             stack.enter_context(self.matmuls.ledger.owners(self.inspector.module))
@@ -155,16 +149,16 @@ class Watch:
         frozen = [(n, p) for n, p in named if not p.requires_grad]
         trainable, frozen_count = split_parameters(self.inspector.module)
         self.observed["_parameters"] = {"trainable": trainable, "frozen": frozen_count}
-        stored = [_stored(p) for _, p in frozen]
+        stored = [self.inspector.stored(p) for _, p in frozen]
         if stored:
             self.observed["_frozen_bytes"] = round(probes.nbytes(stored) / max(sum(t.numel() for t in stored), 1), 2)
         if not self.spec.adapter.enabled:
             return
         base = [(n, p) for n, p in named if not is_adapter(n)]
-        value, counts = probes.summarize(_stored(p) for _, p in base)
+        value, counts = probes.summarize(self.inspector.stored(p) for _, p in base)
         self.observed["frozen_weights"] = _obs(value, f"the base weights (every parameter outside the adapters): "
                                                       f"{counts}")
-        stepped = {id(p) for p in _stepped(self.inspector.optimizer)}
+        stepped = {id(p) for p in self.inspector.stepped()}
         kept = {"gradients": [n for n, p in base if p.requires_grad or p.grad is not None],
                 "optimizer": [n for n, p in base if id(p) in stepped]}
         kept = {kind: names for kind, names in kept.items() if names}
@@ -180,15 +174,16 @@ class Watch:
                                "numel": sum(t.numel() for t in grads)}
 
     # -- leaving: what the step did ------------------------------------------------------------------------
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        self._stack.close()
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
+        cast(contextlib.ExitStack, self._stack).close()  # __enter__ made it
         try:
             if exc_type is not None:
                 return False  # the block's own error goes on; nothing is reported for a step that did not finish
             self._observe_step()
             self.report = build(self.spec, self.name or model_name(self.inspector.module), self.observed,
                                 self.nproc, outside={} if "loading" in self.observed else {
-                                    "loading": "the watch starts with the model already loaded"})
+                                    "loading": "the watch starts with the model already loaded"},
+                                data_size=self.data_size)
         finally:
             self._release()
         self._agree()
@@ -200,15 +195,16 @@ class Watch:
         """Keep only the report: the model, the optimizer, the engine's inspector and the recorders go, so that a
         Watch the loop keeps (its `audit` variable) holds nothing of the run alive, down to its process group, once
         the loop lets go of it (a process that ends with destroy_process_group)."""
-        self.model = self.optimizer = self.inspector = self.matmuls = self.wire = self._stack = None
+        self.model = self.optimizer = self.inspector = self.matmuls = self.wire = self._stack = self._numerics = None
 
     def _observe_step(self) -> None:
         out = self.observed
-        fp8, other = self.matmuls.split()
+        matmuls = cast(probes.MatmulRecorder, self.matmuls)  # __enter__ made it; _release drops it after this
+        fp8, other = matmuls.split()
         compute, detail = probes.compute_dtype(other)
         out["training"] = _obs(compute, f"non-FP8 matmul operands: {detail}", measured=bool(other or fp8))
-        notes = "".join(f"; {note}" for note in self.matmuls.notes)
-        emulated = sum(self.matmuls.emulated.values())
+        notes = "".join(f"; {note}" for note in matmuls.notes)
+        emulated = sum(matmuls.emulated.values())
         if emulated:
             notes = (f"; emulated: {emulated} of {sum(fp8.values())} low-precision GEMMs multiplied dequantized "
                      f"values in high precision (FP8's rounding, not an FP8 kernel)") + notes
@@ -240,22 +236,25 @@ class Watch:
             self._observe_wire()
         out["_bytes"] = self._bytes
         out["_decisions"] = [d.__dict__ for d in self.inspector.decisions]
+        if self._numerics is not None:
+            out["numerics"], out["_numerics"] = observe_numerics(self._numerics.tally, matmuls.ledger, self.spec)
 
     def _weigh_gemms(self, gemm: dict) -> None:
         """The FLOP view of the gemm row: the share of weight-GEMM FLOPs in FP8, and the modules whose weight GEMMs
         ran in high precision although the config converts them (the row then shows their format too)."""
+        ledger = cast(probes.MatmulRecorder, self.matmuls).ledger  # __enter__ made it; _release drops it after this
         decisions = self.inspector.decisions or self._config_decisions()
         kept = {d.fqn: d.reason for d in decisions if not d.convert}
-        by_design = (compat.TORCHAO_HIGH_PRECISION_GEMMS.get(self.spec.fp8.torchao.recipe_name, {})
+        by_design = (TORCHAO_HIGH_PRECISION_GEMMS.get(self.spec.fp8.torchao.recipe_name, {})
                      if self.spec.fp8.backend == "torchao" else {})
-        flops = summarize_gemm_flops(self.matmuls.ledger, kept, self.spec.fp8.enabled, by_design)
+        flops = summarize_gemm_flops(ledger, kept, self.spec.fp8.enabled, by_design)
         self.observed["_gemm_flops"] = flops
         if not flops["weight_gemm_flops"]:
             return
         gemm["detail"] += f"; FP8 share of weight-GEMM FLOPs {flops['fp8_share']:.1%}"
         stray = [row for row in flops["high_precision"] if not row["allowed"]]
         if stray:
-            formats = sorted({probes.family(fmt) for (module, fmt) in self.matmuls.ledger.flops
+            formats = sorted({probes.family(fmt) for (module, fmt) in ledger.flops
                               if any(module == row["module"] for row in stray)})
             gemm["observed"] = "+".join(dict.fromkeys([v for v in gemm["observed"].split("+") if v != "none"]
                                                       + formats))
@@ -268,17 +267,16 @@ class Watch:
         backend applies (backends/module_filter.py)."""
         if self.spec.fp8.backend in ("none", "msamp"):  # MS-AMP: table A's scope, not a module filter
             return []
-        plan = float8_plan(self.spec)
-        rules = plan["module_filter"]
+        rules = module_filter_plan(self.spec)
         infos = [LinearInfo(clean_name(i.fqn), i.in_features, i.out_features, i.router)
                  for i in linear_infos(self.inspector.module)]
-        return decide(infos, rules["exclude"], rules["skip_first_last"], rules["require_dims_multiple_of"])
+        return decide(infos, rules.exclude, rules.skip_first_last, rules.require_dims_multiple_of)
 
     def _no_master_expected(self) -> bool:
-        return expected(self.spec, self.nproc)["master_weights"][0] == "n/a"
+        return expected(self.spec, self.data_size)["master_weights"][0] == "n/a"
 
     def _observe_wire(self) -> None:
-        out, wire = self.observed, self.wire
+        out, wire = self.observed, cast(WireRecorder, self.wire)  # __enter__ made it; _release drops it after this
         record = wire.as_dict()
         # MS-AMP sends its FP8 gradients as uint8 (ScalingTensor bytes): name them by what they carry.
         msamp = self.spec.fp8.backend == "msamp"
@@ -308,33 +306,35 @@ class Watch:
 
     def _agree(self) -> None:
         """One verdict for the job: a rank that saw a mismatch fails every rank."""
-        self.passed = self.report["passed"]
+        report = cast(dict[str, Any], self.report)  # __exit__ built it before agreeing
+        self.passed = report["passed"]
         if self.nproc > 1:
             import torch.distributed as dist
 
             verdicts: list = [None] * self.nproc
-            failing = [c["phase"] for c in self.report["checks"] if not c["ok"]]
+            failing = [c["phase"] for c in report["checks"] if not c["ok"]]
             dist.all_gather_object(verdicts, (self.passed, failing))
             self.passed = all(passed for passed, _ in verdicts)
-            self.report["passed"] = self.passed
-            self.report["failing_by_rank"] = {rank: phases for rank, (_, phases) in enumerate(verdicts) if phases}
+            report["passed"] = self.passed
+            report["failing_by_rank"] = {rank: phases for rank, (_, phases) in enumerate(verdicts) if phases}
 
     def conclude(self, on_mismatch: str, verbose: bool) -> None:
         """Print the table (rank 0, `verbose`) and act on a mismatch: warn, raise on every rank, or ignore."""
-        text = table(self.report)
+        report = cast(dict[str, Any], self.report)  # called after the block, whose __exit__ built it
+        text = table(report)
         if verbose and self.rank == 0:
             print(text, end="", flush=True)
         if self.passed or on_mismatch == "ignore":
             return
         if on_mismatch == "raise":
-            raise AuditMismatch(f"fp8dist audit of the watched step: {verdict(self.report)}\n{text}")
+            raise AuditMismatch(f"fp8dist audit of the watched step: {verdict(report)}\n{text}")
         if self.rank == 0:
             print(("" if verbose else text) + "fp8dist audit: the watched step did not run in the precision "
                   "its config says (see above)", file=sys.stderr, flush=True)
 
 
 def watch(model, optimizer, config, *, on_mismatch: str = "warn", name: str | None = None,
-          verbose: bool = False, loading: dict | None = None) -> Watch:
+          verbose: bool = False, loading: dict | None = None, numerics: bool = False) -> Watch:
     """Audit everything run inside the `with` block against `config` (a path, a dict or a Spec).
 
     model: what the loop calls (fp8dist-prepared, `fully_shard`ed, a DeepSpeedEngine, DDP, a plain module,
@@ -343,5 +343,8 @@ def watch(model, optimizer, config, *, on_mismatch: str = "warn", name: str | No
         `ignore` (only `w.report` / `w.passed`), `defer` (decide later with `w.conclude(...)`).
     name: the model name in the report (default: its class). verbose: print the table on rank 0 whatever the
         verdict. loading: the `loading` cell when the caller observed the model as loaded (the CLI audit).
+    numerics: also measure every FP8 weight GEMM's casts and SQNR (fp8dist.audit.numerics): a `numerics` row
+        checked against `audit.numerics`, and `numerics` in the report; the watched step costs more.
     """
-    return Watch(model, optimizer, config, on_mismatch=on_mismatch, name=name, verbose=verbose, loading=loading)
+    return Watch(model, optimizer, config, on_mismatch=on_mismatch, name=name, verbose=verbose, loading=loading,
+                 numerics=numerics)

@@ -2,22 +2,28 @@
 `fp8dist.audit.watch` and the run loop (fp8dist.runtime.loop). It loads the model, prepares it with fp8dist's
 engine and runs step 1 inside the watch, then the remaining steps; rank 0 writes the watch's report.
 
-    python -m torch.distributed.run --nproc_per_node N -m fp8dist.audit.worker MODEL CONFIG STEPS OUT.json
+    python -m torch.distributed.run --nproc_per_node N -m fp8dist.audit.worker
+        MODEL CONFIG STEPS OVERRIDES NUMERICS OUT.json
+
+NUMERICS: `numerics` to watch with numerics=True (fp8dist.audit.numerics), empty otherwise.
 """
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, cast
 
 import fp8dist.audit.probes as probes
 from fp8dist.audit.watching import watch
 from fp8dist.config.load import load_config
-from fp8dist.config.vocabulary import check_world_size
+from fp8dist.config.parallel import parallel_dims
 from fp8dist.engines.registry import facts_for
 from fp8dist.errors import Fp8distError
 from fp8dist.runtime import loop, process_group
 from fp8dist.runtime.loading import load_for_run
 from fp8dist.runtime.ranks import finish
+
+
+NUMERICS = "numerics"  # the NUMERICS argument that turns the numerics check on
 
 
 def loading_cell(loaded) -> dict[str, Any]:
@@ -34,29 +40,31 @@ def loading_cell(loaded) -> dict[str, Any]:
     return {"observed": value, "detail": f"parameters after loading: {counts}", "measured": True}
 
 
-def observe(spec, loaded, steps: int) -> dict[str, Any]:
+def observe(spec, loaded, steps: int, numerics: bool = False) -> dict[str, Any]:
     """The audit report of step 1 of `loaded` under `spec`, after `steps` real steps (process group up). The
     engine's own first-step audit is off: the watch here is the audit."""
     loading = loading_cell(loaded)
     session = loop.start(spec, loaded, audit="off")
     engine = session.engine
-    with watch(engine.model, engine.optimizer, spec, on_mismatch="ignore", name=loaded.name, loading=loading) as audit:
+    with watch(engine.model, engine.optimizer, spec, on_mismatch="ignore", name=loaded.name, loading=loading,
+               numerics=numerics) as audit:
         session.step(0)
     for index in range(1, steps):
         session.step(index)
-    return audit.report
+    return cast(dict[str, Any], audit.report)  # the block ended without an error: its __exit__ built the report
 
 
-def main(model_name: str, config: str, steps: int, overrides: list[str], out_path: str) -> dict[str, Any]:
+def main(model_name: str, config: str, steps: int, overrides: list[str], out_path: str,
+         numerics: bool = False) -> dict[str, Any]:
     try:
         spec = load_config(config or None, overrides=overrides)
-        process_group.init(spec.train.process_group_timeout_s, deepspeed=facts_for(spec).USES_DEEPSPEED_PROCESS_GROUP)
-        check_world_size(spec, process_group.world_size())
-        return observe(spec, load_for_run(model_name, spec), steps)
+        process_group.init(spec.train.process_group_timeout_s, deepspeed=facts_for(spec).deepspeed_process_group)
+        parallel_dims(spec, process_group.world_size())
+        return observe(spec, load_for_run(model_name, spec), steps, numerics)
     except Fp8distError as exc:
         return {"_error": str(exc)}
 
 
 if __name__ == "__main__":
-    model, config, steps, overrides, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
-    finish(main(model, config, steps, [o for o in overrides.split("\n") if o], out), out)
+    model, config, steps, overrides, numerics, out = sys.argv[1:7]
+    finish(main(model, config, int(steps), [o for o in overrides.split("\n") if o], out, numerics == NUMERICS), out)

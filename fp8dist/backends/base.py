@@ -7,6 +7,7 @@ from typing import Any
 
 from fp8dist.backends.module_filter import Decision
 from fp8dist.config.spec import Spec
+from fp8dist.translate.fsdp2 import FSDP2Plan
 
 
 class PrecisionBackend:
@@ -15,7 +16,7 @@ class PrecisionBackend:
 
     name = "none"
 
-    def __init__(self, spec: Spec, plan: dict | None = None):
+    def __init__(self, spec: Spec, plan: FSDP2Plan | None = None):
         self.spec = spec
 
     def check_environment(self, device: dict[str, Any]) -> None:
@@ -50,7 +51,7 @@ def register(cls: type[PrecisionBackend]) -> type[PrecisionBackend]:
     return cls
 
 
-def get_backend(spec: Spec, plan: dict | None = None) -> PrecisionBackend:
+def get_backend(spec: Spec, plan: FSDP2Plan | None = None) -> PrecisionBackend:
     """The backend of `spec`; `plan`: the run's FSDP2 translation (fp8dist.translate.fsdp2), whose `float8` part a
     backend takes instead of planning again."""
     return BACKENDS[spec.fp8.backend](spec, plan)

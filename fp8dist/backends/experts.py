@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from functools import partial
 
-import fp8dist.compat as compat
 from fp8dist.backends.module_filter import Decision
 from fp8dist.errors import UnsupportedEnvironment
+from fp8dist.facts.torchao import TORCHAO_EXPERTS_DIM_MULTIPLE
 
 IMPLEMENTATION = "fp8dist_{mode}"
 
@@ -112,7 +112,7 @@ def convert(model, mode: str, emulate: bool, excluded) -> list[Decision]:
     found = experts_modules(model)
     if not found:
         return []
-    multiple = compat.TORCHAO_EXPERTS_DIM_MULTIPLE[mode]
+    multiple = TORCHAO_EXPERTS_DIM_MULTIPLE[mode]
     reasons = {}
     for name, module in found:
         pattern = excluded(name)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Iterable, Sequence
 
-from fp8dist.compat import is_lora_module, peft_base_name
+from fp8dist.facts.peft import is_lora_module, peft_base_name
 
 
 @dataclass(frozen=True)

@@ -17,16 +17,20 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any
 
-import fp8dist.compat as compat
 from fp8dist.backends.base import PrecisionBackend, register
 from fp8dist.backends.module_filter import Decision, decide, linear_infos
 from fp8dist.backends.transformer_engine import TransformerEngine, installed_te_version
 from fp8dist.errors import Fp8distError, UnsupportedEnvironment
+from fp8dist.facts import versions
+from fp8dist.facts.msamp import (MSAMP_IMAGE, MSAMP_MAX_TE, MSAMP_REJECTED_OPTIMIZER_DEFAULTS, MSAMP_RELEASE_DEEPSPEED,
+                                 installed_msamp, msamp_install_hint, msamp_native_fp8, msamp_supports_deepspeed)
+from fp8dist.facts.versions import fmt, parse_version
+from fp8dist.translate.fsdp2 import FSDP2Plan
 
-NOT_INSTALLED = f"MS-AMP is not installed, and {compat.msamp_install_hint()}"
+NOT_INSTALLED = f"MS-AMP is not installed, and {msamp_install_hint()}"
 WHERE_IT_RUNS = (f"write the DeepSpeed JSON with `fp8dist translate CONFIG --to deepspeed --deepspeed-version "
-                 f"{compat.fmt(compat.MSAMP_RELEASE_DEEPSPEED)}` and run it with msamp.deepspeed.initialize in MS-AMP's "
-                 f"own environment ({compat.MSAMP_IMAGE}); for FP8 in fp8dist's runtime use precision.fp8.backend=te "
+                 f"{fmt(MSAMP_RELEASE_DEEPSPEED)}` and run it with msamp.deepspeed.initialize in MS-AMP's "
+                 f"own environment ({MSAMP_IMAGE}); for FP8 in fp8dist's runtime use precision.fp8.backend=te "
                  "on a GPU, or torchao (with emulate=true on a CPU)")
 # LinearReplacer._replace leaves an nn.Linear alone when this attribute is true (msamp/nn/linear.py).
 KEEP_LINEAR_FLAG = "use_fp32_linear"
@@ -45,12 +49,9 @@ def _import_msamp():
 class MSAMP(PrecisionBackend):
     name = "msamp"
 
-    def __init__(self, spec, plan: dict | None = None):
+    def __init__(self, spec, plan: FSDP2Plan | None = None):
         super().__init__(spec, plan)
-        if spec.fp8.msamp.use_te:
-            self.te = TransformerEngine(spec, plan)
-        else:
-            self.te = None
+        self.te: TransformerEngine | None = TransformerEngine(spec, plan) if spec.fp8.msamp.use_te else None
 
     def check_environment(self, device: dict[str, Any]) -> None:
         """Every reason MS-AMP cannot run here, in one error: a CPU user learns all that is missing at once."""
@@ -60,13 +61,13 @@ class MSAMP(PrecisionBackend):
         except UnsupportedEnvironment as exc:
             problems.append(str(exc).split("\n  fix:")[0])
         te = installed_te_version()
-        if te is not None and te[:2] > compat.MSAMP_MAX_TE[:2]:
-            problems.append(f"Transformer Engine {compat.fmt(te)} is installed: `import msamp` needs TE <= "
-                            f"{compat.fmt(compat.MSAMP_MAX_TE[:2])} (it loads transformer_engine_extensions, renamed "
+        if te is not None and te[:2] > MSAMP_MAX_TE[:2]:
+            problems.append(f"Transformer Engine {fmt(te)} is installed: `import msamp` needs TE <= "
+                            f"{fmt(MSAMP_MAX_TE[:2])} (it loads transformer_engine_extensions, renamed "
                             "in TE 1.8)")
-        ds = compat.installed_version("deepspeed")
-        if self.spec.engine == "deepspeed" and ds:
-            ok, reason = compat.msamp_supports_deepspeed(compat.parse_version(ds), compat.installed_msamp())
+        ds = versions.installed_version("deepspeed")
+        if ds:  # MS-AMP runs on DeepSpeed only (the config rules refuse it elsewhere)
+            ok, reason = msamp_supports_deepspeed(parse_version(ds), installed_msamp())
             if not ok:
                 problems.append(f"MS-AMP cannot drive the installed DeepSpeed: {reason}")
         if not device.get("cuda_available"):
@@ -74,7 +75,7 @@ class MSAMP(PrecisionBackend):
         if problems:
             raise UnsupportedEnvironment("precision.fp8.backend=msamp cannot run here:\n" +
                                          "\n".join(f"  - {p}" for p in problems), WHERE_IT_RUNS)
-        native, why = compat.msamp_native_fp8(device.get("name"))
+        native, why = msamp_native_fp8(device.get("name"))
         if not native:
             import logging
 
@@ -102,7 +103,7 @@ class MSAMP(PrecisionBackend):
 
     def prepare_optimizer(self, optimizer) -> bool:
         """Check `optimizer` and make msamp.initialize accept it; True when the low-bit optimizer MS-AMP will
-        build needs `restore_decoupled_decay` (see compat.MSAMP_REJECTED_OPTIMIZER_DEFAULTS)."""
+        build needs `restore_decoupled_decay` (see MSAMP_REJECTED_OPTIMIZER_DEFAULTS)."""
         import torch
 
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
@@ -111,7 +112,7 @@ class MSAMP(PrecisionBackend):
         if any(group.get("amsgrad") for group in optimizer.param_groups):
             raise Fp8distError("MS-AMP's low-bit Adam supports amsgrad=False only (msamp/optim/adamw.py)"
                                "\n  fix: create the optimizer with amsgrad=False")
-        for key in compat.MSAMP_REJECTED_OPTIMIZER_DEFAULTS:
+        for key in MSAMP_REJECTED_OPTIMIZER_DEFAULTS:
             optimizer.defaults.pop(key, None)
         return isinstance(optimizer, torch.optim.AdamW) and issubclass(torch.optim.AdamW, torch.optim.Adam)
 

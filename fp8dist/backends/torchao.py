@@ -4,12 +4,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import fp8dist.compat as compat
 from fp8dist.backends.experts import convert as convert_experts, experts_modules
 from fp8dist.backends.base import PrecisionBackend, register
 from fp8dist.backends.module_filter import Decision, decide, linear_infos, matching_pattern
 from fp8dist.errors import UnsupportedEnvironment
-from fp8dist.translate.fsdp2 import float8_plan
+from fp8dist.facts import versions
+from fp8dist.facts.torchao import TORCHAO_PROTOTYPE_VERIFIED, torchao_experts_mode, torchao_fp8_hardware
+from fp8dist.facts.versions import fmt, parse_version
+from fp8dist.translate.fsdp2 import FSDP2Plan, TorchaoFloat8Plan, torchao_float8_plan
 
 
 _EXPERTS_FIX = ("set precision.fp8.torchao.experts=none to keep the experts in the compute dtype (the audit then "
@@ -21,14 +23,16 @@ _EXPERTS_FIX = ("set precision.fp8.torchao.experts=none to keep the experts in t
 class TorchaoFloat8(PrecisionBackend):
     name = "torchao"
 
-    def __init__(self, spec, plan: dict | None = None):
+    def __init__(self, spec, plan: FSDP2Plan | None = None):
         super().__init__(spec, plan)
-        self.plan = plan["float8"] if plan and plan.get("float8") else float8_plan(spec)
+        self.plan = (plan.float8 if plan is not None and isinstance(plan.float8, TorchaoFloat8Plan)
+                     else torchao_float8_plan(spec))
         # resolved for the hardware by check_environment, which every engine calls before convert_module
-        self.experts_mode, self.experts_why = None, "check_environment was not called"
+        self.experts_mode: str | None = None
+        self.experts_why = "check_environment was not called"
 
     def check_environment(self, device: dict[str, Any]) -> None:
-        if compat.installed_version("torchao") is None:
+        if versions.installed_version("torchao") is None:
             raise UnsupportedEnvironment("precision.fp8.backend=torchao but torchao is not installed",
                                          "pip install torchao")
         ao = self.spec.fp8.torchao
@@ -37,13 +41,13 @@ class TorchaoFloat8(PrecisionBackend):
         if ao.experts in ("mxfp8", "float8"):
             self._check_prototype_api(f"precision.fp8.torchao.experts={ao.experts}")
         capability = tuple(device["capability"]) if device.get("capability") else None
-        self.experts_mode, self.experts_why = compat.torchao_experts_mode(ao.experts, ao.emulate, capability)
+        self.experts_mode, self.experts_why = torchao_experts_mode(ao.experts, ao.emulate, capability)
         if self.experts_mode is None and ao.experts != "auto":  # auto refuses only a model that has experts
             raise UnsupportedEnvironment(f"precision.fp8.torchao.experts={ao.experts}: {self.experts_why}",
                                          _EXPERTS_FIX)
         if ao.emulate:
             return
-        ok, reason = compat.torchao_fp8_hardware(ao.recipe_name, tuple(device["capability"]) if device.get("capability") else None)
+        ok, reason = torchao_fp8_hardware(ao.recipe_name, tuple(device["capability"]) if device.get("capability") else None)
         if not ok:
             raise UnsupportedEnvironment(f"refusing FP8: {reason}",
                                          "run on an H100/H200 (SM 9.0) or Ada (SM 8.9) GPU, or set "
@@ -51,9 +55,9 @@ class TorchaoFloat8(PrecisionBackend):
 
     @staticmethod
     def _check_prototype_api(key: str) -> None:
-        installed = compat.installed_version("torchao")
-        if installed and compat.parse_version(installed) < compat.TORCHAO_PROTOTYPE_VERIFIED:
-            verified = compat.fmt(compat.TORCHAO_PROTOTYPE_VERIFIED)
+        installed = versions.installed_version("torchao")
+        if installed and parse_version(installed) < TORCHAO_PROTOTYPE_VERIFIED:
+            verified = fmt(TORCHAO_PROTOTYPE_VERIFIED)
             raise UnsupportedEnvironment(f"{key} calls torchao's prototype MoE / MX training API as torchao {verified} "
                                          f"has it; torchao {installed} is installed",
                                          f"pip install 'torchao>={verified}', or set precision.fp8.torchao.experts="
@@ -62,23 +66,23 @@ class TorchaoFloat8(PrecisionBackend):
     def float8_linear_config(self):
         from torchao.float8 import Float8LinearConfig
 
-        knobs = dict(self.plan["float8_linear_config"])
+        knobs = self.plan.float8_linear_config.to_json()  # the fields to replace, as torchao names them
         config = Float8LinearConfig.from_recipe_name(knobs.pop("recipe_name"))
         return dataclasses.replace(config, **knobs)
 
     def convert_module(self, model) -> list[Decision]:
         from torchao.float8 import convert_to_float8_training
 
-        rules = self.plan["module_filter"]
-        decisions = decide(linear_infos(model), rules["exclude"], rules["skip_first_last"],
-                           rules["require_dims_multiple_of"], "; precision.fp8.torchao.pad_inner_dim=true pads instead")
+        rules = self.plan.module_filter
+        decisions = decide(linear_infos(model), rules.exclude, rules.skip_first_last,
+                           rules.require_dims_multiple_of, "; precision.fp8.torchao.pad_inner_dim=true pads instead")
         chosen = {d.fqn for d in decisions if d.convert}
-        if chosen and self.plan["float8_linear_config"]["recipe_name"] == "mxfp8":
+        if chosen and self.plan.float8_linear_config.recipe_name == "mxfp8":
             self._to_mxfp8_linears(model, chosen)
         elif chosen:
             convert_to_float8_training(model, config=self.float8_linear_config(),
                                        module_filter_fn=lambda module, fqn: fqn in chosen)
-        return decisions + self._convert_experts(model, rules["exclude"])
+        return decisions + self._convert_experts(model, rules.exclude)
 
     def _to_mxfp8_linears(self, model, chosen: set[str]) -> None:
         """torchao's MXFP8Linear is an nn.Linear whose forward quantizes both operands of all three GEMMs to MXFP8
@@ -107,7 +111,7 @@ class TorchaoFloat8(PrecisionBackend):
                                lambda name: matching_pattern(name, exclude))
 
     def after_optimizer_step(self, model) -> None:
-        if self.plan["precompute_float8_dynamic_scale_for_fsdp"]:
+        if self.plan.precompute_float8_dynamic_scale_for_fsdp:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
             precompute_float8_dynamic_scale_for_fsdp(model)

@@ -1,10 +1,11 @@
-"""NVIDIA Transformer Engine backend, for TE 2.1-2.20.2 (compat.TE_OLDEST_SUPPORTED-TE_NEWEST_KNOWN; written against
-NVIDIA/TransformerEngine d0067d0 and the registry wheels: transformer_engine/common/recipe/__init__.py,
+"""NVIDIA Transformer Engine backend, for TE 2.1-2.20.2 (TE_OLDEST_SUPPORTED-TE_NEWEST_KNOWN in
+fp8dist.facts.transformer_engine; written against NVIDIA/TransformerEngine d0067d0 and the registry wheels:
+transformer_engine/common/recipe/__init__.py,
 transformer_engine/pytorch/{quantization,distributed,module/linear,module/layernorm}.py).
 
 What it does, as Accelerate's convert_model / apply_fp8_autowrap do: swap nn.Linear -> te.Linear and
 nn.LayerNorm -> te.LayerNorm copying the weights (Linears whose dims break the recipe's block size stay
-nn.Linear: compat.TE_RECIPES dim_multiple), then run the forward inside te.autocast (TE >= 2.9) or
+nn.Linear: TE_RECIPES dim_multiple), then run the forward inside te.autocast (TE >= 2.9) or
 te.fp8_autocast (older) with the recipe the FSDP2 translation plans (translate/fsdp2.py te_recipe_plan) for the
 installed TE.
 
@@ -29,28 +30,29 @@ import inspect
 from contextlib import contextmanager
 from typing import Any
 
-import fp8dist.compat as compat
 from fp8dist.backends.base import PrecisionBackend, register
 from fp8dist.backends.module_filter import Decision, decide, linear_infos
 from fp8dist.errors import UnsupportedEnvironment
+from fp8dist.facts.transformer_engine import TE_OLDEST_SUPPORTED, TE_RECIPES, te_recipe_hardware, te_supported
+from fp8dist.facts.versions import Version, fmt, parse_version
 from fp8dist.translate.fsdp2 import installed_te, te_recipe_plan
 
 
-def installed_te_version() -> compat.Version | None:
+def installed_te_version() -> Version | None:
     version = installed_te()
-    return compat.parse_version(version) if version else None
+    return parse_version(version) if version else None
 
 
-def build_recipe(recipe_module, spec, te_version: compat.Version):
+def build_recipe(recipe_module, spec, te_version: Version):
     """The recipe object te_recipe_plan describes for `te_version`, from `recipe_module`
     (transformer_engine.common.recipe; the contract tests pass a release wheel's): the class with the user's
     arguments, then the recipe attributes te.Linear reads instead of a field (each a frozen dataclass, replaced)."""
     plan = te_recipe_plan(spec, te_version)
-    kwargs = dict(plan["recipe_fields"])
+    kwargs = dict(plan.recipe_fields)
     if "fp8_format" in kwargs:
         kwargs["fp8_format"] = recipe_module.Format[kwargs["fp8_format"]]
-    recipe = getattr(recipe_module, plan["recipe_class"])(**kwargs)
-    for path, value in plan["recipe_attributes"].items():
+    recipe = getattr(recipe_module, plan.recipe_class)(**kwargs)
+    for path, value in plan.recipe_attributes.items():
         attribute, member = path.split(".")
         setattr(recipe, attribute, dataclasses.replace(getattr(recipe, attribute), **{member: value}))
     return recipe
@@ -68,19 +70,19 @@ class TransformerEngine(PrecisionBackend):
                 "CUDA 12.1+ to build and to run (H100/H200: every recipe but mxfp8/nvfp4)",
                 "on a CUDA machine: pip install 'transformer-engine[pytorch]'; on a CPU machine use "
                 "backend=torchao with precision.fp8.torchao.emulate=true")
-        ok, reason = compat.te_supported(version)
+        ok, reason = te_supported(version)
         if not ok:
             raise UnsupportedEnvironment(f"precision.fp8.backend=te: {reason}", "pip install -U "
-                                         f"'transformer-engine[pytorch]>={compat.fmt(compat.TE_OLDEST_SUPPORTED)}'")
+                                         f"'transformer-engine[pytorch]>={fmt(TE_OLDEST_SUPPORTED)}'")
         try:
             import transformer_engine.pytorch  # noqa: F401
         except Exception as exc:  # TE raises RuntimeError/OSError without CUDA libraries, not only ImportError
-            raise UnsupportedEnvironment(f"Transformer Engine {compat.fmt(version)} is installed but cannot be "
+            raise UnsupportedEnvironment(f"Transformer Engine {fmt(version)} is installed but cannot be "
                                          f"imported: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                                          "TE needs the NVIDIA driver and CUDA libraries; run on a GPU machine") from None
         recipe = self.spec.fp8.te.recipe
-        cuda = compat.parse_version(device["cuda"]) if device.get("cuda") else None
-        ok, reason = compat.te_recipe_hardware(recipe, tuple(device["capability"]) if device.get("capability") else None, cuda)
+        cuda = parse_version(device["cuda"]) if device.get("cuda") else None
+        ok, reason = te_recipe_hardware(recipe, tuple(device["capability"]) if device.get("capability") else None, cuda)
         if not ok:
             raise UnsupportedEnvironment(f"refusing FP8: {reason}", "run on a GPU the recipe supports, or pick "
                                          "another precision.fp8.te.recipe")
@@ -94,7 +96,7 @@ class TransformerEngine(PrecisionBackend):
 
         rules = self.spec.fp8.modules
         decisions = decide(linear_infos(model), rules.exclude, rules.skip_first_last,
-                           compat.TE_RECIPES[self.spec.fp8.te.recipe].dim_multiple)
+                           TE_RECIPES[self.spec.fp8.te.recipe].dim_multiple)
         chosen = {d.fqn for d in decisions if d.convert}
         for fqn, module in list(model.named_modules()):
             if fqn in chosen:

@@ -14,7 +14,7 @@ from typing import Sequence
 from fp8dist.audit.report import markdown, table
 from fp8dist.commands.output import dump_json
 from fp8dist.config.load import load_config
-from fp8dist.config.vocabulary import check_world_size
+from fp8dist.config.parallel import parallel_dims
 from fp8dist.errors import Checks, ExitCode, Fp8distError
 from fp8dist.runtime.loading import check_efficient_loading
 from fp8dist.runtime.preflight import preflight
@@ -27,7 +27,7 @@ def check_before_launch(spec, model: str, nproc: int) -> None:
     """Everything that can fail without launching, every refusal at once (Problems): the model name, the backend,
     the engine's own refusals, the ranks a hybrid shard group needs."""
     checks = Checks()
-    for check in (lambda: check_efficient_loading(model, spec), lambda: check_world_size(spec, nproc),
+    for check in (lambda: check_efficient_loading(model, spec), lambda: parallel_dims(spec, nproc),
                   lambda: preflight(spec)):
         with checks.one():
             check()
@@ -35,10 +35,13 @@ def check_before_launch(spec, model: str, nproc: int) -> None:
 
 
 def measure(model: str, config: str | None, nproc: int, steps: int, timeout: float = TIMEOUT_S,
-            overrides: Sequence[str] = ()) -> dict:
-    """The watch's report of `steps` steps of MODEL under the config, on `nproc` ranks."""
-    return launch("fp8dist.audit.worker", [model, config or "", str(steps), "\n".join(overrides)], nproc, timeout,
-                  "audit run")
+            overrides: Sequence[str] = (), numerics: bool = False) -> dict:
+    """The watch's report of `steps` steps of MODEL under the config, on `nproc` ranks; `numerics`: with the FP8
+    numerics check (fp8dist.audit.numerics)."""
+    from fp8dist.audit.worker import NUMERICS
+
+    return launch("fp8dist.audit.worker", [model, config or "", str(steps), "\n".join(overrides),
+                                           NUMERICS if numerics else ""], nproc, timeout, "audit run")
 
 
 def run_audit(args) -> int:
@@ -48,7 +51,7 @@ def run_audit(args) -> int:
         raise Fp8distError(f"--timeout must be positive seconds, got {args.timeout:g}")
     spec = load_config(args.config, overrides=args.overrides)  # config errors: exit 2 before anything starts
     check_before_launch(spec, args.model, args.nproc)
-    result = measure(args.model, args.config, args.nproc, args.steps, args.timeout, args.overrides)
+    result = measure(args.model, args.config, args.nproc, args.steps, args.timeout, args.overrides, args.numerics)
     render = {"json": dump_json, "markdown": markdown, "table": table}[args.format]
     sys.stdout.write(render(result))
     return ExitCode.OK if result["passed"] else ExitCode.MISMATCH

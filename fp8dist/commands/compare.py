@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import tempfile
-from typing import Any
+from typing import Any, Sequence
 
 from fp8dist.config.load import load_config
 from fp8dist.dtypes import torch_dtype
@@ -100,8 +100,9 @@ def verdict(losses: dict[str, list[float]], tolerance: float, args=None) -> dict
         finite = math.isfinite(got) and math.isfinite(base) and base != 0
         gaps.append(abs(got - base) / abs(base) if finite else math.inf)
     worst = max(gaps) if gaps else math.inf
-    out = {"passed": worst <= tolerance, "max_relative_gap": worst if math.isfinite(worst) else None,
-           "tolerance": tolerance, "losses": losses, "relative_gaps": [g if math.isfinite(g) else None for g in gaps]}
+    out: dict[str, Any] = {
+        "passed": worst <= tolerance, "max_relative_gap": worst if math.isfinite(worst) else None,
+        "tolerance": tolerance, "losses": losses, "relative_gaps": [g if math.isfinite(g) else None for g in gaps]}
     if args is not None:
         out.update(model=args.model, config=args.config, baseline=args.baseline, steps=args.steps,
                    data=args.data or "synthetic batches")
@@ -191,7 +192,7 @@ def _train(name: str, session, steps: int, rank: int) -> list[float]:
 
 
 def worker(model_name: str, baseline: str, config: str, steps: int, data: str,
-           overrides: list[str] = ()) -> dict[str, Any]:
+           overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Both runs in this rank's process: the baseline, then the config, from the same initial weights (built in
     fp32 from the same seed, then cast to each run's load dtype) on the same batches, with the same random stream
     for whatever the run draws (dropout)."""
@@ -199,7 +200,7 @@ def worker(model_name: str, baseline: str, config: str, steps: int, data: str,
 
     from fp8dist.engines.registry import facts_for
     from fp8dist.runtime import loop, process_group
-    from fp8dist.runtime.data import SYNTHETIC_BATCHES, file_batches, token_stream
+    from fp8dist.runtime.data import SYNTHETIC_BATCHES, BatchMaker, file_batches, token_stream
     from fp8dist.runtime.adapters import apply_adapter
     from fp8dist.runtime.models import load_model
 
@@ -208,9 +209,10 @@ def worker(model_name: str, baseline: str, config: str, steps: int, data: str,
         specs = {"baseline": load_config(baseline, overrides=overrides),
                  "config": load_config(config, overrides=overrides)}
         # one group for both runs (DeepSpeed's init serves an FSDP2 config too)
-        process_group.init(deepspeed=any(facts_for(spec).USES_DEEPSPEED_PROCESS_GROUP for spec in specs.values()))
+        process_group.init(deepspeed=any(facts_for(spec).deepspeed_process_group for spec in specs.values()))
         rank, seed = process_group.rank(), specs["baseline"].train.seed  # the parent checked both train sections
-        make_batch, pool = None, SYNTHETIC_BATCHES
+        make_batch: BatchMaker | None = None
+        pool: int | None = SYNTHETIC_BATCHES
         for name, spec in specs.items():
             loaded = load_model(model_name, "fp32", seed=seed)
             loaded.model.to(torch_dtype(spec.precision.load_dtype))

@@ -4,12 +4,17 @@ from __future__ import annotations
 import platform
 from typing import Any
 
-import fp8dist.compat as compat
 from fp8dist.commands.output import dump_json
 from fp8dist.errors import ExitCode
+from fp8dist.facts.msamp import MSAMP_DISTRIBUTION, msamp_install_hint, msamp_native_fp8, msamp_supports_deepspeed
+from fp8dist.facts.torch import fsdp2_supported
+from fp8dist.facts.torchao import torchao_fp8_hardware
+from fp8dist.facts.transformer_engine import te_recipe_hardware, te_supported
+import fp8dist.facts.versions
+from fp8dist.facts.versions import parse_version
 from fp8dist.machine import device_info
 PACKAGES = {"torch": "torch", "deepspeed": "deepspeed", "torchao": "torchao", "transformers": "transformers",
-            "transformer_engine": "transformer-engine", "msamp": compat.MSAMP_DISTRIBUTION, "omegaconf": "omegaconf",
+            "transformer_engine": "transformer-engine", "msamp": MSAMP_DISTRIBUTION, "omegaconf": "omegaconf",
             "jsonschema": "jsonschema"}
 
 
@@ -25,48 +30,48 @@ def _importable(module: str) -> tuple[bool, str]:
 
 def backend_status(versions: dict[str, str | None], device: dict[str, Any]) -> dict[str, dict[str, Any]]:
     cap = tuple(device["capability"]) if device["capability"] else None
-    cuda = compat.parse_version(device["cuda"]) if device["cuda"] else None
+    cuda = parse_version(device["cuda"]) if device["cuda"] else None
     out: dict[str, dict[str, Any]] = {}
 
-    torch_v = versions.get("torch")
-    ok, why = compat.fsdp2_supported(compat.parse_version(torch_v)) if torch_v else (False, "torch is not installed")
+    torch_v, deepspeed_v = versions.get("torch"), versions.get("deepspeed")
+    te_v, msamp_v = versions.get("transformer_engine"), versions.get("msamp")
+    ok, why = fsdp2_supported(parse_version(torch_v)) if torch_v else (False, "torch is not installed")
     out["fsdp2"] = {"usable": ok, "reason": why}
-    out["deepspeed"] = ({"usable": True, "reason": f"deepspeed {versions['deepspeed']} installed"}
-                        if versions.get("deepspeed") else {"usable": False, "reason": "pip install deepspeed"})
+    out["deepspeed"] = ({"usable": True, "reason": f"deepspeed {deepspeed_v} installed"}
+                        if deepspeed_v else {"usable": False, "reason": "pip install deepspeed"})
 
     if versions.get("torchao"):
-        hw, hw_why = compat.torchao_fp8_hardware("tensorwise", cap)
+        hw, hw_why = torchao_fp8_hardware("tensorwise", cap)
         out["torchao_float8"] = {"usable": True, "native_fp8": hw,
                                  "reason": hw_why if hw else f"{hw_why}; runs here only with "
                                  "precision.fp8.torchao.emulate=true (emulated float8, for tests)"}
     else:
         out["torchao_float8"] = {"usable": False, "reason": "pip install torchao"}
 
-    if not versions.get("transformer_engine"):
+    if not te_v:
         out["transformer_engine"] = {"usable": False, "reason": "not installed: Transformer Engine needs CUDA to build "
                                      "and run (pip install transformer-engine[pytorch] on a CUDA machine)"}
     else:
-        ok, why = compat.te_supported(compat.parse_version(versions["transformer_engine"]))
+        ok, why = te_supported(parse_version(te_v))
         if ok:
             ok, why = _importable("transformer_engine.pytorch")
         if ok:
-            ok, why = compat.te_recipe_hardware("delayed", cap, cuda)
+            ok, why = te_recipe_hardware("delayed", cap, cuda)
         out["transformer_engine"] = {"usable": ok, "reason": why}
 
-    if not versions.get("msamp"):
-        why = f"not installed, and {compat.msamp_install_hint()}"
-        if versions.get("deepspeed"):
-            fits, window = compat.msamp_supports_deepspeed(compat.parse_version(versions["deepspeed"]))
+    if not msamp_v:
+        why = f"not installed, and {msamp_install_hint()}"
+        if deepspeed_v:
+            fits, window = msamp_supports_deepspeed(parse_version(deepspeed_v))
             why += "" if fits else f"; and {window}"
         out["msamp"] = {"usable": False, "reason": why}
     else:
         ok, why = _importable("msamp")
-        if ok and versions.get("deepspeed"):
-            ok, why = compat.msamp_supports_deepspeed(compat.parse_version(versions["deepspeed"]),
-                                                      compat.parse_version(versions["msamp"]))
+        if ok and deepspeed_v:
+            ok, why = msamp_supports_deepspeed(parse_version(deepspeed_v), parse_version(msamp_v))
         status = {"usable": ok, "reason": why}
         if ok:
-            native, native_why = compat.msamp_native_fp8(device["name"])
+            native, native_why = msamp_native_fp8(device["name"])
             status = {"usable": True, "native_fp8": native, "reason": why if native else f"{why}; {native_why}"}
         out["msamp"] = status
     return out
@@ -81,7 +86,7 @@ def verdict(status: dict[str, Any]) -> str:
 
 
 def report() -> dict[str, Any]:
-    versions = {name: compat.installed_version(dist) for name, dist in PACKAGES.items()}
+    versions = {name: fp8dist.facts.versions.installed_version(dist) for name, dist in PACKAGES.items()}
     device = device_info()
     return {"python": platform.python_version(), "platform": platform.platform(), "versions": versions,
             "device": device, "backends": backend_status(versions, device)}

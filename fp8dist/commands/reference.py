@@ -130,7 +130,7 @@ def tables_section() -> list[str]:
 
 
 def _flatten(document: dict, path: str = "") -> list[tuple[str, Any]]:
-    out = []
+    out: list[tuple[str, Any]] = []
     for key, value in document.items():
         dotted = f"{path}.{key}" if path else key
         out += _flatten(value, dotted) if isinstance(value, dict) and value else [(dotted, value)]

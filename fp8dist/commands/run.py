@@ -17,9 +17,11 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import IO, cast
 
 from fp8dist.config.load import load_config
-from fp8dist.config.vocabulary import check_world_size
+from fp8dist.config.parallel import parallel_dims
+from fp8dist.engines.registry import facts_for
 from fp8dist.errors import ExitCode, Fp8distError
 from fp8dist.runtime.ranks import is_launcher_report
 
@@ -66,9 +68,9 @@ def check_before_launch(args) -> str:
     if args.nproc is not None and args.nproc < 1:
         raise Fp8distError(f"--nproc {args.nproc}: must be at least 1")
     spec = load_config(args.config, overrides=args.overrides)
-    check_world_size(spec, args.nproc or default_nproc())
+    parallel_dims(spec, args.nproc or default_nproc())
     preflight(spec)
-    return args.launcher or ("deepspeed" if spec.engine == "deepspeed" else "torchrun")
+    return args.launcher or facts_for(spec).launcher
 
 
 def run(args) -> int:
@@ -85,9 +87,10 @@ def run(args) -> int:
     print(f"fp8dist run: {launcher}, {nproc} ranks: {' '.join(forwarded)}", file=sys.stderr, flush=True)
     command = launcher_command(launcher, nproc, forwarded)
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    rank_exit, recent = None, collections.deque(maxlen=2 * nproc)
+    rank_exit: int | None = None
+    recent: collections.deque[str] = collections.deque(maxlen=2 * nproc)
     try:
-        for line in proc.stdout:
+        for line in cast(IO[str], proc.stdout):  # a pipe: Popen was given stdout=PIPE
             found = _RANK_EXIT.search(line)
             if found and rank_exit is None:
                 rank_exit = int(found.group(1))

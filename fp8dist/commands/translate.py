@@ -3,6 +3,7 @@ document (the DeepSpeed JSON, the FSDP2 plan, or the Accelerate config file); `-
 from __future__ import annotations
 
 import sys
+from typing import Any, Callable
 
 from fp8dist.commands.output import check_output, dump_json, emit, write_atomic
 from fp8dist.config.load import load_config
@@ -13,9 +14,16 @@ from fp8dist.commands.validate import said
 from fp8dist.translate.deepspeed import left_to_runtime, to_deepspeed
 from fp8dist.translate.fsdp2 import to_fsdp2
 
-# target -> (translator, {its version flag: the translator's keyword for it, also the flag's argparse name})
-TARGETS = {"deepspeed": (to_deepspeed, {"--deepspeed-version": "deepspeed_version"}),
-           "fsdp2": (to_fsdp2, {"--torchao-version": "torchao_version", "--te-version": "te_version"})}
+
+def _fsdp2_json(spec, torchao_version: str | None = None, te_version: str | None = None) -> dict[str, Any]:
+    return to_fsdp2(spec, torchao_version, te_version).to_json()
+
+
+# target -> (its JSON document's translator, {its version flag: the translator's keyword for it, also the flag's
+# argparse name})
+TARGETS: dict[str, tuple[Callable[..., dict[str, Any]], dict[str, str]]] = {
+    "deepspeed": (to_deepspeed, {"--deepspeed-version": "deepspeed_version"}),
+    "fsdp2": (_fsdp2_json, {"--torchao-version": "torchao_version", "--te-version": "te_version"})}
 
 
 def run(args) -> int:
@@ -49,7 +57,7 @@ def _accelerate(args, spec) -> int:
         except NotExpressible as exc:
             raise Fp8distError(f"{exc}\n(--strict: without it, the nearest run Accelerate can express is written where "
                                "one exists, every difference said)") from None
-        differences = []
+        differences: list[str] = []
     else:
         document, plan, spec, differences = nearest_accelerate_file(spec, args.deepspeed_version,
                                                                      args.torchao_version)

@@ -1,4 +1,4 @@
-"""Load a config: safe YAML -> omegaconf (overrides, interpolation) -> plain dict -> schema -> rules -> spec.
+"""Load a config: safe YAML -> omegaconf (overrides, interpolation) -> plain dict -> schema -> spec -> rules.
 
 The file is read and parsed by fp8dist.config.reading (bounded, plain data only) before omegaconf sees it.
 Interpolation resolves references to other keys of the config only: an omegaconf resolver (`${oc.env:NAME}`,
@@ -8,8 +8,9 @@ environment into the files fp8dist writes).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 import fp8dist.config.reading as reading
 import fp8dist.config.rules as rules
@@ -66,7 +67,7 @@ def apply_overrides(document: dict[str, Any], overrides: Sequence[str], source: 
     issues = literal_interpolations(resolved, "after interpolation (an escaped \\${...})")
     if issues:
         raise ConfigError(issues, source)
-    return resolved
+    return cast(dict[str, Any], resolved)  # the container of a DictConfig built from a dict is a dict
 
 
 def _override_values(overrides: Sequence[str], source: str) -> list[tuple[str, Any]]:
@@ -149,6 +150,12 @@ def _unbool_off(document: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def resolve(document: Any, source: str = "<config>") -> dict[str, Any]:
     """Validate the user's document, then layer defaults < preset < document and check the rules."""
+    return _checked(document, source)[0]
+
+
+def _checked(document: Any, source: str) -> tuple[dict[str, Any], Spec]:
+    """(the resolved config, its spec): the schema validates the layered dict, the vocabulary derives the DeepSpeed
+    keys, and the rules check the spec built from it."""
     if not isinstance(document, Mapping):
         kind = "a list" if isinstance(document, list) else f"a {type(document).__name__}"
         raise ConfigError([Issue("", f"the top level must be a mapping, not {kind}",
@@ -166,13 +173,18 @@ def resolve(document: Any, source: str = "<config>") -> dict[str, Any]:
     layered = deep_merge(layered, document)
     layered["precision"]["preset"] = preset
     issues = schema.validate(layered)
-    if not issues:
-        anyway = _unwritten(document)
-        own = _changed(document, anyway)
-        issues = vocabulary.derive(layered, _changed(written, anyway), own) or rules.check(layered, explicit=own)
     if issues:
         raise ConfigError(issues, source)
-    return layered
+    anyway = _unwritten(document)
+    own = _changed(document, anyway)
+    issues = vocabulary.derive(layered, _changed(written, anyway), own)
+    if issues:
+        raise ConfigError(issues, source)
+    spec = Spec.from_dict(layered, source=source)
+    issues = rules.check(spec, explicit=own)
+    if issues:
+        raise ConfigError(issues, source)
+    return layered, spec
 
 
 def written_settings(document: Mapping[str, Any]) -> dict[str, Any]:
@@ -218,6 +230,7 @@ def load_config(config: str | Path | Mapping[str, Any] | Any = None,
     Version-dependent rules (DeepSpeed windows for MS-AMP, installed torchao) are checked where
     a version is known: by the translators and the runtimes, not here.
     """
+    document: Any  # what the user wrote, read into plain data; not a mapping where the file's top level is not one
     if config is None:
         source, document = "<defaults>", {}
     elif isinstance(config, (str, Path)):
@@ -237,19 +250,19 @@ def load_config(config: str | Path | Mapping[str, Any] | Any = None,
         source, document = "<omegaconf>", OmegaConf.to_container(config, resolve=False)
         reading.check_plain(document, source)
     try:
-        document, resolved = _resolved(document, overrides, source)
+        document, spec = _resolved(document, overrides, source)
     except ConfigError as exc:
         if overrides and not exc.overrides and _valid_alone(document, source):
             raise ConfigError(exc.issues, source, overrides=_overrides_of(exc.issues, overrides)) from None
         raise
-    return Spec.from_dict(resolved, source=source, notes=tuple(rules.notes(resolved, written_settings(document))))
+    return dataclasses.replace(spec, notes=tuple(rules.notes(spec, written_settings(document))))
 
 
-def _resolved(document: Any, overrides: Sequence[str], source: str) -> tuple[Any, dict[str, Any]]:
-    """(the document with the overrides and interpolations applied, the resolved config)."""
+def _resolved(document: Any, overrides: Sequence[str], source: str) -> tuple[Any, Spec]:
+    """(the document with the overrides and interpolations applied, the spec of the resolved config)."""
     if overrides or any("${" in text for _, text in reading.strings(document)):
         document = apply_overrides(document, overrides, source)
-    return document, resolve(document, source)
+    return document, _checked(document, source)[1]
 
 
 def _valid_alone(document: Any, source: str) -> bool:

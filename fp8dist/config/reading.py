@@ -291,8 +291,8 @@ def plain_data_issues(document: Any) -> list[Issue]:
                                         "it"))
                     continue
                 stack.append((value, where, depth + 1))
-        elif (problem := _value_problem(node)) is not None:
-            issues.append(Issue(path, problem[0], _shown(node), problem[1]))
+        elif (value_problem := _value_problem(node)) is not None:
+            issues.append(Issue(path, value_problem[0], _shown(node), value_problem[1]))
     return sorted(issues, key=lambda issue: issue.path)
 
 

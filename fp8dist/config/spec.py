@@ -3,8 +3,8 @@
 Field meanings and defaults live in schemas/fp8dist.schema.json (one place); these classes give the validated
 dict a typed shape (tests/unit/config/test_schema_and_presets.py keeps the two in step). Each derived value
 (the weight, compute and optimizer-state dtypes, float8 all-gather's `auto`) is computed once, by the functions
-below: the properties of the spec use them, and so do the cross-field rules, which run on the plain dict before a
-spec exists (fp8dist.config.rules).
+below: the properties of the spec use them (the cross-field rules, fp8dist.config.rules, read those), and so do
+the importers, which hold another tool's values before a spec exists.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_type_hints
 
+from fp8dist.config.engines import TRAITS
 Dtype = Literal["fp32", "bf16", "fp16"]
 
 
@@ -38,11 +39,11 @@ def state_dtype_of(state_dtype: str, backend: str, msamp_opt_level: str, weight_
 def float8_all_gather_of(value, recipe_name: str, engine: str, backend: str, sharding: str = "full") -> bool:
     """precision.fp8.torchao.enable_fsdp_float8_all_gather with `auto` resolved: on for torchao tensorwise under
     FSDP2 (the only recipe torchao all-gathers in float8: Float8LinearConfig.__post_init__, torchao 0.18) when it
-    shards (replicate gathers nothing)."""
-    if backend != "torchao":
+    shards (replicate gathers nothing); never on an engine that cannot gather float8 (config.engines)."""
+    if backend != "torchao" or not TRAITS[engine].gathers_float8:
         return False
     if value == "auto":
-        return recipe_name == "tensorwise" and engine == "fsdp2" and sharding != "replicate"
+        return recipe_name == "tensorwise" and sharding != "replicate"
     return bool(value)
 
 
@@ -168,8 +169,23 @@ class CheckpointSpec:
 
 
 @dataclass(frozen=True)
+class SqnrLimitsSpec:
+    forward: float
+    input_grad: float
+    weight_grad: float
+
+
+@dataclass(frozen=True)
+class NumericsSpec:
+    max_underflow: float
+    max_saturated: float
+    min_sqnr_db: SqnrLimitsSpec
+
+
+@dataclass(frozen=True)
 class AuditSpec:
     first_step: str  # warn | raise | off
+    numerics: NumericsSpec  # the limits of `audit --numerics` (fp8dist.audit.numerics)
 
 
 @dataclass(frozen=True)

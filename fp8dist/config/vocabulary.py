@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from fp8dist.errors import Fp8distError, Issue
+from fp8dist.errors import Issue
 
 # Names users know from FSDP1 / Accelerate's fsdp_config (accelerate examples/config_yaml_templates/fsdp.yaml),
 # accepted and rewritten to ours.
@@ -37,7 +37,9 @@ DEEPSPEED_OFFLOAD = {"none": ("none", "none"), "optimizer": ("cpu", "none"), "pa
 def normalize(document: Mapping[str, Any]) -> Mapping[str, Any]:
     """FSDP1 / Accelerate strategy names rewritten to the vocabulary's, before validation."""
     parallel = document.get("parallel")
-    sharding = parallel.get("sharding") if isinstance(parallel, Mapping) else None
+    if not isinstance(parallel, Mapping):  # not a section: the schema's to refuse
+        return document
+    sharding = parallel.get("sharding")
     if isinstance(sharding, str) and sharding in SHARDING_ALIASES:  # any other value is the schema's to refuse
         document = {**document, "parallel": {**parallel, "sharding": SHARDING_ALIASES[sharding]}}
     return document
@@ -50,7 +52,8 @@ def _written(explicit: Mapping[str, Any], section: str, key: str) -> bool:
 
 def derive(doc: dict[str, Any], explicit: Mapping[str, Any], own: Mapping[str, Any] | None = None) -> list[Issue]:
     """Fill the DeepSpeed keys the user did not write from `parallel`, in place; report conflicts and
-    values that cannot mean anything. `explicit`: what the user wrote, a preset's values included (a preset
+    values that cannot mean anything (what an engine cannot run at the values derived here: its rules,
+    fp8dist.config.rules). `explicit`: what the user wrote, a preset's values included (a preset
     that sets deepspeed.zero_stage conflicts with parallel.sharding like a written key does); `own`: the user's
     document alone, to say when the other key came from the preset."""
     own = explicit if own is None else own
@@ -86,10 +89,6 @@ def derive(doc: dict[str, Any], explicit: Mapping[str, Any], own: Mapping[str, A
                                     f"{par['offload']} ({key}={want} on DeepSpeed)".lstrip(), ds[key],
                                     "remove one of the two keys (nvme offload: write only the deepspeed keys)"))
             ds[key] = want
-    if doc["engine"] == "deepspeed" and par["offload"] == "optimizer" and ds["zero_stage"] == 0:
-        issues.append(Issue("parallel.offload", "optimizer offload is ZeRO-Offload, which needs ZeRO stage >= 1; "
-                            "the sharding here is ZeRO-0", "optimizer",
-                            "set parallel.sharding=grad_op (ZeRO-2) or full, or parallel.offload=none"))
     return issues
 
 
@@ -98,29 +97,3 @@ def deepspeed_extras(doc: Mapping[str, Any]) -> dict[str, Any]:
     par = doc["parallel"]
     return {"zero_hpz_partition_size": par["shard_size"]} if par["sharding"] == "hybrid" else {}
 
-
-def fsdp2_layout(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """The FSDP2 mesh and resharding for `parallel.sharding` (world size known only at run time)."""
-    sharding = doc["parallel"]["sharding"]
-    sharding = "full" if sharding == "auto" else sharding
-    mesh = {"full": "1-D (shard over all ranks)", "grad_op": "1-D (shard over all ranks)",
-            "hybrid": f"2-D (replicate = world / {doc['parallel']['shard_size']}, shard = "
-                      f"{doc['parallel']['shard_size']})",
-            "replicate": "2-D (replicate = world, shard = 1)"}[sharding]
-    return {"strategy": sharding, "mesh": mesh,
-            "shard_size": {"full": "world", "grad_op": "world", "hybrid": doc["parallel"]["shard_size"],
-                           "replicate": 1}[sharding],
-            "reshard_after_forward": sharding != "grad_op",
-            # The root (embeddings, final norm, output layer) is needed first in backward: kept unsharded after
-            # forward, as torch does for the root by default ("For best performance, we usually set False for the
-            # root module", torch 2.13 distributed/fsdp/_fully_shard/_fully_shard.py); one all-gather less per step.
-            "root_reshard_after_forward": False}
-
-
-def check_world_size(spec, world: int) -> None:
-    """A hybrid shard group must divide the ranks: said when the ranks start, before any weight is loaded."""
-    size = spec.parallel.shard_size
-    if spec.parallel.sharding == "hybrid" and world % size:
-        raise Fp8distError(f"parallel.shard_size={size} does not divide the {world} ranks of this job: hybrid "
-                           f"sharding needs whole shard groups\n  fix: set parallel.shard_size to a divisor of {world} "
-                           "(e.g. the GPUs per node), or launch a multiple of it")

@@ -101,7 +101,8 @@ def kept_for_backward() -> Iterator[Callable[[], int]]:
         return sum(nbytes for nbytes, _ in seen.values())
 
     previous = _CACHES
-    _CACHES = caches = []
+    caches: list[Any] = []
+    _CACHES = caches
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield total
@@ -148,7 +149,7 @@ def apply(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]], mode
                            f"{type(model).__name__} has none that fp8dist finds (no _no_split_modules, no nn.ModuleList)"
                            "\n  fix: list the block class names in fsdp2.wrap, or set parallel.activation_checkpointing=none")
     config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
+    if config is not None and getattr(config, "use_cache", False):
         # A Hugging Face model in training still fills a KV cache when use_cache is on; the recompute would then
         # attend over the cache the forward already extended (transformers 5 modeling_layers.py: "otherwise the
         # cache is updated a second time on the backward replay"). Its own gradient_checkpointing_enable turns

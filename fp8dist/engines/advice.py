@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import sys
 
-import fp8dist.compat as compat
 from fp8dist.config.spec import Spec
+from fp8dist.facts.torchao import torchao_too_small_to_gain
 
 _SAID: set[str] = set()
 
@@ -51,7 +51,7 @@ def advise(spec: Spec, world: int, rank: int | None = None, cuda: bool | None = 
 
 def advise_small_gemms(spec: Spec, model, rank: int | None = None) -> bool:
     """After FP8 conversion: say so when no converted Linear is big enough to gain from torchao's float8
-    (torchao's own size heuristics, compat.torchao_too_small_to_gain)."""
+    (torchao's own size heuristics, torchao_too_small_to_gain)."""
     import os
 
     import torch
@@ -60,7 +60,7 @@ def advise_small_gemms(spec: Spec, model, rank: int | None = None) -> bool:
         return False
     recipe = spec.fp8.torchao.recipe_name
     converted = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and type(m).__name__ == "Float8Linear"]
-    if converted and all(compat.torchao_too_small_to_gain(recipe, m.out_features, m.in_features) for m in converted):
+    if converted and all(torchao_too_small_to_gain(recipe, m.out_features, m.in_features) for m in converted):
         rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         _say("fp8-small-gemms", f"all {len(converted)} float8 Linears are below torchao's size heuristics for "
                                 f"{recipe} (torchao/float8/float8_linear_utils.py): on an H100 float8 is expected to "

@@ -69,6 +69,14 @@ class Inspector:
     def state_optimizer(self):
         return self.optimizer
 
+    def stored(self, param):
+        """What this rank stores of `param` (frozen ones too): FSDP2's local shard, else the tensor."""
+        return local(param)
+
+    def stepped(self) -> list:
+        """The module parameters the optimizer steps (its param groups)."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
     @contextlib.contextmanager
     def capture_gradients(self, record: GradientRecord) -> Iterator[None]:
         def before_step(*_):

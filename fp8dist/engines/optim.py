@@ -1,17 +1,17 @@
 """The optimizer named by `optimizer` in the config (torch.optim, or torchao's low-bit AdamW on FSDP2)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
-import fp8dist.compat as compat
 from fp8dist.config.spec import Spec
 from fp8dist.errors import Fp8distError, UnsupportedEnvironment
+from fp8dist.facts.torchao import TORCHAO_LOW_BIT_MIN_NUMEL, torchao_fp8_states_on_fsdp2
 
 
 def check_optimizer_environment(spec: Spec, device: dict[str, Any]) -> None:
     """Refuse an optimizer that cannot step here, before anything is launched."""
     if spec.engine == "fsdp2" and spec.optimizer_state_dtype == "fp8":
-        ok, reason = compat.torchao_fp8_states_on_fsdp2(device["cuda_available"])
+        ok, reason = torchao_fp8_states_on_fsdp2(device["cuda_available"])
         if not ok:
             raise UnsupportedEnvironment(f"optimizer.state_dtype=fp8: {reason}",
                                          "run on a CUDA GPU, or use optimizer.state_dtype=int8 (AdamW8bit) here")
@@ -27,6 +27,14 @@ def trainable_parameters(model) -> list:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+class _AdamArguments(TypedDict):
+    """The keywords every Adam-family optimizer built here takes alike."""
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+
+
 def build_optimizer(params, spec: Spec):
     import torch
 
@@ -34,7 +42,7 @@ def build_optimizer(params, spec: Spec):
     state = spec.optimizer_state_dtype
     if opt.name == "sgd":
         return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay)
-    kwargs = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+    kwargs = _AdamArguments(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
     if offloads_optimizer(spec):
         # ZeRO-Offload steps on the CPU with DeepSpeedCPUAdam, which it requires for a client Adam
         # (engine.py _configure_optimizer) and for bf16/fp16 master weights (stage_1_and_2.py
@@ -52,16 +60,16 @@ def build_optimizer(params, spec: Spec):
 
 def full_precision_by_design(optimizer) -> set[int]:
     """ids of the optimizer's state tensors that its low-bit design keeps in full precision (empty for others):
-    torchao quantizes a tensor's states only from compat.TORCHAO_LOW_BIT_MIN_NUMEL elements and in whole blocks."""
+    torchao quantizes a tensor's states only from TORCHAO_LOW_BIT_MIN_NUMEL elements and in whole blocks."""
     if not type(optimizer).__module__.startswith("torchao.optim"):
         return set()
     import torch
 
     block = getattr(optimizer, "block_size", None) or 1
-    kept = set()
+    kept: set[int] = set()
     for param, state in optimizer.state.items():
         numel = (param.to_local() if hasattr(param, "to_local") else param).numel()
-        if numel < compat.TORCHAO_LOW_BIT_MIN_NUMEL or numel % block:
+        if numel < TORCHAO_LOW_BIT_MIN_NUMEL or numel % block:
             kept.update(id(t) for t in state.values() if isinstance(t, torch.Tensor))
     return kept
 

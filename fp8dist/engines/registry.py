@@ -1,13 +1,14 @@
 """The engines, keyed by the config's `engine`. Importing this module imports no torch.
 
-- `facts_for(spec)`: what fp8dist knows about the engine before anything runs (engines/<name>/facts.py: its
-  translation, the dtypes it keeps, how it shards and offloads), which the audit, estimate and the runtime ask;
+- `facts_for(spec)`: what fp8dist knows about the engine before anything runs (fp8dist.engines.facts.EngineFacts,
+  answered in engines/<name>/facts.py: its translation, the dtypes it keeps, how it shards, offloads, loads and
+  launches), which the runtime, the commands, estimate and the audit ask instead of testing the engine's name;
 - `setup(model, spec, ...)`: the prepared run (an fp8dist.engines.base.Engine);
 - `checkpoint_reader(path, manifest)`: the model tensors of a checkpoint the engine wrote, read offline (export);
 - `inspector_for(model, optimizer)`: the engine recognised from a prepared run's objects alone, whoever prepared
   them (fp8dist, the user, Accelerate or HF Trainer).
 
-A new engine is one package (fp8dist/engines/<name>/ with `facts`, `setup` and, if torch's own checks below do
+A new engine is one package (fp8dist/engines/<name>/ with `facts.FACTS`, `setup` and, if torch's own checks below do
 not recognise its objects, `recognize`), one entry in ENGINES, and its value in the schema's `engine` enum.
 """
 from __future__ import annotations
@@ -17,13 +18,16 @@ from types import ModuleType
 from fp8dist.config.spec import Spec
 from fp8dist.engines import deepspeed, fsdp2
 from fp8dist.engines.base import Engine
+from fp8dist.engines.facts import EngineFacts
 from fp8dist.errors import Fp8distError
 
 ENGINES: dict[str, ModuleType] = {"fsdp2": fsdp2, "deepspeed": deepspeed}
+# The same engines' facts, typed: the type checker holds each to the EngineFacts protocol.
+FACTS: dict[str, EngineFacts] = {"fsdp2": fsdp2.facts.FACTS, "deepspeed": deepspeed.facts.FACTS}
 
 
-def facts_for(spec: Spec) -> ModuleType:
-    return ENGINES[spec.engine].facts
+def facts_for(spec: Spec) -> EngineFacts:
+    return FACTS[spec.engine]
 
 
 def setup(model, spec: Spec, **kwargs) -> Engine:

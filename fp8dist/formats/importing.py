@@ -10,7 +10,7 @@ DeepSpeed JSON or an Accelerate config leaves to the launch command comes from t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import fp8dist.config.load as load
 import fp8dist.config.reading as reading
@@ -23,8 +23,10 @@ from fp8dist.formats.deepspeed import importer as deepspeed
 from fp8dist.formats.peft import importer as peft
 from fp8dist.formats.trl import importer as trl
 
-IMPORTERS = {"accelerate": accelerate.convert, "axolotl": axolotl.convert, "deepspeed": deepspeed.convert,
-             "trl": trl.convert, "peft": peft.convert}
+# (document, text, source) -> Imported; the LAUNCHED kinds' also take the Launcher.
+IMPORTERS: dict[str, Callable[..., Imported]] = {
+    "accelerate": accelerate.convert, "axolotl": axolotl.convert, "deepspeed": deepspeed.convert, "trl": trl.convert,
+    "peft": peft.convert}
 # The kinds whose file leaves values to the launch command (Launcher: `fp8dist import` flags): a DeepSpeed JSON's
 # "auto", and what `accelerate launch` flags set over an Accelerate config. Axolotl and TRL files hold the HF
 # Trainer's arguments themselves; a PEFT file holds the adapter only.

@@ -12,11 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-import fp8dist.compat as compat
 from fp8dist.backends.module_filter import linear_infos
 from fp8dist.config.spec import AdapterSpec
 from fp8dist.dtypes import torch_dtype
 from fp8dist.errors import Fp8distError
+from fp8dist.facts.peft import PEFT_ALL_LINEAR
 
 
 
@@ -25,8 +25,11 @@ def lora_config(adapter: AdapterSpec, exclude: Sequence[str] = ()):
     would make PEFT require generation methods of the model (PeftModelForCausalLM)."""
     from peft import LoraConfig
 
-    targets = compat.PEFT_ALL_LINEAR if adapter.target_modules == "auto" else list(adapter.target_modules)
-    return LoraConfig(r=adapter.r, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout, target_modules=targets,
+    targets = PEFT_ALL_LINEAR if adapter.target_modules == "auto" else list(adapter.target_modules)
+    # peft 0.21 annotates lora_alpha as int, yet only ever divides by it (tuners/lora/layer.py update_layer:
+    # scaling = lora_alpha / r): a fractional alpha is a valid scale.
+    return LoraConfig(r=adapter.r, lora_alpha=adapter.alpha,  # type: ignore[arg-type]
+                      lora_dropout=adapter.dropout, target_modules=targets,
                       exclude_modules=list(exclude) or None, bias="none")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Protocol
 
 from fp8dist.errors import Fp8distError
 
@@ -12,7 +12,14 @@ SYNTHETIC_BATCHES = 4  # a fixed pool of batches per rank, cycled, so that the l
 MAX_DATA_BYTES = 256 << 20
 
 
-def batches_for(make_batch: Callable[[int, int, int], dict], spec, step: int, rank: int,
+class BatchMaker(Protocol):
+    """make_batch(batch, seq_len, seed) -> a micro-batch's forward kwargs, labels included; the same for the same
+    arguments."""
+
+    def __call__(self, batch: int, seq_len: int, seed: int) -> dict[str, Any]: ...
+
+
+def batches_for(make_batch: BatchMaker, spec, step: int, rank: int,
                 pool: int | None = SYNTHETIC_BATCHES) -> list[dict]:
     """The micro-batches of optimizer step `step` on `rank`: the same on every run of the same config.
     `pool`: cycle that many batches per rank (synthetic data), or None for a new batch every micro-step."""
@@ -80,7 +87,7 @@ def token_stream(path: str, model_dir: str | None, vocab_size: int) -> tuple[lis
     return ids, how
 
 
-def file_batches(ids: list[int]) -> Callable[[int, int, int], dict[str, Any]]:
+def file_batches(ids: list[int]) -> BatchMaker:
     """make_batch(batch, seq_len, seed) over a token stream: deterministic windows chosen by `seed`."""
     def make(batch: int, seq_len: int, seed: int) -> dict:
         import torch

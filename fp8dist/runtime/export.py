@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import fp8dist.compat as compat
 import fp8dist.dtypes as dtypes
 from fp8dist.engines.registry import checkpoint_reader
 from fp8dist.errors import Fp8distError
+from fp8dist.facts.transformers import HF_MAX_SHARD_BYTES
 from fp8dist.runtime.files import share
 
 MARKER = "fp8dist-export.json"  # says a directory is an fp8dist export, which a new export may replace
@@ -57,7 +57,7 @@ def check_destination(out_dir: str | os.PathLike) -> None:
 
 
 def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None = None,
-              shard_bytes: int = compat.HF_MAX_SHARD_BYTES, merge: bool = False) -> Exported:
+              shard_bytes: int = HF_MAX_SHARD_BYTES, merge: bool = False) -> Exported:
     """Write the model of `checkpoint` (one checkpoint, or a --checkpoint-dir: its newest complete one) to
     `out_dir` in Hugging Face format, in `dtype` (fp32 | bf16 | fp16; default the run's load dtype). An adapter
     run's checkpoint holds the adapters only: it is written as a PEFT adapter directory (default dtype: the
@@ -212,7 +212,8 @@ def _plain(value, dtype):
 
 
 def _groups(sizes: dict[str, int], limit: int) -> Iterator[list[str]]:
-    group, used = [], 0
+    group: list[str] = []
+    used = 0
     for key, size in sizes.items():
         if group and used + size > limit:
             yield group

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -29,7 +29,8 @@ import fp8dist.dtypes as dtypes
 from fp8dist.dtypes import torch_dtype
 from fp8dist.runtime.adapters import apply_adapter
 from fp8dist.runtime.models import BUILTIN, LoadedModel, causal_lm_batch, check_model_name, load_model
-from fp8dist.translate.deepspeed import to_deepspeed
+from fp8dist.engines.registry import facts_for
+from fp8dist.translate import EnginePlan
 
 
 def _torch_dtype(code: str, file: Path, tensor: str):
@@ -220,10 +221,10 @@ def check_efficient_loading(name: str, spec) -> None:
                            "or set parallel.cpu_ram_efficient_loading=false")
 
 
-def load_for_run(name: str, spec, plan: dict | None = None) -> LoadedModel:
+def load_for_run(name: str, spec, plan: EnginePlan | None = None) -> LoadedModel:
     """MODEL as the run needs it (`fp8dist.load_model`): RAM-efficiently where `parallel.cpu_ram_efficient_loading`
     says so (a local Hugging Face directory only), else fully on every rank (fp8dist.runtime.models.load_model).
-    `plan`: the run's DeepSpeed translation, when the caller made it already (ZeRO-3 builds under zero.Init).
+    `plan`: the run's translation, when the caller made it already (ZeRO-3 builds under zero.Init from it).
     With `adapter.kind=lora` the adapters are added here, before the engine converts and shards (the rules refuse
     them with RAM-efficient loading)."""
     if not spec.parallel.cpu_ram_efficient_loading:
@@ -231,6 +232,9 @@ def load_for_run(name: str, spec, plan: dict | None = None) -> LoadedModel:
         loaded.model = apply_adapter(loaded.model, spec.adapter, spec.precision.weight_dtype, spec.train.seed)
         return loaded
     check_efficient_loading(name, spec)
-    if spec.engine == "deepspeed":
-        return load_zero3(Path(name), spec, plan or to_deepspeed(spec))
+    facts = facts_for(spec)
+    if facts.efficient_loading == "zero_init":
+        # zero_init is DeepSpeed's loading, and a DeepSpeed engine's translation is its ds_config dict
+        ds_config = plan if isinstance(plan, dict) else cast(dict[str, Any], facts.translate(spec))
+        return load_zero3(Path(name), spec, ds_config)
     return load_empty(Path(name), spec.precision.weight_dtype)

@@ -17,24 +17,26 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 import torch.distributed as dist
 
 import fp8dist.engines.checkpoint as checkpoint
 from fp8dist.config.spec import Spec
-from fp8dist.config.vocabulary import check_world_size
+from fp8dist.config.parallel import ParallelDims, parallel_dims
 from fp8dist.engines import registry
 from fp8dist.engines.advice import advise
 from fp8dist.engines.base import Engine, FirstStepAudit
+from fp8dist.engines.mesh import build_device_mesh
 from fp8dist.engines.registry import facts_for
 from fp8dist.errors import Checks, Fp8distError
 from fp8dist.runtime import process_group
-from fp8dist.runtime.data import SYNTHETIC_BATCHES, batches_for
+from fp8dist.runtime.data import SYNTHETIC_BATCHES, BatchMaker, batches_for
 from fp8dist.runtime.loading import check_efficient_loading, load_for_run
 from fp8dist.runtime.models import LoadedModel
 from fp8dist.runtime.preflight import preflight
+from fp8dist.translate import EnginePlan
 
 
 @dataclass
@@ -44,14 +46,16 @@ class Session:
     spec: Spec
     loaded: LoadedModel
     engine: Engine
-    make_batch: Callable[[int, int, int], dict]
+    make_batch: BatchMaker
+    dims: ParallelDims  # the run's mesh axes: batches are per data-parallel rank
     pool: int | None = SYNTHETIC_BATCHES  # synthetic data cycles this many batches per rank; None: fresh ones
 
     def batches(self, index: int) -> list[dict]:
-        """The micro-batches of optimizer step `index` on this rank, on the engine's input device."""
-        device = self.engine.input_device
+        """The micro-batches of optimizer step `index` on this rank (its data-parallel rank's), on the engine's
+        input device."""
+        device, rank = self.engine.input_device, self.dims.data_rank(process_group.rank())
         return [{k: v.to(device) for k, v in batch.items()}
-                for batch in batches_for(self.make_batch, self.spec, index, process_group.rank(), pool=self.pool)]
+                for batch in batches_for(self.make_batch, self.spec, index, rank, pool=self.pool)]
 
     def step(self, index: int) -> tuple[float, str | None]:
         """One optimizer step on the batches of step `index`: (mean loss, why it was skipped or None)."""
@@ -59,16 +63,18 @@ class Session:
         return loss, self.engine.skipped_note
 
 
-def start(spec: Spec, loaded: LoadedModel, *, plan: dict | None = None, audit: str | None = None,
+def start(spec: Spec, loaded: LoadedModel, *, plan: EnginePlan | None = None, audit: str | None = None,
           first_step_audit: FirstStepAudit | None = None, make_batch=None, pool: int | None = SYNTHETIC_BATCHES,
           ) -> Session:
     """The engine `spec.engine` names around `loaded` (the process group is up). `audit`: the first-step audit's
     mode (default audit.first_step); `make_batch`/`pool`: the data (default: the model's synthetic batches)."""
-    if torch.cuda.is_available() and loaded.materialize is None and spec.engine == "fsdp2":
+    facts, dims = facts_for(spec), parallel_dims(spec, process_group.world_size())
+    if torch.cuda.is_available() and loaded.materialize is None and not facts.moves_model_to_device:
         loaded.model.to("cuda")  # a meta-built model is allocated on the device by the engine
+    mesh = {"mesh": build_device_mesh(dims)} if facts.uses_device_mesh else {}
     engine = registry.setup(loaded.model, spec, optimizer=loaded.make_optimizer, audit=audit, plan=plan,
-                            first_step_audit=first_step_audit, materialize=loaded.materialize)
-    return Session(spec, loaded, engine, make_batch or loaded.make_batch, pool)
+                            first_step_audit=first_step_audit, materialize=loaded.materialize, **mesh)
+    return Session(spec, loaded, engine, make_batch or loaded.make_batch, dims, pool)
 
 
 @dataclass(frozen=True)
@@ -96,14 +102,15 @@ def train(session: Session, plan: Plan, on_step: Callable[[int, float, str | Non
     if plan.checkpoint_dir:
         checkpoint.check_run_directory(plan.checkpoint_dir, plan.resume)
     if plan.resume:
-        resumed = checkpoint.resume(engine, plan.checkpoint_dir, model_name=plan.model_name)
+        # launch/train.py refuses --resume without --checkpoint-dir
+        resumed = checkpoint.resume(engine, cast(str, plan.checkpoint_dir), model_name=plan.model_name)
         if resumed is None:
             say(f"no complete checkpoint in {plan.checkpoint_dir}: starting from step 0")
         else:
             first, latest = resumed.step, (resumed.step, resumed.path)
             say(f"resumed from {resumed.path} (step {resumed.step})")
-            for note in resumed.notes:
-                say(f"note: {note}")
+            for resume_note in resumed.notes:
+                say(f"note: {resume_note}")
             if first >= plan.steps:
                 say(f"the checkpoint is at step {first}, --steps is {plan.steps}: no step to run")
     for index in range(first, plan.steps):
@@ -125,7 +132,8 @@ def train(session: Session, plan: Plan, on_step: Callable[[int, float, str | Non
         os.makedirs(parent, exist_ok=True)
     scratch = [tempfile.mkdtemp(prefix=".fp8dist-export-", dir=parent) if process_group.rank() == 0 else None]
     dist.broadcast_object_list(scratch, src=0)
-    return checkpoint.save(engine, scratch[0], final, spec=spec, model_name=plan.model_name), True
+    scratch_dir = cast(str, scratch[0])  # broadcast_object_list gave every rank rank 0's directory
+    return checkpoint.save(engine, scratch_dir, final, spec=spec, model_name=plan.model_name), True
 
 
 def export(source: Path, scratch: bool, destination: str, say: Callable[[str], None]) -> None:
@@ -162,7 +170,7 @@ def lost_peer(exc: BaseException) -> bool:
         sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "gloo", "Timed out")))
 
 
-def check_before_launch(spec: Spec, model_name: str, *, export_hf: str | None = None) -> dict:
+def check_before_launch(spec: Spec, model_name: str, *, export_hf: str | None = None) -> EnginePlan:
     """What one process can refuse before any rank starts: the backend's library and hardware, the engine's own
     refusals, the export destination, the model name; every refusal at once (Problems). Returns the run's
     translation. (launch/train.py --check runs it alone, so the launch scripts refuse with one message before
@@ -181,13 +189,13 @@ def check_before_launch(spec: Spec, model_name: str, *, export_hf: str | None = 
     return plan
 
 
-def prepare_run(spec: Spec, model_name: str, *, export_hf: str | None = None) -> tuple[LoadedModel, dict]:
+def prepare_run(spec: Spec, model_name: str, *, export_hf: str | None = None) -> tuple[LoadedModel, EnginePlan]:
     """Everything before the first step, in order: what can be refused before the process group (the backend's
     library and hardware, the engine's own refusals, the export destination, the model name), the process group,
     the world size a hybrid shard group needs (before any weight is loaded), the notes for this config, and the
     model as the run loads it. Returns (the loaded model, the run's translation)."""
     plan = check_before_launch(spec, model_name, export_hf=export_hf)
-    process_group.init(spec.train.process_group_timeout_s, deepspeed=facts_for(spec).USES_DEEPSPEED_PROCESS_GROUP)
-    check_world_size(spec, process_group.world_size())
+    process_group.init(spec.train.process_group_timeout_s, deepspeed=facts_for(spec).deepspeed_process_group)
+    parallel_dims(spec, process_group.world_size())
     advise(spec, process_group.world_size())
-    return load_for_run(model_name, spec, plan=plan if spec.engine == "deepspeed" else None), plan
+    return load_for_run(model_name, spec, plan=plan), plan

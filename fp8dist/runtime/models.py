@@ -13,11 +13,12 @@ from typing import Any, Callable
 
 from fp8dist.dtypes import torch_dtype
 from fp8dist.errors import Fp8distError
+from fp8dist.runtime.data import BatchMaker
 
 @dataclass
 class LoadedModel:
     model: Any
-    make_batch: Callable[[int, int, int], dict]  # (batch, seq_len, seed) -> forward kwargs incl. labels
+    make_batch: BatchMaker  # (batch, seq_len, seed) -> forward kwargs incl. labels
     name: str
     make_optimizer: Callable | None = None  # params -> optimizer; None: the one the config names
     materialize: Any = None  # a meta-built model's loader, run after sharding (engines.loading.ShardOnRead)
@@ -95,7 +96,7 @@ def small_mixtral_config():
                            num_attention_heads=8, num_key_value_heads=4)
 
 
-def causal_lm_batch(vocab_size: int) -> Callable[[int, int, int], dict]:
+def causal_lm_batch(vocab_size: int) -> BatchMaker:
     def make(batch: int, seq_len: int, seed: int) -> dict:
         import torch
 
@@ -237,7 +238,7 @@ def _load_factory(target: str, dtype: str, seed: int) -> LoadedModel:
     return LoadedModel(model, make_batch, target, made.get("make_optimizer"))
 
 
-def infer_batch(model) -> Callable[[int, int, int], dict] | None:
+def infer_batch(model) -> BatchMaker | None:
     """An input for a model that came without one: token-id batches for a Hugging Face model
     (`config.vocab_size`) or a model whose first module is an nn.Embedding; a float tensor
     (batch, seq_len, in_features) in the weights' dtype when it is an nn.Linear; else None.

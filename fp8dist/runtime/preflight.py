@@ -6,28 +6,30 @@ exits 2 with fp8dist's message before anything is launched.
 """
 from __future__ import annotations
 
-import fp8dist.compat as compat
 from fp8dist.backends.base import get_backend
 from fp8dist.config.spec import Spec
-from fp8dist.engines.deepspeed import check_environment as check_deepspeed_environment
 from fp8dist.engines.optim import check_optimizer_environment
 from fp8dist.engines.registry import facts_for
 from fp8dist.errors import Checks, UnsupportedEnvironment
+from fp8dist.facts import versions
+from fp8dist.facts.torch import TORCH_FLOOR, torch_supported
+from fp8dist.facts.versions import fmt, parse_version
 from fp8dist.machine import device_info
+from fp8dist.translate import EnginePlan
 
 
-def translate(spec: Spec) -> dict:
+def translate(spec: Spec) -> EnginePlan:
     """The run's translation for its engine, made once per run and handed to the loader and the engine."""
     return facts_for(spec).translate(spec)
 
 
-def preflight(spec: Spec, plan: dict | None = None) -> dict:
+def preflight(spec: Spec, plan: EnginePlan | None = None) -> EnginePlan:
     """Refuse what cannot run here (UnsupportedEnvironment, ConfigError; several at once: Problems); returns the
     run's translation. A torch that cannot run stops the checks; the others are independent, and all are said."""
-    installed = compat.installed_version("torch")
-    ok, reason = compat.torch_supported(compat.parse_version(installed)) if installed else (False, "torch is missing")
+    installed = versions.installed_version("torch")
+    ok, reason = torch_supported(parse_version(installed)) if installed else (False, "torch is missing")
     if not ok:
-        raise UnsupportedEnvironment(reason, f"pip install 'torch>={compat.fmt(compat.TORCH_FLOOR)}'")
+        raise UnsupportedEnvironment(reason, f"pip install 'torch>={fmt(TORCH_FLOOR)}'")
     device = device_info()
     checks = Checks()
     with checks.one():
@@ -36,8 +38,8 @@ def preflight(spec: Spec, plan: dict | None = None) -> dict:
         check_optimizer_environment(spec, device)
     with checks.one():
         plan = plan or translate(spec)
-    if plan is not None and spec.engine == "deepspeed":
+    if plan is not None:
         with checks.one():
-            check_deepspeed_environment(spec, plan)
+            facts_for(spec).check_environment(spec, plan)
     checks.raise_found()
     return plan

@@ -18,6 +18,13 @@ import sys
 from datetime import timedelta
 from typing import NoReturn
 
+# This process's rank and the job's size are fp8dist.distributed's (one set of rank helpers); here for the callers
+# that start the group through this module.
+from fp8dist.distributed import barrier, is_initialized, rank, world_size
+
+__all__ = ["barrier", "device_type", "init", "is_initialized", "leave", "local_rank", "rank", "tear_down",
+           "world_size"]
+
 
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
@@ -39,27 +46,7 @@ def init(timeout_s: float | None = None, *, deepspeed: bool = False) -> None:
 
         ds.init_distributed(**({"timeout": timeout} if timeout else {}))
         return
-    dist.init_process_group("nccl" if cuda else "gloo", **({"timeout": timeout} if timeout else {}))
-
-
-def is_initialized() -> bool:
-    if "torch.distributed" not in sys.modules:
-        return False
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
-
-
-def world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)  # None: torch's default for the backend
 
 
 def device_type() -> str:
@@ -82,15 +69,12 @@ def leave(code: int = 0) -> NoReturn:
 def tear_down() -> None:
     """All ranks leave the process group together: a barrier, then destroy_process_group (a second call, or a call
     without a group, does nothing). A rank that tears gloo down while a peer still talks aborts the job."""
-    if "torch.distributed" not in sys.modules:
+    if not is_initialized():
         return
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return
     try:
-        if dist.get_world_size() > 1:
-            dist.barrier()
+        barrier()
         dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - a peer is already gone: there is nothing left to tear down together
         print(f"fp8dist: the process group was not torn down together ({type(exc).__name__}: "

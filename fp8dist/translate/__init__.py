@@ -1,5 +1,12 @@
-"""Pure translators: a validated Spec in, the plan an engine executes out, as plain JSON-able data (no torch import)."""
-from fp8dist.translate.deepspeed import to_deepspeed
-from fp8dist.translate.fsdp2 import to_fsdp2
+"""Pure translators: a validated Spec in, the plan an engine executes out (no torch import): DeepSpeed's JSON config
+as a dict, FSDP2's as a typed FSDP2Plan whose to_json() is its JSON."""
+from typing import Any
 
-__all__ = ["to_deepspeed", "to_fsdp2"]
+from fp8dist.translate.deepspeed import to_deepspeed
+from fp8dist.translate.fsdp2 import FSDP2Plan, to_fsdp2
+
+EnginePlan = FSDP2Plan | dict[str, Any]
+"""What an engine's translation returns (fp8dist.engines.facts.EngineFacts.translate): the FSDP2 plan, or the
+DeepSpeed config."""
+
+__all__ = ["EnginePlan", "FSDP2Plan", "to_deepspeed", "to_fsdp2"]

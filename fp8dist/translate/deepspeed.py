@@ -5,32 +5,36 @@ Rules (DeepSpeed 0.19.8 sources: deepspeed/runtime/config.py, deepspeed/runtime/
 - `torch_autocast` always with an explicit `dtype` (its default is fp16 on CUDA);
 - never `"auto"` inside a typed section (DeepSpeedConfigModel drops it silently);
 - `gradient_clipping` always explicit (default changed 0.0 -> 1.0 in 0.19.3, #8068);
-- the `msamp` section only for DeepSpeed versions MS-AMP supports (compat.MSAMP_DEEPSPEED_WINDOWS).
+- the `msamp` section only for DeepSpeed versions MS-AMP supports (facts.msamp.MSAMP_DEEPSPEED_WINDOWS).
 """
 from __future__ import annotations
 
 import copy
 from typing import Any
 
-import fp8dist.compat as compat
 import fp8dist.dtypes as dtypes
 from fp8dist.config.spec import Spec
 from fp8dist.config.vocabulary import deepspeed_extras
 from fp8dist.errors import ConfigError, Issue
+from fp8dist.facts import versions
+from fp8dist.facts.deepspeed import (DS_AMP_REMOVED, DS_AUTOCAST_WITH_BF16, DS_BF16_MASTER, NEWEST_KNOWN_DEEPSPEED,
+                                     deepspeed_has_bf16_master, deepspeed_has_torch_autocast)
+from fp8dist.facts.msamp import MSAMP_RELEASE, MSAMP_RELEASE_DEEPSPEED, installed_msamp, msamp_supports_deepspeed
+from fp8dist.facts.versions import Version, fmt, parse_version
 
 
 
-def target_deepspeed_version(explicit: str | None) -> tuple[compat.Version, str]:
+def target_deepspeed_version(explicit: str | None) -> tuple[Version, str]:
     """The DeepSpeed version to translate for, and where that choice came from."""
     if explicit:
         try:
-            return compat.parse_version(explicit), "given with --deepspeed-version"
+            return parse_version(explicit), "given with --deepspeed-version"
         except ValueError:
             raise ConfigError([Issue("--deepspeed-version", "not a version", explicit, "write e.g. 0.13.1")]) from None
-    installed = compat.installed_version("deepspeed")
+    installed = versions.installed_version("deepspeed")
     if installed:
-        return compat.parse_version(installed), "installed"
-    return compat.NEWEST_KNOWN_DEEPSPEED, "newest known (DeepSpeed is not installed)"
+        return parse_version(installed), "installed"
+    return NEWEST_KNOWN_DEEPSPEED, "newest known (DeepSpeed is not installed)"
 
 
 def to_deepspeed(spec: Spec, deepspeed_version: str | None = None) -> dict[str, Any]:
@@ -155,13 +159,13 @@ def _precision_sections(spec: Spec, version, origin, issues) -> dict[str, Any]:
     if p.mixed_precision == "none":
         return {}
     if p.master_weights == "none":
-        ok, reason = compat.deepspeed_has_torch_autocast(version)
+        ok, reason = deepspeed_has_torch_autocast(version)
         if not ok:
             issues.append(Issue("precision.master_weights", f"fp32 weights with {p.mixed_precision} compute map to "
                                 f"DeepSpeed's torch_autocast; {reason} ({origin})", "none",
                                 "upgrade DeepSpeed, or set precision.master_weights=fp32 (bf16/fp16 section)"))
         # No lower-precision-safe modules: every gradient is reduced in its parameter's dtype (the load dtype,
-        # which rules._deepspeed requires reduce_dtype to be). DeepSpeed's default list would reduce nn.Linear
+        # which fp8dist.config.rules.deepspeed requires reduce_dtype to be). DeepSpeed's default list would reduce nn.Linear
         # gradients in the autocast dtype and ignore communication_data_type (deepspeed 0.19
         # runtime/torch_autocast.py init_autocast_params, zero/stage_1_and_2.py ipg_buckets).
         return {"torch_autocast": {"enabled": True, "dtype": dtypes.torch_name(p.mixed_precision),
@@ -176,10 +180,10 @@ def _precision_sections(spec: Spec, version, origin, issues) -> dict[str, Any]:
         return {"fp16": section}
     section = {"enabled": True}
     if p.master_weights == "bf16":
-        ok, reason = compat.deepspeed_has_bf16_master(version)
+        ok, reason = deepspeed_has_bf16_master(version)
         if not ok:
             issues.append(Issue("precision.master_weights", f"{reason} ({origin})", "bf16",
-                                f"upgrade to DeepSpeed >= {compat.fmt(compat.DS_BF16_MASTER)} or use fp32 masters"))
+                                f"upgrade to DeepSpeed >= {fmt(DS_BF16_MASTER)} or use fp32 masters"))
         section["bf16_master_weights_and_grads"] = True
         if spec.optimizer_state_dtype == "bf16":
             section["bf16_optimizer_states"] = True
@@ -198,13 +202,13 @@ def _zero_section(spec: Spec) -> dict[str, Any]:
 
 def _msamp_section(spec: Spec, version, origin, issues) -> dict[str, Any]:
     level = spec.fp8.msamp.opt_level
-    ok, reason = compat.msamp_supports_deepspeed(version, compat.installed_msamp())
+    ok, reason = msamp_supports_deepspeed(version, installed_msamp())
     if not ok:
         issues.append(Issue("precision.fp8.msamp.opt_level", f"MS-AMP {level} runs through msamp.deepspeed.initialize, "
-                            f"which needs an older DeepSpeed: {reason}; target DeepSpeed {compat.fmt(version)} is "
+                            f"which needs an older DeepSpeed: {reason}; target DeepSpeed {fmt(version)} is "
                             f"{origin}", level,
                             f"translate for an MS-AMP environment with --deepspeed-version "
-                            f"{compat.fmt(compat.MSAMP_RELEASE_DEEPSPEED)} (MS-AMP {compat.fmt(compat.MSAMP_RELEASE)}'s pin), "
+                            f"{fmt(MSAMP_RELEASE_DEEPSPEED)} (MS-AMP {fmt(MSAMP_RELEASE)}'s pin), "
                             "or use backend=torchao or te on this DeepSpeed"))
     return {"enabled": True, "opt_level": level, "use_te": spec.fp8.msamp.use_te}
 
@@ -241,14 +245,14 @@ def _merged_with_extra(config: dict[str, Any], extra: dict[str, Any], version) -
             issues.append(Issue(f"deepspeed.extra.{dotted}", "\"auto\" is only filled in by Accelerate/HF Trainer; "
                                 "raw DeepSpeed drops it inside typed sections and crashes on top-level scalars",
                                 value, "write the actual value"))
-        if path[0] == "amp" and version >= compat.DS_AMP_REMOVED:
+        if path[0] == "amp" and version >= DS_AMP_REMOVED:
             issues.append(Issue("deepspeed.extra.amp", f"the `amp` section was removed in DeepSpeed "
-                                f"{compat.fmt(compat.DS_AMP_REMOVED)}", value, "use precision.mixed_precision"))
+                                f"{fmt(DS_AMP_REMOVED)}", value, "use precision.mixed_precision"))
     for path, value in _leaves(extra):
         if not any(i.path == f"deepspeed.extra.{'.'.join(path)}" for i in issues):
             _set(merged, path, value)
     enabled = [mode for mode in ("fp16", "bf16") if isinstance(merged.get(mode), dict) and merged[mode].get("enabled")]
-    if len(enabled) > 1 or (enabled and "torch_autocast" in merged and version < compat.DS_AUTOCAST_WITH_BF16):
+    if len(enabled) > 1 or (enabled and "torch_autocast" in merged and version < DS_AUTOCAST_WITH_BF16):
         issues.append(Issue("deepspeed.extra", f"enables a second precision mode next to the generated one "
                             f"({', '.join(enabled + (['torch_autocast'] if 'torch_autocast' in merged else []))}); "
                             "DeepSpeed allows only one", fix="choose the mode with precision.mixed_precision"))

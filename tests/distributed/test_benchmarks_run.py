@@ -25,7 +25,7 @@ def test_every_script_is_listed():
 def gpu_refuses() -> bool:
     import torch
 
-    from fp8dist.compat import FP8_MIN_CAPABILITY
+    from fp8dist.facts.hardware import FP8_MIN_CAPABILITY
     return not (torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= FP8_MIN_CAPABILITY)
 
 

@@ -4,7 +4,7 @@ measures in a real run (one launch for all)."""
 import pytest
 
 from fp8dist.config.load import load_config
-from fp8dist.commands.estimate import estimate
+from fp8dist.estimate.memory import estimate
 from fp8dist.runtime.ranks import results
 from tests.conftest import ROOT
 from tests.distributed.launch import describe, torchrun
@@ -32,8 +32,8 @@ def test_estimate_within_5_percent_of_the_audit(measured, config, model):
     spec = load_config(ROOT / "configs" / f"{config}.yaml")
     result = estimate(model, spec, WORLD)
     assert {"weights", "gradients", "optimizer"} <= set(observed), observed
-    assert ("master" in observed) is (spec.engine == "deepspeed" and result["bytes_per_param"]["master_weights"] > 0)
+    assert ("master" in observed) is (spec.engine == "deepspeed" and result.bytes_per_param["master_weights"] > 0)
     for audit_key, store in STORES.items():
         if audit_key not in observed:
             continue
-        assert observed[audit_key] == pytest.approx(result["bytes_per_param"][store], rel=0.05), (audit_key, observed)
+        assert observed[audit_key] == pytest.approx(result.bytes_per_param[store], rel=0.05), (audit_key, observed)

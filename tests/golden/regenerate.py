@@ -28,7 +28,7 @@ def golden_cases():
 def translate(spec, target, version):
     if target == "deepspeed":
         return to_deepspeed(spec, deepspeed_version=version)
-    return to_fsdp2(spec, torchao_version=version, te_version=TE_VERSION)
+    return to_fsdp2(spec, torchao_version=version, te_version=TE_VERSION).to_json()
 
 
 if __name__ == "__main__":

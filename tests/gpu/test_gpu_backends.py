@@ -10,7 +10,9 @@ import re
 
 import pytest
 
-import fp8dist.compat as compat
+from fp8dist.facts.hardware import FP8_MIN_CAPABILITY
+from fp8dist.facts.msamp import MSAMP_MAX_TE
+from fp8dist.facts.transformer_engine import TE_RECIPES, te_field_kept, te_recipe_available, te_supported
 from tests.conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.gpu
@@ -25,7 +27,7 @@ def _cuda_capability():
 
 
 CAP = _cuda_capability()
-needs_fp8_gpu = pytest.mark.skipif(CAP is None or CAP < compat.FP8_MIN_CAPABILITY,
+needs_fp8_gpu = pytest.mark.skipif(CAP is None or CAP < FP8_MIN_CAPABILITY,
                                    reason="needs an NVIDIA GPU with compute capability >= 8.9")
 needs_te = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
                               reason="Transformer Engine not installed (needs CUDA to build)")
@@ -134,7 +136,7 @@ def test_installed_te_raises_where_fp8dist_refuses_first():
     from transformer_engine.common import recipe as te_recipe
 
     version = _installed_te()
-    for record in compat.TE_RECIPES.values():
+    for record in TE_RECIPES.values():
         for rejection in record.rejects:
             if rejection.since <= version and (rejection.until is None or version <= rejection.until):
                 value = te_recipe.Format[rejection.value] if rejection.field == "fp8_format" else rejection.value
@@ -145,7 +147,8 @@ def test_installed_te_raises_where_fp8dist_refuses_first():
 @needs_fp8_gpu
 @needs_te
 def test_te_gemms_need_tokens_a_multiple_of_8():
-    """compat.TE_TOKEN_MULTIPLE: te.Linear refuses 12 tokens under autocast (assert_dim_for_fp8_exec)."""
+    """facts.transformer_engine.TE_TOKEN_MULTIPLE: te.Linear refuses 12 tokens under autocast
+    (assert_dim_for_fp8_exec)."""
     import torch
     import transformer_engine.pytorch as te
 
@@ -187,10 +190,10 @@ def test_installed_te_keeps_every_field_fp8dist_writes():
     from tests.unit.backends.test_te_recipe_contract import VALUES, plain
 
     version = _installed_te()
-    assert compat.te_supported(version)[0]
+    assert te_supported(version)[0]
     for name, values in VALUES.items():
-        fields = {f: v for f, v in values.items() if compat.te_field_kept(name, f, version)[0]}
-        if compat.te_recipe_available(name, version)[0]:
+        fields = {f: v for f, v in values.items() if te_field_kept(name, f, version)[0]}
+        if te_recipe_available(name, version)[0]:
             built = build_recipe(te_recipe, _te_spec(recipe=name, **fields), version)
             assert {f: plain(getattr(built, f)) for f in fields} == fields, name
 
@@ -211,8 +214,8 @@ def test_nvfp4_storage_counts_logical_elements():
 
 @needs_msamp
 def test_msamp_lives_with_te_at_most_1_7():
-    """compat.msamp_install_hint: `import msamp` loads transformer_engine_extensions, gone from TE 1.8."""
+    """facts.msamp.msamp_install_hint: `import msamp` loads transformer_engine_extensions, gone from TE 1.8."""
     from fp8dist.backends.transformer_engine import installed_te_version
 
     version = installed_te_version()
-    assert version is None or version[:2] <= compat.MSAMP_MAX_TE[:2]
+    assert version is None or version[:2] <= MSAMP_MAX_TE[:2]

@@ -1,12 +1,13 @@
 """The layers of docs/architecture.md, kept true: imports only go down (config -> translate -> formats -> backends
--> engines -> runtime -> audit -> commands), there are no import circles, and both count imports inside
-functions too. Modules outside the layers (the facts at the root: compat, dtypes, errors, machine; the package's
-facade and composition root __init__; cli; the integrations facade) are checked for circles only."""
+-> engines -> runtime -> audit -> estimate -> commands), there are no import circles, and both count imports inside
+functions too. Modules outside the layers (the facts at the root: the facts package, dtypes, errors, machine; the
+rank helpers, distributed; the package's facade and composition root __init__; cli; the integrations facade) are
+checked for circles only; the facts package also imports nothing else of fp8dist."""
 import ast
 
 from tests.conftest import ROOT
 
-LAYERS = ("config", "translate", "formats", "backends", "engines", "runtime", "audit", "commands")
+LAYERS = ("config", "translate", "formats", "backends", "engines", "runtime", "audit", "estimate", "commands")
 PACKAGE = ROOT / "fp8dist"
 
 
@@ -88,10 +89,19 @@ def test_no_import_circles():
 
 
 def test_every_package_module_is_in_a_layer_or_a_known_root_module():
-    outside = {name for name in modules() if layer(name) is None}
-    known = {"fp8dist.__init__", "fp8dist.__main__", "fp8dist.cli", "fp8dist.compat", "fp8dist.dtypes",
-             "fp8dist.errors", "fp8dist.library_noise", "fp8dist.machine", "fp8dist.integrations.__init__"}
+    outside = {name for name in modules() if layer(name) is None and not name.startswith("fp8dist.facts.")}
+    known = {"fp8dist.__init__", "fp8dist.__main__", "fp8dist.cli", "fp8dist.distributed",
+             "fp8dist.dtypes", "fp8dist.errors", "fp8dist.library_noise", "fp8dist.machine", "fp8dist.integrations.__init__"}
     assert outside == known, f"modules outside the layers: {sorted(outside - known)}; gone: {sorted(known - outside)}"
+
+
+def test_facts_import_nothing_of_fp8dist_but_facts():
+    """fp8dist.facts is read by every layer (and by the light commands at start), so it imports no other module of
+    fp8dist: a fact that needed a layer would make that layer a dependency of all of them."""
+    graph = edges(modules())
+    facts = [name for name in graph if name.startswith("fp8dist.facts.")]
+    reaching = sorted(f"{a} -> {b}" for a in facts for b in graph[a] if not b.startswith("fp8dist.facts."))
+    assert len(facts) > 1 and not reaching, "\n".join(reaching)
 
 
 def test_the_checker_sees_an_upward_import(tmp_path):
@@ -103,6 +113,15 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     assert layer("fp8dist.audit.watching") > layer("fp8dist.engines.fake")
 
 
+def _answers_every_fact(facts) -> bool:
+    from fp8dist.engines.facts import EngineFacts
+
+    wanted = set(EngineFacts.__annotations__) | {n for n in vars(EngineFacts) if not n.startswith("_")}
+    missing = {n for n in wanted if not hasattr(facts, n)}
+    assert not missing, f"{type(facts).__name__} lacks {sorted(missing)}"
+    return True
+
+
 def test_the_engine_registry_is_the_schemas_engine_enum():
     """A value of `engine` the schema offers has its package in the registry, with what every engine provides."""
     from fp8dist.config.schema import schema
@@ -110,5 +129,6 @@ def test_the_engine_registry_is_the_schemas_engine_enum():
 
     assert list(ENGINES) == schema()["properties"]["engine"]["enum"]
     for name, package in ENGINES.items():
-        assert callable(package.setup) and callable(package.facts.translate), name
+        assert callable(package.setup) and package.facts.FACTS.name == name
+        assert _answers_every_fact(package.facts.FACTS), name
         assert package.Checkpointing.engine == name

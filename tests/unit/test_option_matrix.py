@@ -1,8 +1,11 @@
 """Every schema key and value is run for real (tests/distributed/test_option_runs.py) or refused clearly
-(here, in-process); every refusal in config/rules.py is triggered; docs/options.md is current."""
+(here, in-process); every refusal in config/rules/ is triggered; docs/options.md is current."""
 import ast
+import importlib
 import importlib.util
 import inspect
+import pkgutil
+from types import ModuleType
 
 import pytest
 
@@ -75,30 +78,47 @@ def test_refusal(case):
     assert "fix:" in str(info.value), f"a refusal names the fix: {info.value}"
 
 
-def _issue_lines() -> set[int]:
-    tree = ast.parse(inspect.getsource(rules))
+def _rule_modules() -> list[ModuleType]:
+    """The package fp8dist.config.rules and every module in it."""
+    names = [info.name for info in pkgutil.iter_modules(rules.__path__, rules.__name__ + ".")]
+    return [rules, *(importlib.import_module(name) for name in names)]
+
+
+def _issue_sites(module: ModuleType) -> set[int]:
+    tree = ast.parse(inspect.getsource(module))
     return {node.lineno for node in ast.walk(tree)
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Issue"}
 
 
 def test_every_rule_refusal_is_triggered(monkeypatch):
-    fired: set[int] = set()
+    modules = _rule_modules()
+    fired: set[tuple[str, int]] = set()  # (file, line) of each Issue() call that ran
     original = rules.Issue
 
     def recording_issue(*args, **kwargs):
-        fired.add(inspect.currentframe().f_back.f_lineno)
+        caller = inspect.currentframe().f_back
+        fired.add((caller.f_code.co_filename, caller.f_lineno))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(rules, "Issue", recording_issue)
+    for module in modules:
+        if hasattr(module, "Issue"):
+            monkeypatch.setattr(module, "Issue", recording_issue)
     for case in REFUSALS:
         if case.kind == "config":
             with pytest.raises(ConfigError):
                 load_config(case.config)
-    sites = _issue_lines()
-    # A call spanning lines reports the line the frame is on; map each fired line to its call site.
-    covered = {max(site for site in sites if site <= line) for line in fired}
-    assert sites - covered == set(), f"rules.py Issue() calls no refusal case triggers (lines): {sorted(sites - covered)}"
-    assert len(sites) >= 30
+    untriggered, count = {}, 0
+    for module in modules:
+        sites = _issue_sites(module)
+        count += len(sites)
+        # A call spanning lines reports the line the frame is on; map each fired line to its call site.
+        covered = {max(site for site in sites if site <= line) for file, line in fired if file == module.__file__}
+        if sites - covered:
+            untriggered[module.__name__] = sorted(sites - covered)
+    assert not untriggered, f"Issue() calls no refusal case triggers (module: lines): {untriggered}"
+    assert {module.__name__.rsplit(".", 1)[-1] for module in modules} >= {"common", "fsdp2", "deepspeed", "torchao",
+                                                                           "te", "msamp"}
+    assert count >= 30
 
 
 def test_options_doc_is_current():

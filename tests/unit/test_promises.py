@@ -9,11 +9,15 @@ import tomllib
 
 import pytest
 
-import fp8dist.compat as compat
 from fp8dist.audit.report import build, table
 from fp8dist.config.load import load_config
 from fp8dist.errors import ConfigError
+from fp8dist.facts import versions
+from fp8dist.facts.torch import TORCH_FLOOR
+from fp8dist.facts.torchao import NEWEST_KNOWN_TORCHAO
+from fp8dist.facts.versions import fmt, parse_version
 from fp8dist.translate import to_fsdp2
+from fp8dist.translate.fsdp2 import TorchaoFloat8Plan
 from tests.conftest import ROOT, run_cli
 
 
@@ -86,8 +90,9 @@ def test_loss_scaler_unscales_and_finds_inf_without_a_process_group():
 
 
 def test_fsdp2_plan_has_a_loss_scaler_exactly_for_fp16_compute():
-    assert to_fsdp2(load_config(ROOT / "configs" / "fp16-amp.yaml"))["loss_scaling"]["dynamic"] is True
-    assert to_fsdp2(load_config(ROOT / "configs" / "fsdp2-bf16.yaml"))["loss_scaling"] is None
+    scaling = to_fsdp2(load_config(ROOT / "configs" / "fp16-amp.yaml")).loss_scaling
+    assert scaling is not None and scaling.dynamic is True
+    assert to_fsdp2(load_config(ROOT / "configs" / "fsdp2-bf16.yaml")).loss_scaling is None
 
 
 def test_importing_the_fsdp2_engine_loads_no_private_collectives():
@@ -97,16 +102,16 @@ def test_importing_the_fsdp2_engine_loads_no_private_collectives():
     assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
 
 
-def test_pyproject_torch_floor_is_the_one_in_compat():
+def test_pyproject_torch_floor_is_the_one_in_the_facts():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     torch_req = next(r for r in project["project"]["optional-dependencies"]["train"] if r.startswith("torch>="))
-    assert compat.parse_version(torch_req.split(">=")[1]) == compat.TORCH_FLOOR
+    assert parse_version(torch_req.split(">=")[1]) == TORCH_FLOOR
 
 
 def test_goldens_hold_whatever_torchao_is_installed(monkeypatch):
     from tests.golden.regenerate import golden_cases, translate
 
-    monkeypatch.setattr(compat, "installed_version", lambda name: "0.11.0" if name == "torchao" else None)
+    monkeypatch.setattr(versions, "installed_version", lambda name: "0.11.0" if name == "torchao" else None)
     for config, spec, target, version in golden_cases():
         golden = json.loads((ROOT / "tests" / "golden" / f"{config.stem}.{target}.json").read_text())
         assert translate(spec, target, version) == golden, config.name
@@ -114,16 +119,17 @@ def test_goldens_hold_whatever_torchao_is_installed(monkeypatch):
 
 def test_installed_torchao_is_what_an_unpinned_plan_uses(monkeypatch):
     spec = load_config(ROOT / "configs" / "fsdp2-torchao-float8.yaml")
-    monkeypatch.setattr(compat, "installed_version", lambda name: "0.11.0" if name == "torchao" else None)
-    plan = to_fsdp2(spec)["float8"]
-    assert (plan["torchao_version"], plan["torchao_version_origin"]) == ("0.11.0", "installed")
-    assert plan["force_recompute_fp8_weight_in_bwd"]["value"] is True  # 0.11 still needs it with float8 all-gather
-    monkeypatch.setattr(compat, "installed_version", lambda name: None)
-    plan = to_fsdp2(spec)["float8"]
-    assert plan["torchao_version"] == compat.fmt(compat.NEWEST_KNOWN_TORCHAO) and "newest known" in \
-        plan["torchao_version_origin"]
-    pinned = to_fsdp2(spec, torchao_version="0.18.0")["float8"]
-    assert pinned["torchao_version_origin"] == "given with --torchao-version"
+    monkeypatch.setattr(versions, "installed_version", lambda name: "0.11.0" if name == "torchao" else None)
+    plan = to_fsdp2(spec).float8
+    assert isinstance(plan, TorchaoFloat8Plan)
+    assert (plan.torchao_version, plan.torchao_version_origin) == ("0.11.0", "installed")
+    assert plan.force_recompute_fp8_weight_in_bwd.value is True  # 0.11 still needs it with float8 all-gather
+    monkeypatch.setattr(versions, "installed_version", lambda name: None)
+    plan = to_fsdp2(spec).float8
+    assert isinstance(plan, TorchaoFloat8Plan)
+    assert plan.torchao_version == fmt(NEWEST_KNOWN_TORCHAO) and "newest known" in plan.torchao_version_origin
+    pinned = to_fsdp2(spec, torchao_version="0.18.0").float8
+    assert isinstance(pinned, TorchaoFloat8Plan) and pinned.torchao_version_origin == "given with --torchao-version"
 
 
 def test_translate_takes_a_torchao_version_and_refuses_it_for_deepspeed():
@@ -166,6 +172,6 @@ def test_preflight_refuses_a_torch_below_the_floor(monkeypatch):
     from fp8dist.errors import UnsupportedEnvironment
 
     spec = load_config(ROOT / "configs" / "fsdp2-bf16.yaml")
-    monkeypatch.setattr(compat, "installed_version", lambda name: "2.8.0" if name == "torch" else None)
+    monkeypatch.setattr(versions, "installed_version", lambda name: "2.8.0" if name == "torch" else None)
     with pytest.raises(UnsupportedEnvironment, match="older than fp8dist's floor 2.9.0"):
         preflight(spec)

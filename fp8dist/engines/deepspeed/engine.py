@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import fp8dist.engines.activation_checkpointing as activation_checkpointing
 from fp8dist.backends.base import get_backend
@@ -27,6 +27,9 @@ from fp8dist.engines.optim import (build_optimizer, offloads_optimizer, rebind_o
 from fp8dist.errors import Fp8distError, UnsupportedEnvironment
 from fp8dist.machine import device_info
 from fp8dist.translate.deepspeed import to_deepspeed
+
+if TYPE_CHECKING:
+    from fp8dist.backends.msamp import MSAMP
 
 
 class DeepSpeedRun(Engine):
@@ -109,7 +112,9 @@ def initialize(model, spec: Spec, optimizer=None, model_parameters=None, trainin
     # rebinding finds a swapped parameter), it does not replace them
     activation_checkpointing.apply(model, wrap_units(model, spec), spec.parallel.activation_checkpointing, backend)
     _forget_earlier_torch_autocast(config)
-    initialize_fn = backend.deepspeed_initialize if spec.fp8.backend == "msamp" else _deepspeed_initialize()
+    # get_backend gives the MSAMP backend for precision.fp8.backend=msamp
+    initialize_fn = (cast("MSAMP", backend).deepspeed_initialize if spec.fp8.backend == "msamp"
+                     else _deepspeed_initialize())
     engine, optimizer, dataloader, scheduler = initialize_fn(
         model=model, optimizer=optimizer, training_data=training_data, lr_scheduler=lr_scheduler,
         config=config, **kwargs)
@@ -199,7 +204,7 @@ def _forget_earlier_torch_autocast(config: dict) -> None:
     gradient all-reduces where fp32 was configured. Reset them when this engine does not use torch_autocast."""
     if config.get("torch_autocast", {}).get("enabled"):
         return
-    autocast = sys.modules.get("deepspeed.runtime.torch_autocast")
+    autocast: Any = sys.modules.get("deepspeed.runtime.torch_autocast")  # its globals are DeepSpeed's, untyped
     if autocast is not None and getattr(autocast, "TORCH_AUTOCAST_INITIALIZED", False):
         autocast.TORCH_AUTOCAST_INITIALIZED = False
         autocast.TORCH_AUTOCAST_DTYPE = None

@@ -45,7 +45,7 @@ class DeepSpeedInspector(Inspector):
         super().__init__("deepspeed", module, optimizer, decisions)
 
     def weights(self) -> tuple[list, str]:
-        return [getattr(p, "ds_tensor", p) for p in self.parameters()], "module parameters (ZeRO-3: partitions)"
+        return [self.stored(p) for p in self.parameters()], "module parameters (ZeRO-3: partitions)"
 
     def masters(self) -> tuple[list, str, bool]:
         linked = [m for m in (getattr(p, "_link_hp_param", None) for p in self.parameters()) if m is not None]
@@ -59,6 +59,17 @@ class DeepSpeedInspector(Inspector):
 
     def state_optimizer(self):
         return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    def stored(self, param):
+        """ZeRO-3 keeps this rank's partition of a parameter in `ds_tensor` (DeepSpeed 0.19.8
+        runtime/zero/partition_parameters.py); below stage 3 the parameter is whole."""
+        return getattr(param, "ds_tensor", param)
+
+    def stepped(self) -> list:
+        """The module parameters the ZeRO optimizer steps: `bit16_groups` (stage 1/2, stage_1_and_2.py) or
+        `fp16_groups` (stage 3, stage3.py), DeepSpeed 0.19.8; a torch optimizer's param groups otherwise."""
+        groups = getattr(self.optimizer, "bit16_groups", None) or getattr(self.optimizer, "fp16_groups", None)
+        return [p for group in groups for p in group] if groups is not None else super().stepped()
 
     @contextlib.contextmanager
     def capture_gradients(self, record):

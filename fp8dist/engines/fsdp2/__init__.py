@@ -4,7 +4,7 @@
 """
 from fp8dist.engines.fsdp2 import facts
 
-__all__ = ["Checkpointing", "FSDP2Run", "accumulate_gradients", "apply_gradients", "device_mesh", "facts", "prepare",
+__all__ = ["Checkpointing", "FSDP2Run", "accumulate_gradients", "apply_gradients", "facts", "prepare",
            "setup", "train_step"]
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from fp8dist.engines.checkpoint import EngineCheckpointing, ModelReader, exported_bytes, model_key
@@ -67,7 +68,7 @@ class Reader(ModelReader):
         self.directory = path / "dcp"
         metadata = dcp.FileSystemReader(str(self.directory)).read_metadata().state_dict_metadata
         self.tensors = {key[len("model."):]: meta for key, meta in metadata.items()
-                        if key.startswith("model.") and hasattr(meta, "size")}
+                        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
 
     def sizes(self, dtype) -> dict[str, int]:
         return {key: exported_bytes(meta.size, meta.properties.dtype, dtype) for key, meta in self.tensors.items()

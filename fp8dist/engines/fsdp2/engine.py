@@ -18,18 +18,19 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 import fp8dist.engines.activation_checkpointing as activation_checkpointing
 from fp8dist.backends.base import get_backend
 from fp8dist.config.spec import Spec
-from fp8dist.config.vocabulary import check_world_size, fsdp2_layout
+from fp8dist.config.parallel import parallel_dims
 from fp8dist.dtypes import torch_dtype
 from fp8dist.engines.advice import advise_small_gemms
 from fp8dist.engines.base import Engine, FirstStepAudit, forward_loss
 from fp8dist.engines.blocks import wrap_units
 from fp8dist.engines.fsdp2.checkpointing import Checkpointing
+from fp8dist.engines.mesh import build_device_mesh, device_type
 from fp8dist.engines.inspector import Inspector
 from fp8dist.engines.loss_scaling import DynamicLossScaler, StepOutcome
 from fp8dist.engines.optim import build_optimizer, trainable_parameters
 from fp8dist.errors import Fp8distError
 from fp8dist.machine import device_info
-from fp8dist.translate.fsdp2 import to_fsdp2
+from fp8dist.translate.fsdp2 import FSDP2Plan, TorchaoFloat8Plan, to_fsdp2
 
 
 class FSDP2Run(Engine):
@@ -37,7 +38,7 @@ class FSDP2Run(Engine):
 
     name = "fsdp2"
 
-    def __init__(self, model, optimizer, backend, plan: dict, spec: Spec, decisions: list, wrapped: list[str],
+    def __init__(self, model, optimizer, backend, plan: FSDP2Plan, spec: Spec, decisions: list, wrapped: list[str],
                  scaler: DynamicLossScaler | None, *, audit: str | None = None,
                  first_step_audit: FirstStepAudit | None = None):
         super().__init__(spec, backend, decisions, audit=audit, first_step_audit=first_step_audit)
@@ -94,29 +95,16 @@ class FSDP2Run(Engine):
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def device_mesh(spec: Spec, world: int, device_type: str):
-    """The mesh of `parallel.sharding`: 1-D over all ranks (full, grad_op), or a named 2-D mesh
-    (replicate, shard) for hybrid (shard = shard_size) and replicate (shard = 1). FSDP2 wants 2-D meshes
-    named (torch 2.13 _fsdp_init.py _validate_mesh)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    layout = fsdp2_layout(spec.to_dict())
-    shard = world if layout["shard_size"] == "world" else layout["shard_size"]
-    check_world_size(spec, world)
-    if layout["strategy"] in ("full", "grad_op"):
-        return init_device_mesh(device_type, (world,))
-    return init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
-
-
 def _dtype(name):
     return None if name is None else torch_dtype(name)
 
 
 def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None = None, materialize=None,
-            plan: dict | None = None, first_step_audit: FirstStepAudit | None = None) -> FSDP2Run:
+            plan: FSDP2Plan | None = None, first_step_audit: FirstStepAudit | None = None) -> FSDP2Run:
     """Make `model` an FSDP2 model with the precision of `spec`, and build its optimizer.
 
-    `mesh`: a DeviceMesh (default: the one `parallel.sharding` describes, over the default process group).
+    `mesh`: the run's DeviceMesh (fp8dist.engines.mesh.build_device_mesh; default: the one `parallel.sharding`
+    describes on this world, over the default process group).
     `optimizer`: a callable params -> optimizer (called on the sharded parameters); default: the config's.
     `audit`: what the audit of the first `train_step` does (warn | raise | off); default: audit.first_step.
     `materialize`: for a model built on the meta device (fp8dist.runtime.loading.ShardOnRead), allocates the
@@ -131,41 +119,41 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
     backend = get_backend(spec, plan)
     backend.check_environment(device_info())
 
-    if plan["upcast_before_shard"]:
+    if plan.upcast_before_shard:
         # Only what the optimizer steps gets a master copy: frozen weights (an adapter run's base) keep the load
         # dtype. FSDP2 wants one original dtype among a group's trainable parameters only (torch 2.13
         # _fsdp_param_group.py _init_mp_dtypes), so frozen bf16 beside fp32 adapters shard together.
-        master = _dtype(plan["upcast_before_shard"])
+        master = _dtype(plan.upcast_before_shard)
         for param in model.parameters():
             if param.requires_grad and param.is_floating_point() and param.dtype != master:
                 param.data = param.data.to(master)
     decisions = backend.convert_module(model)
     advise_small_gemms(spec, model)
-    units = activation_checkpointing.apply(model, wrap_units(model, spec), plan["activation_checkpointing"], backend)
-    if plan["compile"]:
+    units = activation_checkpointing.apply(model, wrap_units(model, spec), plan.activation_checkpointing, backend)
+    if plan.compile:
         for unit in [unit for _, unit in units] or [model]:
             unit.compile()  # in place: the module object (and so the FSDP unit) stays the same
 
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = mesh or device_mesh(spec, dist.get_world_size(), device_type)
-    mp = plan["mixed_precision_policy"]
-    policy = dict(param_dtype=_dtype(mp["param_dtype"]), reduce_dtype=_dtype(mp["reduce_dtype"]),
-                  cast_forward_inputs=mp["cast_forward_inputs"])
+    mesh = mesh or build_device_mesh(parallel_dims(spec, dist.get_world_size()))
+    mp = plan.mixed_precision_policy
+    policy = dict(param_dtype=_dtype(mp.param_dtype), reduce_dtype=_dtype(mp.reduce_dtype),
+                  cast_forward_inputs=mp.cast_forward_inputs)
     # output_dtype applies to the model's outputs, so only the root gets it: a block returning it would hand
     # the next block (or a root-owned norm / lm_head) inputs in another dtype than its weights.
     block_policy = MixedPrecisionPolicy(**policy)
-    root_policy = MixedPrecisionPolicy(**policy, output_dtype=_dtype(mp["output_dtype"]))
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan["offload_policy"] else OffloadPolicy()
-    reshard = plan["sharding"]["reshard_after_forward"]
+    root_policy = MixedPrecisionPolicy(**policy, output_dtype=_dtype(mp.output_dtype))
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan.offload_policy else OffloadPolicy()
+    reshard = plan.sharding.reshard_after_forward
     for _, unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=block_policy, reshard_after_forward=reshard, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=root_policy, offload_policy=offload,
-                reshard_after_forward=plan["sharding"]["root_reshard_after_forward"])
+                reshard_after_forward=plan.sharding.root_reshard_after_forward)
     if materialize is not None:  # offloaded shards live on the CPU (torchtitan enable_cpu_offload)
-        materialize.materialize(model, "cpu" if plan["offload_policy"] else device_type)
+        materialize.materialize(model, "cpu" if plan.offload_policy else device_type())
 
-    float8 = plan.get("float8") or {}
-    if dist.get_backend() == "gloo" and float8.get("float8_linear_config", {}).get("enable_fsdp_float8_all_gather"):
+    float8 = plan.float8
+    if (dist.get_backend() == "gloo" and isinstance(float8, TorchaoFloat8Plan)
+            and float8.float8_linear_config.enable_fsdp_float8_all_gather):
         # imported only here: it builds on torch's private FSDP2 collectives (tests/unit: no import otherwise)
         from fp8dist.engines.fsdp2.collectives import ByteViewAllGather
 
@@ -175,7 +163,7 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
 
     optimizer = (optimizer or (lambda params: build_optimizer(params, spec)))(trainable_parameters(model))
     optimizer.register_step_post_hook(lambda *_: backend.after_optimizer_step(model))
-    scaler = DynamicLossScaler(spec.precision.loss_scaling) if plan["loss_scaling"] else None  # ranks agree on a skip
+    scaler = DynamicLossScaler(spec.precision.loss_scaling) if plan.loss_scaling else None  # ranks agree on a skip
     model.fp8dist_decisions = decisions  # for an inspector that recognises the model (fp8dist.audit.watch)
     return FSDP2Run(model, optimizer, backend, plan, spec, decisions, [name for name, _ in units], scaler,
                     audit=audit, first_step_audit=first_step_audit)

@@ -1,6 +1,6 @@
 """An Accelerate config file (`accelerate config` / examples/config_yaml_templates/fsdp.yaml) -> an fp8dist config.
 
-Read as accelerate 1.15 runs it (compat.ACCELERATE_KNOWN): FSDP (1 or 2) becomes engine fsdp2 with the
+Read as accelerate 1.15 runs it (facts.accelerate.ACCELERATE_KNOWN): FSDP (1 or 2) becomes engine fsdp2 with the
 precision Accelerate's FSDP2 gives (mixed_precision X: MixedPrecisionPolicy(X, X, X) on weights upcast to fp32;
 `no`: the weights as loaded); DEEPSPEED becomes engine deepspeed from the deepspeed_config_file (a path, inline
 JSON or base64, as HfDeepSpeedConfig reads it) or from Accelerate's own DeepSpeed keys (the config
@@ -16,7 +16,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 from fp8dist.errors import Issue
 from fp8dist.formats.common import (LAUNCHER_FLAGS, Imported, ImportProblem, Launcher, Notes, integer, mapping,
@@ -149,8 +149,9 @@ def convert(document: dict[str, Any], text: str, source: str, launcher: Launcher
                        "script applies PEFT's LoRA (Accelerate itself has no adapter setting)")
     if issues:
         raise ImportProblem(issues, source, "accelerate")
-    note_accelerate_refusals(out, notes, "this file")
-    return Imported("accelerate", out, notes)
+    imported = cast(dict[str, Any], out)  # _deepspeed returns None only after recording an issue
+    note_accelerate_refusals(imported, notes, "this file")
+    return Imported("accelerate", imported, notes)
 
 
 def _adapter_mark(text: str, issues: list[Issue]) -> dict[str, Any] | None:

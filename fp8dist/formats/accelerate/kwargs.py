@@ -19,13 +19,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, cast
 
-import fp8dist.compat as compat
 from fp8dist.config.load import load_config
 from fp8dist.config.spec import Spec
 from fp8dist.errors import Fp8distError
 import fp8dist.dtypes as dtypes
+from fp8dist.facts.peft import is_lora_module, peft_base_name
 from fp8dist.formats.accelerate.translate import accelerate_plan
 
 
@@ -63,9 +63,9 @@ class LinearFilter:
         self.exclude, self.dims_multiple_of = list(exclude), dims_multiple_of
 
     def __call__(self, module, fqn: str) -> bool:
-        if compat.is_lora_module(fqn):
+        if is_lora_module(fqn):
             return False
-        fqn = compat.peft_base_name(fqn)  # exclusions name the base model's modules
+        fqn = peft_base_name(fqn)  # exclusions name the base model's modules
         if any(fnmatchcase(fqn, p) or fnmatchcase(fqn.rsplit(".", 1)[-1], p) for p in self.exclude):
             return False
         dim = self.dims_multiple_of
@@ -91,7 +91,8 @@ def accelerator_kwargs(config, *, world_size: int | None = None, deepspeed_versi
         if plan["fsdp"]["parallelism"]:
             from accelerate import ParallelismConfig
 
-            sizes = hybrid_sizes(spec.parallel.shard_size, resolve_world_size(world_size))
+            # parallelism is hybrid sharding's, and the config's rules refuse hybrid without parallel.shard_size
+            sizes = hybrid_sizes(cast(int, spec.parallel.shard_size), resolve_world_size(world_size))
             kwargs["parallelism_config"] = ParallelismConfig(**sizes)
     else:
         # DeepSpeed's own sections decide the precision; Accelerate's fp8 mode is the only one to name

@@ -2,11 +2,12 @@
 `accelerate launch` 1.15 exports it), and the settings fp8dist keeps although Accelerate would refuse them."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
-import fp8dist.compat as compat
 from fp8dist.config.vocabulary import SHARDING_ALIASES
 from fp8dist.errors import Issue
+from fp8dist.facts.accelerate import ACCELERATE_FP8_BACKEND, ACCELERATE_MSAMP_OPT_LEVELS
+from fp8dist.facts.transformer_engine import TE_RECIPES, TEField
 from fp8dist.formats.common import Notes, integer, mapping, truthy
 from fp8dist.formats.keys import Table, disabled, kept, no_effect, refused
 
@@ -88,7 +89,7 @@ def fsdp_settings(config: Mapping[str, Any], version: int | None, notes: Notes, 
         chosen = strategy or reshard
         name = str(chosen[1]).upper() if chosen else "FULL_SHARD"
         name = _STRATEGY_NUMBERS.get(name, name)
-        if name == "_HYBRID_SHARD_ZERO2":
+        if chosen and name == "_HYBRID_SHARD_ZERO2":  # a written value: the default is FULL_SHARD
             notes.resolved(f"{prefix}{chosen[0]}", "hybrid", "fp8dist's hybrid reshards parameters after forward "
                            "(HYBRID_SHARD); the ZeRO-2 variant keeps them")
             name = "HYBRID_SHARD"
@@ -120,7 +121,7 @@ def fsdp_settings(config: Mapping[str, Any], version: int | None, notes: Notes, 
     policy = items.pop("auto_wrap_policy", None)
     classes = items.pop("transformer_layer_cls_to_wrap", None) or items.pop("transformer_cls_names_to_wrap", None)
     policy_name = str(policy[1]).upper() if policy else "NO_WRAP"
-    if policy_name not in WRAP_POLICIES:
+    if policy and policy_name not in WRAP_POLICIES:  # not written: NO_WRAP
         issues.append(Issue(f"{prefix}{policy[0]}", "not an FSDP auto-wrap policy Accelerate knows (it would stop at "
                             "Accelerator())", policy[1], f"use one of {', '.join(WRAP_POLICIES)}"))
     elif policy_name == "TRANSFORMER_BASED_WRAP":
@@ -138,6 +139,23 @@ def fsdp_settings(config: Mapping[str, Any], version: int | None, notes: Notes, 
     return parallel, fsdp2
 
 
+# What `accelerate launch` 1.15 exports for an fp8_config key it is not given: its argparse defaults
+# (commands/launch.py "FP8 Arguments"; use_mxfp8_block_scaling has no launcher argument, and TERecipeKwargs reads
+# its unset variable as false); the recipe kwargs read these env names (utils/dataclasses.py AORecipeKwargs /
+# TERecipeKwargs / MSAMPRecipeKwargs). TERecipeKwargs then hands Transformer Engine only the fields that differ from
+# these same defaults (KwargsHandler.to_kwargs builds the default instance in a clean environment), so a value equal
+# to one of them never reaches TE and TE's own default applies (amax_compute_algo "max"; MXFP8BlockScaling's
+# fp8_format E4M3).
+LAUNCH_FP8_DEFAULTS = {"margin": 0, "interval": 1, "fp8_format": "HYBRID", "amax_history_len": 1024,
+                       "amax_compute_algo": "most_recent", "opt_level": "O2", "enable_fsdp_float8_all_gather": True,
+                       "pad_inner_dim": True, "use_autocast_during_eval": False, "use_mxfp8_block_scaling": False}
+# Keys `accelerate config` writes into fp8_config (commands/config/cluster.py) under names that the launcher
+# exports as ACCELERATE_FP8_<KEY> and no recipe ever reads: the run silently uses the launcher default of the
+# name on the right.
+UNREAD_FP8_KEYS = {"amax_history_length": "amax_history_len", "amax_compute_algorithm": "amax_compute_algo",
+                   "optimization_level": "opt_level"}
+
+
 def fp8_section(config: Mapping[str, Any], engine: str, notes: Notes, issues: list[Issue],
                 prefix: str) -> dict[str, Any] | None:
     """precision.fp8 for Accelerate's fp8 mode, from fp8_config as `accelerate launch` exports it."""
@@ -146,6 +164,7 @@ def fp8_section(config: Mapping[str, Any], engine: str, notes: Notes, issues: li
         short = key[4:] if key.startswith("fp8_") and key != "fp8_format" else key
         items[short] = (key, value)
     raw = items.pop("backend", (None, None))[1]
+    backend: str | None
     if raw is None:
         backend = "torchao"
         notes.resolved(f"{prefix}backend", "torchao", "left out: Accelerate picks torchao when installed, then "
@@ -155,21 +174,21 @@ def fp8_section(config: Mapping[str, Any], engine: str, notes: Notes, issues: li
         if backend is None:
             issues.append(Issue(f"{prefix}backend", "not an Accelerate FP8 backend", raw, "use AO, TE or MSAMP"))
             return None
-        if str(raw) != compat.ACCELERATE_FP8_BACKEND[backend]:
-            notes.resolved(f"{prefix}backend", compat.ACCELERATE_FP8_BACKEND[backend], "Accelerator builds "
+        if str(raw) != ACCELERATE_FP8_BACKEND[backend]:
+            notes.resolved(f"{prefix}backend", ACCELERATE_FP8_BACKEND[backend], "Accelerator builds "
                            "FP8BackendType from the exported value, which takes the upper-case name only")
 
     def take(name: str) -> Any:
         if name in items:
             return items.pop(name)[1]
-        for written, read in compat.ACCELERATE_UNREAD_FP8_KEYS.items():
+        for written, read in UNREAD_FP8_KEYS.items():
             if read == name and written in items:
                 key, value = items.pop(written)
-                notes.resolved(f"{prefix}{key}", compat.ACCELERATE_LAUNCH_FP8_DEFAULTS[name],
+                notes.resolved(f"{prefix}{key}", LAUNCH_FP8_DEFAULTS[name],
                                f"accelerate launch exports it as ACCELERATE_FP8_{written.upper()}, which no recipe "
-                               f"reads: the run used the launcher's {name}={compat.ACCELERATE_LAUNCH_FP8_DEFAULTS[name]} "
+                               f"reads: the run used the launcher's {name}={LAUNCH_FP8_DEFAULTS[name]} "
                                f"(the written {value!r} never acted)")
-        return compat.ACCELERATE_LAUNCH_FP8_DEFAULTS.get(name)
+        return LAUNCH_FP8_DEFAULTS.get(name)
 
     if backend == "torchao":
         all_gather = bool(truthy(take("enable_fsdp_float8_all_gather")))
@@ -210,20 +229,22 @@ def fp8_section(config: Mapping[str, Any], engine: str, notes: Notes, issues: li
                 notes.dropped(f"{prefix}{name}", value, "not a field of MXFP8BlockScaling (Accelerate raises on it)")
                 continue
             if mxfp8 and name == "margin":
-                notes.dropped(f"{prefix}{name}", value, compat.TE_RECIPES["mxfp8"].field("margin").ignored)
+                # fp8dist's MXFP8BlockScaling record has `margin` as a field the class keeps and ignores, with why
+                margin = cast(TEField, TE_RECIPES["mxfp8"].field("margin"))
+                notes.dropped(f"{prefix}{name}", value, cast(str, margin.ignored))
                 continue
             te[name] = int(value) if name in ("margin", "amax_history_len") else value
         for name in ("interval", "override_linear_precision", "use_autocast_during_eval"):
             if name in items:
                 key, value = items.pop(name)
-                why = {"interval": "removed from Transformer Engine 2.2 (compat.TE_REMOVED_FIELDS)",
+                why = {"interval": "removed from Transformer Engine 2.2 (TransformerEngine#1607)",
                        "override_linear_precision": "removed from Transformer Engine 2.0",
                        "use_autocast_during_eval": "fp8dist does not run evaluation"}[name]
                 notes.dropped(f"{prefix}{key}", value, why)
         fp8 = {"backend": "te", "te": te, "modules": {"exclude": [], "skip_first_last": False}}
     else:
         level = str(take("opt_level"))
-        if level not in compat.ACCELERATE_MSAMP_OPT_LEVELS:
+        if level not in ACCELERATE_MSAMP_OPT_LEVELS:
             notes.resolved(f"{prefix}opt_level", level, "kept, although Accelerate refuses it (MSAMPRecipeKwargs and "
                            "DeepSpeedPlugin accept O1 and O2), so this file fails in Accelerate")
         fp8 = {"backend": "msamp", "msamp": {"opt_level": level}}

@@ -11,7 +11,7 @@ refused with the key (docs/accelerate.md), never dropped. max_steps, seed and th
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from fp8dist.errors import ConfigError, Issue
 from fp8dist.formats.accelerate.kwargs import as_spec, hybrid_sizes, resolve_world_size
@@ -50,7 +50,8 @@ def training_arguments_kwargs(config, *, world_size: int | None = None,
             from accelerate import ParallelismConfig
 
             kwargs["parallelism_config"] = ParallelismConfig(
-                **hybrid_sizes(spec.parallel.shard_size, resolve_world_size(world_size)))
+                # parallelism is hybrid sharding's, and the config's rules refuse hybrid without parallel.shard_size
+                **hybrid_sizes(cast(int, spec.parallel.shard_size), resolve_world_size(world_size)))
     else:
         ds = plan["deepspeed"]["config"]
         # HfTrainerDeepSpeedConfig checks bf16/fp16.enabled against these flags (integrations/deepspeed.py).

@@ -1,7 +1,7 @@
 """Spec -> Accelerate: a config file for `accelerate launch --config_file`, or the plan the Python helpers
 (fp8dist.integrations) build real objects from. Pure: no torch, no accelerate import.
 
-Everything here follows accelerate 1.15 (compat.ACCELERATE_KNOWN):
+Everything here follows accelerate 1.15 (facts.accelerate.ACCELERATE_KNOWN):
 - the file's keys are ClusterConfig's (commands/config/config_args.py); `fsdp_config`, `fp8_config` and
   `dynamo_config` entries become `fsdp_*` / `fp8_*` / `dynamo_*` launcher arguments and then environment
   variables (commands/launch.py _validate_launch_command, utils/launch.py prepare_multi_gpu_env, setup_fp8_env);
@@ -20,15 +20,20 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
-import fp8dist.compat as compat
 from fp8dist.config.load import load_config
 from fp8dist.config.spec import Spec
 from fp8dist.errors import ConfigError, Fp8distError, Issue
+from fp8dist.facts import versions
+from fp8dist.facts.accelerate import (ACCELERATE_AO_DIM_MULTIPLE, ACCELERATE_FP8_BACKEND, ACCELERATE_FP8_COMPUTE_DTYPE,
+                                      ACCELERATE_KNOWN, accelerate_matches)
+from fp8dist.facts.peft import PEFT_ALL_LINEAR
+from fp8dist.facts.transformer_engine import TE_RECIPES
+from fp8dist.facts.versions import fmt, parse_version
 from fp8dist.formats.common import comment_line, set_path
 from fp8dist.translate.deepspeed import to_deepspeed
-from fp8dist.translate.fsdp2 import float8_plan
+from fp8dist.translate.fsdp2 import torchao_float8_plan
 
 # file: a config file for `accelerate launch`; python: Accelerator(**accelerator_kwargs(...));
 # trainer: transformers.TrainingArguments(**training_arguments_kwargs(...)).
@@ -52,7 +57,7 @@ class NotExpressible(ConfigError):
     def __init__(self, issues: list[Issue], source: str | None, mode: str):
         self.issues, self.source = list(issues), source
         lines = [f"cannot translate {source or 'the config'} for {_HOW[mode]} "
-                 f"(accelerate {compat.fmt(compat.ACCELERATE_KNOWN[:2])}): {len(self.issues)} problem(s)"]
+                 f"(accelerate {fmt(ACCELERATE_KNOWN[:2])}): {len(self.issues)} problem(s)"]
         lines += [f"  - {issue.render()}" for issue in self.issues]
         Fp8distError.__init__(self, "\n".join(lines))
 
@@ -99,7 +104,7 @@ def _check_fp8_compute(spec: Spec, mode: str, issues: list[Issue]) -> None:
                             "(transformers 5 training_args.py, section 'Mixed Precision')", spec.fp8.backend,
                             "launch with the file of `fp8dist translate CONFIG --to accelerate`, or build the "
                             f"Accelerator with {_HELPER}"))
-    if p.mixed_precision != compat.ACCELERATE_FP8_COMPUTE_DTYPE:
+    if p.mixed_precision != ACCELERATE_FP8_COMPUTE_DTYPE:
         issues.append(Refusal("precision.mixed_precision", "Accelerate's fp8 mode computes every non-FP8 op in bf16 "
                             "(FSDP2: MixedPrecisionPolicy of bf16; DeepSpeed: a bf16 section, and an fp16 section is "
                             "refused; accelerate 1.15 utils/dataclasses.py set_mixed_precision)", p.mixed_precision,
@@ -109,7 +114,7 @@ def _check_fp8_compute(spec: Spec, mode: str, issues: list[Issue]) -> None:
 
 def _fsdp_plan(spec: Spec, mode: str, mixed: str, issues: list[Issue], notes: list[str]) -> dict[str, Any]:
     p, par, f = spec.precision, spec.parallel, spec.fsdp2
-    compute = None if mixed == "no" else (compat.ACCELERATE_FP8_COMPUTE_DTYPE if mixed == "fp8" else mixed)
+    compute = None if mixed == "no" else (ACCELERATE_FP8_COMPUTE_DTYPE if mixed == "fp8" else mixed)
     # fsdp2_prepare_model upcasts every trainable parameter to fp32 whenever mixed_precision is set.
     stored = "fp32" if mixed != "no" else p.load_dtype
     if p.weight_dtype != stored:
@@ -279,7 +284,7 @@ def _fp8_plan(spec: Spec, mode: str, torchao_version: str | None, issues: list[I
         return _torchao_plan(spec, mode, torchao_version, issues)
     if backend == "te":
         return _te_plan(spec, issues)
-    return {"backend": "msamp", "accelerate_backend": compat.ACCELERATE_FP8_BACKEND["msamp"],
+    return {"backend": "msamp", "accelerate_backend": ACCELERATE_FP8_BACKEND["msamp"],
             "opt_level": spec.fp8.msamp.opt_level, "use_te": spec.fp8.msamp.use_te}
 
 
@@ -297,9 +302,9 @@ def _torchao_plan(spec: Spec, mode: str, torchao_version: str | None, issues: li
                             "would stay in bf16", ao.experts,
                             "set precision.fp8.torchao.experts=none (and accept bf16 experts under Accelerate), or "
                             "train with fp8dist's runtime"))
-    plan = float8_plan(spec, torchao_version)
-    linear = plan["float8_linear_config"]
-    recompute = plan["force_recompute_fp8_weight_in_bwd"]["value"]
+    plan = torchao_float8_plan(spec, torchao_version)
+    linear = plan.float8_linear_config.to_json()  # torchao's Float8LinearConfig fields, as AORecipeKwargs takes them
+    recompute = plan.force_recompute_fp8_weight_in_bwd.value
     if mode == "file":
         why = ("a config file gives AORecipeKwargs only pad_inner_dim and enable_fsdp_float8_all_gather and builds "
                "the rest of Float8LinearConfig() (tensorwise) itself (accelerate 1.15 utils/dataclasses.py "
@@ -312,7 +317,7 @@ def _torchao_plan(spec: Spec, mode: str, torchao_version: str | None, issues: li
                                       nearest={f"precision.fp8.torchao.{key}": default}))
         if recompute:
             issues.append(Refusal("precision.fp8.torchao.force_recompute_fp8_weight_in_bwd", f"{why}; the torchao "
-                                f"targeted here ({plan['torchao_version']}) needs it set",
+                                f"targeted here ({plan.torchao_version}) needs it set",
                                 ao.force_recompute_fp8_weight_in_bwd, f"build the Accelerator with {_HELPER}"))
     if spec.adapter.enabled and (mode == "file" or modules.skip_first_last):
         issues.append(Refusal("adapter.kind", "Accelerate's own torchao filter (every nn.Linear but the first and the "
@@ -357,16 +362,16 @@ def _torchao_plan(spec: Spec, mode: str, torchao_version: str | None, issues: li
                             "registers torchao's scale precompute after each optimizer step with float8 all-gather "
                             "(accelerate 1.15 accelerator.py _prepare_ao)", False, "remove the key (true)",
                               nearest={"precision.fp8.torchao.precompute_float8_dynamic_scale_for_fsdp": True}))
-    return {"backend": "torchao", "accelerate_backend": compat.ACCELERATE_FP8_BACKEND["torchao"],
+    return {"backend": "torchao", "accelerate_backend": ACCELERATE_FP8_BACKEND["torchao"],
             "float8_linear_config": linear, "force_recompute_fp8_weight_in_bwd": recompute,
             "module_filter": {"accelerate_default": modules.skip_first_last, "exclude": list(modules.exclude),
-                              "dims_multiple_of": None if ao.pad_inner_dim else compat.ACCELERATE_AO_DIM_MULTIPLE}}
+                              "dims_multiple_of": None if ao.pad_inner_dim else ACCELERATE_AO_DIM_MULTIPLE}}
 
 
 def _te_plan(spec: Spec, issues: list[Issue]) -> dict[str, Any]:
     te, modules = spec.fp8.te, spec.fp8.modules
-    if not compat.TE_RECIPES[te.recipe].accelerate:
-        built = [r for r in compat.TE_RECIPES.values() if r.accelerate]
+    if not TE_RECIPES[te.recipe].accelerate:
+        built = [r for r in TE_RECIPES.values() if r.accelerate]
         issues.append(Refusal("precision.fp8.te.recipe", f"Accelerate builds only {' or '.join(r.cls for r in built)} "
                             "(accelerate 1.15 utils/transformer_engine.py apply_fp8_autowrap)", te.recipe,
                             f"use recipe {' or '.join(r.name for r in built)}, or fp8dist's own runtime",
@@ -406,7 +411,7 @@ def _te_plan(spec: Spec, issues: list[Issue]) -> dict[str, Any]:
                             "use E4M3 or leave it null", nearest={"precision.fp8.te.fp8_format": "E4M3"}))
     recipe = {name: getattr(te, name) for name in ("fp8_format", "margin", "amax_history_len", "amax_compute_algo")
               if getattr(te, name) is not None}
-    return {"backend": "te", "accelerate_backend": compat.ACCELERATE_FP8_BACKEND["te"], "recipe": recipe,
+    return {"backend": "te", "accelerate_backend": ACCELERATE_FP8_BACKEND["te"], "recipe": recipe,
             "use_mxfp8_block_scaling": te.recipe == "mxfp8"}
 
 
@@ -469,7 +474,7 @@ def nearest_accelerate_file(spec: Spec, deepspeed_version: str | None = None, to
             stuck = [issue for issue in exc.issues if getattr(issue, "nearest", None) is None]
             if stuck:
                 raise NotExpressible(stuck, spec.source, "file") from None
-            moves = exc.issues[0].nearest
+            moves: dict[str, Any] = getattr(exc.issues[0], "nearest")  # a Refusal's, set: none is stuck
             if any(key in why for key in moves):  # a move that does not settle its refusal: never loop
                 raise NotExpressible(refused, spec.source, "file") from None
             why.update({key: exc.issues[0].message for key in moves})
@@ -529,7 +534,7 @@ ADAPTER_MARK = "# fp8dist: adapter="
 
 
 def render(document: dict[str, Any], plan: dict[str, Any], spec: Spec, source: str,
-           differences: list[str] = ()) -> str:
+           differences: Sequence[str] = ()) -> str:
     """The file: a comment header (what it needs from the launch and the script, and where the run differs from
     `source`: nearest_accelerate_file), then the YAML."""
     import yaml
@@ -538,7 +543,7 @@ def render(document: dict[str, Any], plan: dict[str, Any], spec: Spec, source: s
     batch = ("" if spec.engine == "deepspeed" else
              f", micro batch {t.micro_batch_size} x accumulation {t.gradient_accumulation_steps}, clipping "
              f"{t.gradient_clipping}")
-    lines = [comment_line(f"Accelerate {compat.fmt(compat.ACCELERATE_KNOWN[:2])} config translated by fp8dist from "
+    lines = [comment_line(f"Accelerate {fmt(ACCELERATE_KNOWN[:2])} config translated by fp8dist from "
                           f"{source}."),
              "# accelerate launch --config_file THIS --num_processes N your_script.py   (fp8dist configs do not fix N)",
              f"{LOAD_DTYPE_MARK}{spec.precision.load_dtype}   (the torch_dtype your script loads the model in; "
@@ -546,15 +551,15 @@ def render(document: dict[str, Any], plan: dict[str, Any], spec: Spec, source: s
              f"# your script builds the optimizer: {o.name} lr={o.lr} weight_decay={o.weight_decay}{batch}"]
     if spec.adapter.enabled:
         a = spec.adapter
-        targets = compat.PEFT_ALL_LINEAR if a.target_modules == "auto" else list(a.target_modules)
+        targets = PEFT_ALL_LINEAR if a.target_modules == "auto" else list(a.target_modules)
         lines += [f"{ADAPTER_MARK}{json.dumps(spec.to_dict()['adapter'], separators=(',', ':'))}",
                   f"#   your script applies it before accelerator.prepare: peft.get_peft_model(model, LoraConfig(r={a.r}, "
                   f"lora_alpha={a.alpha:g}, lora_dropout={a.dropout:g}, target_modules={targets!r}), "
                   "autocast_adapter_dtype=False), and gives the optimizer the trainable parameters only (the "
                   "adapters then start in the load dtype, as every trainable weight: Accelerate's DeepSpeed would "
                   "keep PEFT's fp32 adapters in fp32, and its FSDP2 upcasts them to fp32 masters itself)"]
-    installed = compat.installed_version("accelerate")
-    same, reason = compat.accelerate_matches(compat.parse_version(installed) if installed else None)
+    installed = versions.installed_version("accelerate")
+    same, reason = accelerate_matches(parse_version(installed) if installed else None)
     if not same:
         lines.append(f"# note: {reason}")
     if differences:

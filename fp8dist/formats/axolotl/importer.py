@@ -17,7 +17,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import fp8dist.compat as compat
 from fp8dist.errors import Issue
 from fp8dist.formats.accelerate.sections import fsdp_settings, note_accelerate_refusals
 from fp8dist.formats.common import (HF_OPTIMIZERS, Imported, ImportProblem, Notes, WrongShape, hf_optimizer, integer,
@@ -42,6 +41,11 @@ _PARALLEL = ("fp8dist runs data parallelism (FSDP2 or DeepSpeed ZeRO) only: no t
              "parallelism")
 _ADAPTER = ("trains another kind of adapter than LoRA on a 16/32-bit base (qlora: a 4-bit bitsandbytes base; "
             "llama-adapter, ...), which fp8dist's `adapter` section does not run")
+# What Axolotl uses for a left-out key (axolotl src/axolotl/utils/schemas/training.py HyperparametersConfig:
+# micro_batch_size 1, gradient_accumulation_steps 1; schemas/config.py sequence_len 512, bf16 `auto`), and what the
+# HF Trainer's TrainingArguments uses for max_grad_norm (transformers 5.24 training_args.py: 1.0).
+DEFAULTS = {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "sequence_len": 512, "bf16": "auto",
+            "max_grad_norm": 1.0}
 KEYS = Table("Axolotl", {
     # precision (kept)
     "bf16": kept("precision.mixed_precision / load_dtype (Axolotl's default `auto`: bf16 where the GPU has it)"),
@@ -181,7 +185,8 @@ KEYS = Table("Axolotl", {
 
 
 def convert(document: dict[str, Any], text: str, source: str) -> Imported:
-    notes, issues = Notes(), []
+    notes = Notes()
+    issues: list[Issue] = []
     cfg = dict(document)
     fp8 = bool(truthy(cfg.pop("fp8", False)))
     bf16, fp16 = _half_precision(cfg, notes)
@@ -200,7 +205,7 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
     ctx = AutoContext(who="HF Trainer (Axolotl)", mixed_precision=mixed,
                       micro_batch_size=cfg.get("micro_batch_size"),
                       gradient_accumulation_steps=cfg.get("gradient_accumulation_steps"),
-                      gradient_clipping=yaml11_number(cfg.get("max_grad_norm", compat.AXOLOTL_DEFAULTS["max_grad_norm"])),
+                      gradient_clipping=yaml11_number(cfg.get("max_grad_norm", DEFAULTS["max_grad_norm"])),
                       lr=yaml11_number(cfg.get("learning_rate")),
                       weight_decay=yaml11_number(cfg.get("weight_decay", 0.0)),
                       eps=yaml11_number(cfg.get("adam_epsilon", cfg.get("adam_eps", 1e-8))),
@@ -210,7 +215,7 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
         issues.append(Issue("deepspeed", "set together with FSDP; Accelerate runs one of them", deepspeed,
                             "remove deepspeed or fsdp_config"))
     if deepspeed:
-        out = {"engine": "deepspeed"}  # what the rest of the file is read against when the JSON cannot be
+        out: dict[str, Any] = {"engine": "deepspeed"}  # what the rest of the file is read against when the JSON cannot be
         try:
             ds, where = read_beside(str(deepspeed), Path(source).parent, "deepspeed", source)
             out = convert_config(ds, source, notes, ctx, f"deepspeed ({where}): ")
@@ -324,11 +329,11 @@ def _adapter(cfg: dict[str, Any], out: dict[str, Any], notes: Notes, issues: lis
 
 
 def _batch_defaults(cfg: dict[str, Any], notes: Notes) -> None:
-    """Axolotl's own values for left-out batch keys (compat.AXOLOTL_DEFAULTS), and its `batch_size` (the batch per
+    """Axolotl's own values for left-out batch keys (DEFAULTS), and its `batch_size` (the batch per
     rank step: gradient_accumulation_steps = batch_size // micro_batch_size when accumulation is left out)."""
     for key in ("micro_batch_size", "sequence_len"):
         if key not in cfg:
-            cfg[key] = compat.AXOLOTL_DEFAULTS[key]
+            cfg[key] = DEFAULTS[key]
             notes.resolved(key, cfg[key], "left out: Axolotl's default")
     batch = cfg.pop("batch_size", None)
     if "gradient_accumulation_steps" not in cfg:
@@ -338,7 +343,7 @@ def _batch_defaults(cfg: dict[str, Any], notes: Notes) -> None:
             notes.resolved("gradient_accumulation_steps", cfg["gradient_accumulation_steps"],
                            "batch_size // micro_batch_size, as Axolotl derives it")
             return
-        cfg["gradient_accumulation_steps"] = compat.AXOLOTL_DEFAULTS["gradient_accumulation_steps"]
+        cfg["gradient_accumulation_steps"] = DEFAULTS["gradient_accumulation_steps"]
         notes.resolved("gradient_accumulation_steps", 1, "left out: Axolotl's default")
     elif batch is not None:
         notes.dropped("batch_size", batch, "derived by Axolotl from micro_batch_size x gradient_accumulation_steps, "
@@ -349,7 +354,7 @@ def _half_precision(cfg: dict[str, Any], notes: Notes) -> tuple[bool, bool]:
     """(bf16, fp16) as Axolotl resolves them: `bf16` defaults to `auto`, which is on on the GPUs fp8dist runs on
     (every GPU with FP8 has bf16), and then bf16 wins over fp16 (axolotl utils/trainer.py prepare_optim_env)."""
     written = "bf16" in cfg
-    bf16, fp16 = cfg.pop("bf16", compat.AXOLOTL_DEFAULTS["bf16"]), bool(truthy(cfg.pop("fp16", False)))
+    bf16, fp16 = cfg.pop("bf16", DEFAULTS["bf16"]), bool(truthy(cfg.pop("fp16", False)))
     if bf16 == "auto":
         notes.auto("bf16", True, ("left out, Axolotl's default `auto`" if not written else "`auto`") +
                    ": on where the GPU has bf16 (Ampere and newer, every GPU with FP8); on an older GPU Axolotl "

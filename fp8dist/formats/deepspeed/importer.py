@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
-import fp8dist.compat as compat
 from fp8dist.config.vocabulary import DEEPSPEED_OFFLOAD, ZERO_STAGE
 import fp8dist.dtypes as dtypes
 from fp8dist.errors import Issue
+from fp8dist.facts.deepspeed import DS_CLIPPING_DEFAULT_CHANGED
+from fp8dist.facts.versions import fmt
 from fp8dist.formats.common import (LAUNCHER_FLAGS, Imported, ImportProblem, Launcher, Notes, dtype_name, mapping,
                                    set_path, truthy)
 from fp8dist.formats.keys import KeyClass, Table, disabled, kept, no_effect, one_or_unset, refused
@@ -29,6 +30,29 @@ _EXTRA = "deepspeed.extra: DeepSpeed reads it as written"
 _DATA_PARALLEL = "fp8dist runs data parallelism (ZeRO) only: no tensor, pipeline, sequence or expert parallelism"
 _QUANTIZED = ("quantises {what}, a precision fp8dist's config does not describe (its audit would expect the "
               "unquantised dtypes)")
+# What DeepSpeed 0.19.8 uses when a config leaves a key out (or writes "auto" inside a typed section, which
+# DeepSpeedConfigModel replaces by the default): runtime/precision_config.py, runtime/zero/config.py (measured with
+# deepspeed.runtime.config.DeepSpeedConfig).
+FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+                 "min_loss_scale": 1}
+ZERO_DEFAULTS = {"reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+                 "stage3_param_persistence_threshold": 100_000}
+# "auto" in a DeepSpeed config, as Accelerate fills it at prepare (accelerate 1.15 accelerator.py
+# _prepare_deepspeed): gradient_clipping 1.0; optimizer lr / weight_decay from DummyOptim (utils/deepspeed.py:
+# lr=0.001, weight_decay=0); the bucket sizes from the model's hidden_size h (h*h, 0.9*h*h, 10*h).
+ACCELERATE_AUTO = {"gradient_clipping": 1.0, "optimizer.params.lr": 0.001, "optimizer.params.weight_decay": 0.0,
+                   "gradient_accumulation_steps": 1}
+ACCELERATE_HIDDEN_SIZE_AUTO = {"zero_optimization.reduce_bucket_size": "hidden_size * hidden_size",
+                               "zero_optimization.stage3_prefetch_bucket_size": "0.9 * hidden_size * hidden_size",
+                               "zero_optimization.stage3_param_persistence_threshold": "10 * hidden_size"}
+
+
+def default_communication(section: str | None) -> str:
+    """communication_data_type when the config leaves it out: the 16-bit section's dtype, else fp32
+    (deepspeed 0.19.8 runtime/engine.py DeepSpeedEngine.communication_data_type)."""
+    return {"fp16": "fp16", "bf16": "bf16"}.get(section or "", "fp32")
+
+
 # DeepSpeed 0.19.8's config keys (runtime/config.py DeepSpeedConfig._initialize_params, runtime/zero/config.py) and
 # their class (fp8dist/formats/keys.py). Top-level keys, then zero_optimization's as `zero_optimization.KEY`.
 KEYS = Table("DeepSpeed", {
@@ -140,10 +164,10 @@ class AutoContext:
                    gradient_accumulation_steps=launcher.gradient_accumulation_steps, lr=launcher.learning_rate,
                    from_flags=True)
 
-    def setting(self, flag_field: str, value: Any) -> str:
+    def setting(self, flag_field: str | None, value: Any) -> str:
         """Where a known value came from, for a note."""
-        if self.from_flags:
-            return f"{LAUNCHER_FLAGS[flag_field]} {value}"
+        if self.from_flags:  # a launch knows only the values its flags give (of_launch): this one has its flag
+            return f"{LAUNCHER_FLAGS[cast(str, flag_field)]} {value}"
         return f"{self.who}'s own setting"
 
 
@@ -193,9 +217,9 @@ class _Importer:
                 self._keep(f"{dotted}.{sub}", inner)
             return
         if value == "auto":
-            if dotted in compat.ACCELERATE_DS_HIDDEN_SIZE_AUTO:
-                default = compat.DS_ZERO_DEFAULTS[dotted.split(".")[-1]]
-                self.notes.auto(self.key(dotted), compat.ACCELERATE_DS_HIDDEN_SIZE_AUTO[dotted],
+            if dotted in ACCELERATE_HIDDEN_SIZE_AUTO:
+                default = ZERO_DEFAULTS[dotted.split(".")[-1]]
+                self.notes.auto(self.key(dotted), ACCELERATE_HIDDEN_SIZE_AUTO[dotted],
                                 f"{self.ctx.who} fills it from the model at prepare; not kept, so DeepSpeed's default "
                                 f"{default} applies: write a number in deepspeed.extra to keep it")
             elif dotted == "zero_optimization.stage3_gather_16bit_weights_on_model_save":
@@ -255,11 +279,12 @@ class _Importer:
         return blocks
 
     def _precision(self) -> str | None:
-        c, precision = self.config, {}
+        c = self.config
+        precision: dict[str, Any] = {}
         if "bfloat16" in c and "bf16" not in c:
             c["bf16"] = c.pop("bfloat16")
-        bf16, fp16, autocast = (mapping(c[k], self.key(k)) if k in c else None
-                                for k in ("bf16", "fp16", "torch_autocast"))
+        bf16, fp16 = (mapping(c[k], self.key(k)) if k in c else None for k in ("bf16", "fp16"))
+        autocast = mapping(c.get("torch_autocast"), self.key("torch_autocast"))  # {}: left out
         for key in ("bf16", "fp16", "torch_autocast"):
             c.pop(key, None)
         launched = self._launched({"bf16": bf16, "fp16": fp16})
@@ -267,14 +292,14 @@ class _Importer:
             return None
         bf16, fp16 = launched["bf16"], launched["fp16"]
         on = [name for name, block in launched.items() if block is not None and truthy(block.get("enabled", False))]
-        autocast_on = isinstance(autocast, dict) and bool(truthy(autocast.get("enabled", False)))
+        autocast_on = bool(truthy(autocast.get("enabled", False)))
         if len(on) > 1:
             self.issues.append(Issue(self.key("bf16"), "both bf16 and fp16 are enabled; DeepSpeed refuses that",
                                      fix="enable only one of bf16, fp16"))
             return None
         if on and autocast_on:
-            # DeepSpeed >= 0.18.3 runs torch_autocast next to a 16-bit section (compat.DS_AUTOCAST_WITH_BF16): the
-            # weights are in the section's dtype, the forward autocasts to torch_autocast.dtype (fp16 when left out).
+            # DeepSpeed >= 0.18.3 runs torch_autocast next to a 16-bit section (facts.deepspeed.DS_AUTOCAST_WITH_BF16):
+            # the weights are in the section's dtype, the forward autocasts to torch_autocast.dtype (fp16 when left out).
             dtype = dtype_name(autocast.get("dtype")) or "fp16"
             if dtype != on[0]:
                 self.issues.append(Issue(self.key("torch_autocast.dtype"), f"autocasts the forward of {on[0]} weights to "
@@ -286,7 +311,7 @@ class _Importer:
                 return None
             self.notes.resolved(self.key("torch_autocast"), f"the {on[0]} section", f"autocasting {on[0]} weights to "
                                 f"{dtype} changes no compute dtype")
-            autocast, autocast_on = None, False
+            autocast, autocast_on = {}, False
         section = on[0] if on else None
         comm_raw = c.pop("communication_data_type", None)
         comm = dtype_name(comm_raw)
@@ -302,21 +327,21 @@ class _Importer:
         elif section == "fp16":
             precision.update(mixed_precision="fp16", load_dtype="fp32")
             precision["master_weights"] = "fp16" if truthy(fp16.get("fp16_master_weights_and_grads")) else "fp32"
-            scaling = {k: fp16[k] for k in compat.DS_FP16_DEFAULTS if k in fp16 and fp16[k] != "auto"}
-            for k in compat.DS_FP16_DEFAULTS:
+            scaling = {k: fp16[k] for k in FP16_DEFAULTS if k in fp16 and fp16[k] != "auto"}
+            for k in FP16_DEFAULTS:
                 if fp16.get(k) == "auto":
-                    self.notes.auto(self.key(f"fp16.{k}"), compat.DS_FP16_DEFAULTS[k], "DeepSpeed's default")
+                    self.notes.auto(self.key(f"fp16.{k}"), FP16_DEFAULTS[k], "DeepSpeed's default")
             if scaling:
                 precision["loss_scaling"] = scaling
-            self._rest("fp16", fp16, ("enabled", "fp16_master_weights_and_grads", *compat.DS_FP16_DEFAULTS))
+            self._rest("fp16", fp16, ("enabled", "fp16_master_weights_and_grads", *FP16_DEFAULTS))
         elif autocast_on:
-            dtype = dtype_name(autocast.get("dtype"))
-            if dtype is None or dtype == "fp32":
-                dtype = "fp16"
-                self.notes.resolved(self.key("torch_autocast.dtype"), dtype, "left out: DeepSpeed autocasts to fp16 "
-                                    "on CUDA (runtime/torch_autocast.py)")
+            forward_dtype = dtype_name(autocast.get("dtype"))
+            if forward_dtype is None or forward_dtype == "fp32":
+                forward_dtype = "fp16"
+                self.notes.resolved(self.key("torch_autocast.dtype"), forward_dtype, "left out: DeepSpeed autocasts to "
+                                    "fp16 on CUDA (runtime/torch_autocast.py)")
             load = comm or "fp32"
-            precision.update(mixed_precision=dtype, master_weights="none", load_dtype=load)
+            precision.update(mixed_precision=forward_dtype, master_weights="none", load_dtype=load)
             if autocast.get("lower_precision_safe_modules") != []:
                 self.notes.dropped(self.key("torch_autocast.lower_precision_safe_modules"),
                                    autocast.get("lower_precision_safe_modules", "DeepSpeed's default list"),
@@ -325,13 +350,13 @@ class _Importer:
         else:
             load = comm or "fp32"
             precision.update(mixed_precision="none", master_weights="none", load_dtype=load)
-            if isinstance(autocast, dict) and autocast:
+            if autocast:
                 self.notes.dropped(self.key("torch_autocast"), autocast, "not enabled")
         for name, block in (("bf16", bf16), ("fp16", fp16)):
             if block is not None and name != section and isinstance(block, dict) and len(block) > 1:
                 self.notes.dropped(self.key(name), block, "the section is not enabled")
         if comm is None:
-            comm = compat.deepspeed_default_communication(section)
+            comm = default_communication(section)
             if section or precision["mixed_precision"] != "none":
                 self.notes.resolved(self.key("communication_data_type"), comm, "left out: DeepSpeed reduces in the "
                                     "16-bit section's dtype, else fp32 (runtime/engine.py communication_data_type)")
@@ -399,13 +424,13 @@ class _Importer:
                 continue
             for key, value in block.items():
                 self._keep(f"zero_optimization.{name}.{key}", value)
-        devices = tuple(devices)
-        if devices in OFFLOAD_OF_DEVICES:
-            if devices != ("none", "none"):
-                set_path(self.doc, "parallel.offload", OFFLOAD_OF_DEVICES[devices])
+        pair = tuple(devices)  # (optimizer's, parameters')
+        if pair in OFFLOAD_OF_DEVICES:
+            if pair != ("none", "none"):
+                set_path(self.doc, "parallel.offload", OFFLOAD_OF_DEVICES[pair])
         else:
-            set_path(self.doc, "deepspeed.offload_optimizer", devices[0])
-            set_path(self.doc, "deepspeed.offload_param", devices[1])
+            set_path(self.doc, "deepspeed.offload_optimizer", pair[0])
+            set_path(self.doc, "deepspeed.offload_param", pair[1])
         for key, value in zero.items():
             self._keep(f"zero_optimization.{key}", value)
 
@@ -415,20 +440,21 @@ class _Importer:
         `fallback`, said with `why`. A value the launch command gives (an `fp8dist import` flag, `flag_field`) fills a
         key the file leaves out too, and contradicting a value written in the file is refused, as the HF Trainer
         refuses it (transformers 5.24 integrations/deepspeed.py HfTrainerDeepSpeedConfig.fill_match)."""
-        flagged = self.ctx.from_flags and flag_field is not None and known is not None
+        # the launch flag that gave `known`, when one did
+        flag = flag_field if self.ctx.from_flags and known is not None else None
         if value == "auto":
             resolved = known if known is not None else fallback
             self.notes.auto(self.key(key), resolved, self.ctx.setting(flag_field, known) if known is not None else why)
             return resolved
-        if flagged and value is None:
-            self.notes.resolved(self.key(key), known, f"left out of the file: {self.ctx.setting(flag_field, known)}")
+        if flag is not None and value is None:
+            self.notes.resolved(self.key(key), known, f"left out of the file: {self.ctx.setting(flag, known)}")
             return known
-        if flagged and value != known:
-            self.issues.append(Issue(self.key(key), f"written in the file, while {self.ctx.setting(flag_field, known)} "
+        if flag is not None and value != known:
+            self.issues.append(Issue(self.key(key), f"written in the file, while {self.ctx.setting(flag, known)} "
                                      "launches with another value: the HF Trainer refuses that mismatch "
                                      "(transformers integrations/deepspeed.py fill_match)", value,
                                      f"write \"auto\" there (or {known}), or launch and import without "
-                                     f"{LAUNCHER_FLAGS[flag_field]}"))
+                                     f"{LAUNCHER_FLAGS[flag]}"))
         return value
 
     def _value(self, key: str, flag_field: str | None, known: Any, fallback: Any, why: str) -> Any:
@@ -443,7 +469,7 @@ class _Importer:
                             "per_device_train_batch_size, Accelerate's DataLoader batch_size), which the file does not "
                             "say: fp8dist's default 2 kept; pass --per-device-train-batch-size N")
         accum = self._value("gradient_accumulation_steps", "gradient_accumulation_steps",
-                            ctx.gradient_accumulation_steps, compat.ACCELERATE_DS_AUTO["gradient_accumulation_steps"],
+                            ctx.gradient_accumulation_steps, ACCELERATE_AUTO["gradient_accumulation_steps"],
                             "the default of both the HF Trainer and Accelerate (gradient_accumulation_steps 1); pass "
                             "--gradient-accumulation-steps N if you launch with another")
         batch = self.config.pop("train_batch_size", None)
@@ -453,13 +479,13 @@ class _Importer:
             self.notes.resolved(self.key("gradient_accumulation_steps"), 1, "left out: DeepSpeed's default with a "
                                 "micro batch (runtime/config.py _set_batch_related_parameters)")
         clip = self._value("gradient_clipping", None, ctx.gradient_clipping,
-                           compat.ACCELERATE_DS_AUTO["gradient_clipping"], "the HF Trainer fills its max_grad_norm "
+                           ACCELERATE_AUTO["gradient_clipping"], "the HF Trainer fills its max_grad_norm "
                            "(default 1.0), Accelerate 1.0 (accelerator.py _prepare_deepspeed): edit "
                            "train.gradient_clipping if your launch clips at another norm")
         if clip is None and ctx.gradient_clipping is None:
             clip = 1.0
             self.notes.resolved(self.key("gradient_clipping"), 1.0, "left out: DeepSpeed's default since "
-                                f"{compat.fmt(compat.DS_CLIPPING_DEFAULT_CHANGED)} (0.0, no clipping, before it)")
+                                f"{fmt(DS_CLIPPING_DEFAULT_CHANGED)} (0.0, no clipping, before it)")
         elif clip is None:
             clip = ctx.gradient_clipping
         for key, value in (("micro_batch_size", micro), ("gradient_accumulation_steps", accum),
@@ -517,7 +543,8 @@ class _Importer:
                                      "itself; it has no equivalent of this DeepSpeed optimizer", block.get("type"),
                                      "set the type to AdamW, Adam or SGD, or remove the optimizer section"))
             return
-        ctx, out = self.ctx, {"name": _OPTIMIZERS[kind]}
+        ctx = self.ctx
+        out: dict[str, Any] = {"name": _OPTIMIZERS[kind]}
         params = dict(mapping(block.get("params"), self.key("optimizer.params")))
         if kind == "adam" and "adam_w_mode" in params and not truthy(params["adam_w_mode"]):
             out["name"] = "adam"
@@ -542,11 +569,11 @@ class _Importer:
                     self.notes.dropped(self.key(f"optimizer.params.{key}"), params.pop(key),
                                        "kept as optimizer.name" if key == "adam_w_mode" else
                                        "which implementation steps (torch's or DeepSpeed's fused Adam): the same update")
-        lr = compat.ACCELERATE_DS_AUTO["optimizer.params.lr"]
+        lr = ACCELERATE_AUTO["optimizer.params.lr"]
         fills = {"lr": ("learning_rate", ctx.lr, lr, f"the launch's learning rate, which the file does not say: "
                         f"Accelerate's DummyOptim default {lr} kept (the HF Trainer's learning_rate defaults to 5e-5, "
                         "transformers 5.24 training_args.py); pass --learning-rate LR"),
-                 "weight_decay": (None, ctx.weight_decay, compat.ACCELERATE_DS_AUTO["optimizer.params.weight_decay"],
+                 "weight_decay": (None, ctx.weight_decay, ACCELERATE_AUTO["optimizer.params.weight_decay"],
                                   "the default of both the HF Trainer (weight_decay) and Accelerate (DummyOptim)"),
                  "betas": (None, ctx.betas, [0.9, 0.999], "the HF Trainer's adam_beta1 / adam_beta2 defaults, "
                            "torch's"),

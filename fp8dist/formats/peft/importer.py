@@ -23,15 +23,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import fp8dist.compat as compat
 import fp8dist.config.schema as schema
 from fp8dist.errors import Issue
+from fp8dist.facts.peft import PEFT_ALL_LINEAR
 from fp8dist.formats.common import Imported, ImportProblem, Notes, WrongShape, integer
 from fp8dist.formats.keys import Table, disabled, kept, no_effect, refused
 
-DEFAULTS = compat.PEFT_LORA_DEFAULTS  # for the kept keys a file leaves out
+# LoraConfig's defaults for r, lora_alpha and lora_dropout (peft 0.21 tuners/lora/config.py): what an
+# adapter_config.json that leaves them out means.
+DEFAULTS = {"r": 8, "lora_alpha": 8, "lora_dropout": 0.0}
 _HEADS = ("SEQ_CLS", "TOKEN_CLS", "QUESTION_ANS")  # task types whose PeftModel trains a head (modules_to_save)
-_ALL_LINEAR = compat.PEFT_ALL_LINEAR  # compared lower-case, as PEFT does
+_ALL_LINEAR = PEFT_ALL_LINEAR  # compared lower-case, as PEFT does
 
 _INIT_ONLY = ("read by PEFT only with the matching init_lora_weights (which is refused); with any other "
               "init_lora_weights PEFT ignores it with a warning (peft 0.21 LoraConfig.__post_init__)")
@@ -125,7 +127,8 @@ KEYS = Table("PEFT", {
 
 
 def convert(document: dict[str, Any], text: str, source: str) -> Imported:
-    notes, issues = Notes(), []
+    notes = Notes()
+    issues: list[Issue] = []
     cfg = dict(document)
     _peft_type(cfg, issues)
     adapter: dict[str, Any] = {"kind": "lora"}

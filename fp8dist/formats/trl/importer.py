@@ -30,15 +30,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-import fp8dist.compat as compat
 from fp8dist.errors import Issue
+from fp8dist.facts.peft import PEFT_ALL_LINEAR
 from fp8dist.formats.accelerate.sections import fsdp_settings, note_accelerate_refusals
 from fp8dist.formats.common import (Imported, ImportProblem, Notes, WrongShape, dtype_name, hf_optimizer, integer,
                                    mapping, read_beside, stepped_dtype, truthy, yaml11_number)
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
 from fp8dist.formats.keys import Table, disabled, kept, no_effect, one_or_unset, refused
 
-DEFAULTS = compat.TRL_DEFAULTS
+# What a recipe that leaves a key out gets: TrainingArguments' defaults (transformers 5.24 training_args.py; the same
+# in 4.x but `optim`, which was adamw_torch) and TRL's (trl/trainer/model_config.py ModelConfig lora_r / lora_alpha /
+# lora_dropout, SFTConfig / DPOConfig max_length).
+DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_grad_norm": 1.0, "seed": 42,
+            "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "max_length": 1024}
 _TRAIN = {"per_device_train_batch_size": "micro_batch_size", "gradient_accumulation_steps": "gradient_accumulation_steps",
           "max_grad_norm": "gradient_clipping", "seed": "seed"}
 _OPTIM = {"learning_rate": "lr", "weight_decay": "weight_decay", "adam_epsilon": "eps"}
@@ -215,7 +219,8 @@ KEYS = Table("TRL", {
 
 
 def convert(document: dict[str, Any], text: str, source: str) -> Imported:
-    notes, issues = Notes(), []
+    notes = Notes()
+    issues: list[Issue] = []
     cfg = dict(document)
     load_dtype = _load_dtype(cfg, notes, issues)
     bf16, fp16 = _half_precision(cfg, notes, issues)
@@ -549,7 +554,7 @@ def _adapter(cfg: dict[str, Any], out: dict[str, Any], notes: Notes, issues: lis
                             "choice is its per-architecture default (e.g. q_proj, v_proj for Llama), which fp8dist "
                             "does not guess", None, "write lora_target_modules: all-linear (fp8dist: target_modules "
                             "auto) or list the modules"))
-    elif single == compat.PEFT_ALL_LINEAR:
+    elif single == PEFT_ALL_LINEAR:
         adapter["target_modules"] = "auto"
     elif isinstance(single, str):
         issues.append(Issue("lora_target_modules", "one name is a regular expression PEFT matches against the full "

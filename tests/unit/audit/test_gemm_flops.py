@@ -129,8 +129,8 @@ def test_dense_mxfp8_linears_count_as_mxfp8():
 
 def test_a_recipe_that_keeps_the_weight_gradient_in_high_precision_is_held_to_that_only():
     """rowwise_with_gw_hp runs each converted Linear's weight-gradient GEMM in bf16 by design
-    (compat.TORCHAO_HIGH_PRECISION_GEMMS): allowed there, and nowhere else."""
-    import fp8dist.compat as compat
+    (TORCHAO_HIGH_PRECISION_GEMMS): allowed there, and nowhere else."""
+    from fp8dist.facts.torchao import TORCHAO_HIGH_PRECISION_GEMMS
 
     spec = load_config({"engine": "fsdp2", "precision": {"fp8": {"backend": "torchao", "torchao": {
         "emulate": True, "recipe_name": "rowwise_with_gw_hp"}}}})
@@ -142,7 +142,7 @@ def test_a_recipe_that_keeps_the_weight_gradient_in_high_precision_is_held_to_th
     phases = {phase for (module, phase) in ledger.high_precision_phases if module != "lm_head"}
     assert phases == {"weight_gradient"}
     assert not all(row["allowed"] for row in summarize(ledger, kept, True)["high_precision"])
-    by_design = compat.TORCHAO_HIGH_PRECISION_GEMMS["rowwise_with_gw_hp"]
+    by_design = TORCHAO_HIGH_PRECISION_GEMMS["rowwise_with_gw_hp"]
     assert all(row["allowed"] for row in summarize(ledger, kept, True, by_design)["high_precision"])
 
 
@@ -151,10 +151,11 @@ def test_estimate_predicts_the_share_the_audit_measures(experts):
     """`fp8dist estimate`'s FP8 coverage (per token, from shapes; routers in high precision) against the share this
     ledger measures on the same tiny Mixtral: within a point. Enough tokens that MXFP8's padding of each expert's
     rows to a block of 32 (FLOPs the kernel really runs, which the ledger counts) is small: 8 x 256 tokens."""
-    from fp8dist.commands.estimate import build_meta_model, fp8_coverage
+    from fp8dist.estimate.coverage import fp8_coverage
+    from fp8dist.estimate.model import build_meta_model
 
     spec = load_config({"engine": "fsdp2", "precision": {"preset": "torchao-float8", "fp8": {"torchao": {
         "emulate": True, "experts": experts}}}})
-    predicted = fp8_coverage(build_meta_model("tiny-mixtral", "bf16"), spec)["fp8_share"]
+    predicted = fp8_coverage(build_meta_model("tiny-mixtral", "bf16"), spec).fp8_share
     measured = _converted_mixtral(experts, tokens=(8, 256))["fp8_share"]
     assert abs(predicted - measured) < 0.01, (predicted, measured)

@@ -1,13 +1,14 @@
 """MoE experts as grouped GEMMs (fp8dist.backends.experts): the forward equals transformers' own, the modes per
-hardware (compat.torchao_experts_mode), and what cannot convert says why."""
+hardware (torchao_experts_mode), and what cannot convert says why."""
 import pytest
 import torch
 
-import fp8dist.compat as compat
 from fp8dist.backends import experts
 from fp8dist.backends.base import get_backend
 from fp8dist.config.load import load_config
 from fp8dist.errors import UnsupportedEnvironment
+from fp8dist.facts import versions
+from fp8dist.facts.torchao import torchao_experts_mode
 from fp8dist.runtime.models import _from_hf_config, tiny_config
 
 
@@ -54,7 +55,7 @@ def test_experts_modules_finds_the_experts_and_nothing_else():
     ("float8", False, (9, 0), "float8"), ("float8", False, (8, 9), None),
 ])
 def test_modes_per_hardware(requested, emulate, capability, mode):
-    got, why = compat.torchao_experts_mode(requested, emulate, capability)
+    got, why = torchao_experts_mode(requested, emulate, capability)
     assert got == mode, why
     assert why
 
@@ -74,7 +75,7 @@ def test_float8_experts_without_hardware_are_refused_with_the_fix():
 def test_torchao_older_than_the_verified_prototype_api_is_refused_for_experts_and_mx_linears(monkeypatch):
     """Experts and MX Linears call torchao's prototype API as 0.18 has it: an older torchao is refused up front
     (naming the key and the version), not left to fail on an import inside a rank; plain float8 is unaffected."""
-    monkeypatch.setattr(compat, "installed_version", lambda name: "0.17.0" if name == "torchao" else "9.9.9")
+    monkeypatch.setattr(versions, "installed_version", lambda name: "0.17.0" if name == "torchao" else "9.9.9")
     with pytest.raises(UnsupportedEnvironment, match=r"experts=mxfp8 calls torchao's prototype.*torchao 0.17.0"):
         _backend("mxfp8").check_environment({"capability": None})
     spec = load_config({"engine": "fsdp2", "precision": {"preset": "torchao-float8", "fp8": {"torchao": {

@@ -14,7 +14,7 @@ from fp8dist.backends.transformer_engine import TransformerEngine
 from fp8dist.config.load import load_config
 from fp8dist.errors import ConfigError, Fp8distError, UnsupportedEnvironment
 from fp8dist.translate.deepspeed import to_deepspeed
-from fp8dist.translate.fsdp2 import te_recipe_plan
+from fp8dist.translate.fsdp2 import TERecipePlan, te_recipe_plan
 
 
 def te_spec(**te):
@@ -22,17 +22,17 @@ def te_spec(**te):
 
 
 def test_recipe_plan_passes_only_what_the_user_set():
-    assert te_recipe_plan(te_spec(), (2, 20, 2)) == {"recipe_class": "DelayedScaling", "recipe_fields": {},
-                                                     "recipe_attributes": {}}
+    assert te_recipe_plan(te_spec(), (2, 20, 2)) == TERecipePlan(recipe_class="DelayedScaling", recipe_fields={},
+                                                                 recipe_attributes={})
     plan = te_recipe_plan(te_spec(fp8_format="HYBRID", amax_history_len=16, amax_compute_algo="most_recent",
                                   margin=1), (2, 20, 2))
-    assert plan["recipe_fields"] == {"fp8_format": "HYBRID", "margin": 1, "amax_history_len": 16,
-                                     "amax_compute_algo": "most_recent"}
+    assert plan.recipe_fields == {"fp8_format": "HYBRID", "margin": 1, "amax_history_len": 16,
+                                  "amax_compute_algo": "most_recent"}
     plan = te_recipe_plan(te_spec(recipe="current", use_power_2_scales=True), (2, 8, 0))
-    assert plan["recipe_fields"] == {"use_power_2_scales": True}
-    assert plan["recipe_attributes"] == {"fp8_quant_fwd_inp.power_2_scale": True,
-                                         "fp8_quant_fwd_weight.power_2_scale": True,
-                                         "fp8_quant_bwd_grad.power_2_scale": True}
+    assert plan.recipe_fields == {"use_power_2_scales": True}
+    assert plan.recipe_attributes == {"fp8_quant_fwd_inp.power_2_scale": True,
+                                      "fp8_quant_fwd_weight.power_2_scale": True,
+                                      "fp8_quant_bwd_grad.power_2_scale": True}
 
 
 @pytest.mark.parametrize("te,version,key,first", [
@@ -293,8 +293,10 @@ def test_msamp_environment_error_lists_everything_missing_here():
     assert "fp8dist translates O1, O2 and O3" in text and "own runtime, engines and audit cannot run there" in text
     assert "fix: write the DeepSpeed JSON with `fp8dist translate CONFIG --to deepspeed --deepspeed-version 0.13.1`" \
         in text
-    import fp8dist.compat as compat
-    if not compat.msamp_supports_deepspeed(compat.parse_version(compat.installed_version("deepspeed")))[0]:
+    from fp8dist.facts import versions
+    from fp8dist.facts.msamp import msamp_supports_deepspeed
+    from fp8dist.facts.versions import parse_version
+    if not msamp_supports_deepspeed(parse_version(versions.installed_version("deepspeed")))[0]:
         assert "0.12.4-0.17.4" in text  # this machine's DeepSpeed is outside MS-AMP 0.4's window too
 
 

@@ -1,4 +1,4 @@
-"""Contract tests against Transformer Engine's real code, on CPU: for each release of compat.TE_CHECKED the
+"""Contract tests against Transformer Engine's real code, on CPU: for each release of TE_CHECKED the
 registry wheel's recipe module (transformer_engine/common/recipe/__init__.py, loaded by path under a private name:
 tests/te_wheels.py) and its Python sources.
 
@@ -6,7 +6,7 @@ tests/te_wheels.py) and its Python sources.
   build_recipe, from translate/fsdp2.py te_recipe_plan) on the real class: a value fp8dist writes is kept on the
   object; what fp8dist refuses for a release is what that release lacks (and would drop without a word);
 - every value TE's classes raise on is refused by fp8dist's config rules first, with TE's own message;
-- compat.TE_RECIPES says when each class and field appears, and the rejections, as the wheels do;
+- facts.transformer_engine.TE_RECIPES says when each class and field appears, and the rejections, as the wheels do;
 - the names the audit and the backend read in TE's tensors and modules exist in the wheels' sources.
 
 The wheels are downloaded once (~1 s each, in parallel) into $FP8DIST_TE_WHEEL_CACHE, else the session's
@@ -23,18 +23,20 @@ from pathlib import Path
 
 import pytest
 
-import fp8dist.compat as compat
 from fp8dist.audit.library_gemms import TE_MODULE_PREFIX
 from fp8dist.backends.storage import ENUM_NAMES, TE_BUFFER_ATTRS, TE_FORMAT_ATTRS
 from fp8dist.backends.transformer_engine import build_recipe
 from fp8dist.config.load import load_config
 from fp8dist.errors import ConfigError
-from fp8dist.translate.fsdp2 import to_fsdp2
+from fp8dist.facts.transformer_engine import (TE_AUTOCAST_RENAMED, TE_CHECKED, TE_NEWEST_KNOWN, TE_OLDEST_SUPPORTED,
+                                              TE_RECIPES, te_field_kept, te_recipe_available)
+from fp8dist.facts.versions import fmt, parse_version
+from fp8dist.translate.fsdp2 import te_float8_plan
 from tests import te_wheels
 
 pytest.importorskip("pydantic", reason="TE's recipe module needs pydantic (DeepSpeed installs it)")
 
-VERSIONS = [compat.fmt(v) for v in compat.TE_CHECKED]
+VERSIONS = [fmt(v) for v in TE_CHECKED]
 OLDEST_NEWEST = [VERSIONS[0], VERSIONS[-1]]
 # One non-default value per field fp8dist writes (TE's defaults: HYBRID or E4M3, margin 0, 1024, "max", True,
 # False), so that a kept value cannot be the default by chance; nvfp4 takes E4M3 only.
@@ -89,58 +91,56 @@ def te_message(error: Exception) -> str:
 
 
 def test_pinned_releases_cover_every_first_release():
-    firsts = {r.since for r in compat.TE_RECIPES.values()} | {f.since for r in compat.TE_RECIPES.values()
-                                                              for f in r.fields}
-    wanted = {compat.TE_OLDEST_SUPPORTED, compat.TE_NEWEST_KNOWN} | {v for v in firsts
-                                                                     if v >= compat.TE_OLDEST_SUPPORTED}
-    assert wanted <= set(compat.TE_CHECKED)
-    assert {(r, f.name) for r in compat.TE_RECIPES for f in compat.TE_RECIPES[r].fields
+    firsts = {r.since for r in TE_RECIPES.values()} | {f.since for r in TE_RECIPES.values() for f in r.fields}
+    wanted = {TE_OLDEST_SUPPORTED, TE_NEWEST_KNOWN} | {v for v in firsts if v >= TE_OLDEST_SUPPORTED}
+    assert wanted <= set(TE_CHECKED)
+    assert {(r, f.name) for r in TE_RECIPES for f in TE_RECIPES[r].fields
             if not f.ignored} == set(CASES)  # VALUES covers every field fp8dist writes
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("recipe,field", CASES)
 def test_fp8dist_writes_a_field_only_where_the_release_keeps_it(recipes, version, recipe, field):
-    module, record, value = recipes[version], compat.TE_RECIPES[recipe], VALUES[recipe][field]
+    module, record, value = recipes[version], TE_RECIPES[recipe], VALUES[recipe][field]
     spec, cls = te_spec(recipe, **{field: value}), getattr(module, record.cls, None)
     try:
-        built = build_recipe(module, spec, compat.parse_version(version))
+        built = build_recipe(module, spec, parse_version(version))
     except ConfigError as refusal:
         text = str(refusal)
         if cls is None:
-            assert "precision.fp8.te.recipe" in text and f">= {compat.fmt(record.since)}" in text, text
+            assert "precision.fp8.te.recipe" in text and f">= {fmt(record.since)}" in text, text
         else:  # the release lacks the field: its class would drop it without a word
             assert field not in field_names(cls)
             assert not hasattr(cls(**{field: te_value(module, field, value)}), field)
-            assert f"precision.fp8.te.{field}" in text and compat.fmt(record.field(field).since) in text, text
+            assert f"precision.fp8.te.{field}" in text and fmt(record.field(field).since) in text, text
         return
     assert cls is not None and field in field_names(cls), f"TE {version} {record.cls} would drop {field}"
     assert plain(getattr(built, field)) == value
     for path in record.field(field).also_sets:  # what te.Linear reads instead (use_power_2_scales)
         attribute, member = path.split(".")
         assert getattr(getattr(built, attribute), member) == value, path
-    plan = to_fsdp2(spec, te_version=version)["float8"]  # the translation says what was built
-    assert plan["recipe_class"] == record.cls and plan["recipe_fields"] == {field: value}
+    plan = te_float8_plan(spec, te_version=version).recipe_build  # the translation says what was built
+    assert plan.recipe_class == record.cls and plan.recipe_fields == {field: value}
     assert all(getattr(getattr(built, p.split(".")[0]), p.split(".")[1]) == v
-               for p, v in plan["recipe_attributes"].items())
+               for p, v in plan.recipe_attributes.items())
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("recipe", list(VALUES))
 def test_every_field_of_a_recipe_together(recipes, version, recipe):
-    module, record = recipes[version], compat.TE_RECIPES[recipe]
-    fields = {f: v for f, v in VALUES[recipe].items() if compat.te_field_kept(recipe, f, compat.parse_version(version))[0]}
-    if not compat.te_recipe_available(recipe, compat.parse_version(version))[0]:
+    module, record = recipes[version], TE_RECIPES[recipe]
+    fields = {f: v for f, v in VALUES[recipe].items() if te_field_kept(recipe, f, parse_version(version))[0]}
+    if not te_recipe_available(recipe, parse_version(version))[0]:
         assert not hasattr(module, record.cls)
         return
-    built = build_recipe(module, te_spec(recipe, **fields), compat.parse_version(version))
+    built = build_recipe(module, te_spec(recipe, **fields), parse_version(version))
     assert {f: plain(getattr(built, f)) for f in fields} == fields
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_records_say_what_each_release_has(recipes, version):
-    module, release = recipes[version], compat.parse_version(version)
-    for record in compat.TE_RECIPES.values():
+    module, release = recipes[version], parse_version(version)
+    for record in TE_RECIPES.values():
         cls = getattr(module, record.cls, None)
         assert (cls is not None) == (release >= record.since), record.cls
         if cls is None:
@@ -164,7 +164,7 @@ def test_records_say_what_each_release_has(recipes, version):
 @pytest.mark.parametrize("version", VERSIONS)
 def test_what_te_raises_on_fp8dist_refuses_first_with_tes_reason(recipes, version):
     module = recipes[version]
-    for record in compat.TE_RECIPES.values():
+    for record in TE_RECIPES.values():
         cls = getattr(module, record.cls, None)
         for field, values in (CANDIDATES.items() if cls else ()):
             for value in values:
@@ -176,7 +176,7 @@ def test_what_te_raises_on_fp8dist_refuses_first_with_tes_reason(recipes, versio
                     assert te_message(error) in str(refused.value), (record.cls, field, value)
 
 
-@pytest.mark.parametrize("version", [v for v in VERSIONS if compat.parse_version(v) >= (2, 8, 0)])
+@pytest.mark.parametrize("version", [v for v in VERSIONS if parse_version(v) >= (2, 8, 0)])
 @pytest.mark.parametrize("value", [True, False])
 def test_power_2_scales_reach_what_te_linear_reads(wheels, version, value):
     """te.Linear sets its input, weight and grad-output quantizers from recipe.fp8_quant_*.power_2_scale, class
@@ -188,7 +188,7 @@ def test_power_2_scales_reach_what_te_linear_reads(wheels, version, value):
     module = te_wheels.load_recipe_module(wheels[version], NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=str(int(not value)))
     assert {name: getattr(module.Float8CurrentScaling, name).power_2_scale for name in read} == \
         dict.fromkeys(read, not value)  # what te.Linear would read without fp8dist
-    built = build_recipe(module, te_spec("current", use_power_2_scales=value), compat.parse_version(version))
+    built = build_recipe(module, te_spec("current", use_power_2_scales=value), parse_version(version))
     assert built.use_power_2_scales is value
     assert {name: getattr(built, name).power_2_scale for name in read} == dict.fromkeys(read, value)
 
@@ -222,7 +222,7 @@ def test_audit_reads_te_storages_by_names_the_release_has(wheels, version):
     for stem, (recipes, format_attr) in STORAGES.items():
         path = next((p for p in files if p.endswith((f"/_internal/{stem}_base.py", f"/storage/{stem}_storage.py"))),
                     None)
-        has = any(compat.parse_version(version) >= compat.TE_RECIPES[r].since for r in recipes)
+        has = any(parse_version(version) >= TE_RECIPES[r].since for r in recipes)
         assert (path is not None) == has, stem
         if path is None:
             continue
@@ -230,12 +230,12 @@ def test_audit_reads_te_storages_by_names_the_release_has(wheels, version):
         assert format_attr in TE_FORMAT_ATTRS and format_attr in names, (path, format_attr)
         assert names & set(TE_BUFFER_ATTRS), path
     text = "\n".join(te_wheels.sources(wheels[version], "transformer_engine/pytorch/").values())
-    fp4 = compat.parse_version(version) >= compat.TE_RECIPES["nvfp4"].since
+    fp4 = parse_version(version) >= TE_RECIPES["nvfp4"].since
     for member in ("kFloat8E4M3", "kFloat8E5M2") + (("kFloat4E2M1",) if fp4 else ()):
         assert f"DType.{member}" in text and member in ENUM_NAMES, member  # the tex.DType names storage reads
 
 
-@pytest.mark.parametrize("version", [v for v in VERSIONS if compat.parse_version(v) >= (2, 8, 0)])
+@pytest.mark.parametrize("version", [v for v in VERSIONS if parse_version(v) >= (2, 8, 0)])
 def test_nvfp4_packs_two_values_per_byte(wheels, version):
     """What storage() assumes for `_fp4_dtype` storages (tests/unit/backends/test_storage.py counts them so)."""
     text = te_wheels.sources(wheels[version], "transformer_engine/pytorch/tensor/nvfp4_tensor.py")
@@ -251,7 +251,7 @@ def test_backend_calls_match_the_release(wheels, version):
     assert re.search(r"\bgeneral_gemm\(", linear)  # the entry point the audit wraps under TE_MODULE_PREFIX
     assert TE_MODULE_PREFIX == "transformer_engine.pytorch.module."
     exports = py["transformer_engine/pytorch/__init__.py"]
-    renamed = compat.parse_version(version) >= compat.TE_AUTOCAST_RENAMED
+    renamed = parse_version(version) >= TE_AUTOCAST_RENAMED
     assert bool(re.search(r"\bimport\b[^\n]*\bautocast\b|^\s+autocast,", exports, re.M)) == renamed
     where = py["transformer_engine/pytorch/quantization.py" if renamed else "transformer_engine/pytorch/fp8.py"]
     assert ({"enabled", "recipe", "amax_reduction_group"} if renamed else {"enabled", "fp8_recipe", "fp8_group"}) \

@@ -1,17 +1,20 @@
-"""The Transformer Engine records (compat.TE_RECIPES, one per recipe) against the schema and the docs, and what
-reads them: the config rules, `translate --to fsdp2 --te-version`, `fp8dist env`. The records themselves are
-checked against TE's real classes in test_te_recipe_contract.py."""
+"""The Transformer Engine records (fp8dist.facts.transformer_engine.TE_RECIPES, one per recipe) against the schema and
+the docs, and what reads them: the config rules, `translate --to fsdp2 --te-version`, `fp8dist env`. The records
+themselves are checked against TE's real classes in test_te_recipe_contract.py."""
 import json
 import re
 
 import pytest
 
-import fp8dist.compat as compat
 from fp8dist.commands.env import backend_status
 from fp8dist.config.load import load_config
 from fp8dist.config.schema import schema
 from fp8dist.errors import ConfigError
-from fp8dist.translate.fsdp2 import to_fsdp2
+from fp8dist.facts import versions
+from fp8dist.facts.transformer_engine import (TE_CHECKED, TE_FIELDS, TE_INERT_FIELDS, TE_NEWEST_KNOWN, TE_RECIPES,
+                                              TE_REMOVED_FIELDS)
+from fp8dist.facts.versions import fmt
+from fp8dist.translate.fsdp2 import TEFloat8Plan, te_float8_plan, to_fsdp2
 from tests.conftest import ROOT, run_cli
 
 TE_SCHEMA = schema()["properties"]["precision"]["properties"]["fp8"]["properties"]["te"]["properties"]
@@ -22,27 +25,27 @@ def te_spec(**te):
 
 
 def test_schema_recipe_enum_is_the_records():
-    assert TE_SCHEMA["recipe"]["enum"] == list(compat.TE_RECIPES)
+    assert TE_SCHEMA["recipe"]["enum"] == list(TE_RECIPES)
 
 
 def test_every_te_key_of_the_schema_is_handled_by_a_record_or_a_refusal():
-    handled = {"recipe", "swap_layernorm", *compat.TE_FIELDS, *compat.TE_INERT_FIELDS, *compat.TE_REMOVED_FIELDS}
+    handled = {"recipe", "swap_layernorm", *TE_FIELDS, *TE_INERT_FIELDS, *TE_REMOVED_FIELDS}
     assert set(TE_SCHEMA) == handled
 
 
 def test_every_record_fact_has_its_source():
-    for record in compat.TE_RECIPES.values():
+    for record in TE_RECIPES.values():
         assert record.source and all(f.source for f in record.fields) and all(r.source for r in record.rejects)
-        assert record.since <= compat.TE_NEWEST_KNOWN and record.dim_multiple % 16 == 0
+        assert record.since <= TE_NEWEST_KNOWN and record.dim_multiple % 16 == 0
         assert all(r.field in TE_SCHEMA for r in record.rejects)
 
 
-@pytest.mark.parametrize("recipe", list(compat.TE_RECIPES))
+@pytest.mark.parametrize("recipe", list(TE_RECIPES))
 def test_the_plan_and_the_module_filter_read_the_record(recipe):
-    plan = to_fsdp2(te_spec(recipe=recipe), te_version="2.20.2")["float8"]
-    record = compat.TE_RECIPES[recipe]
-    assert plan["recipe_class"] == record.cls
-    assert plan["module_filter"]["require_dims_multiple_of"] == record.dim_multiple
+    plan = te_float8_plan(te_spec(recipe=recipe), te_version="2.20.2")
+    record = TE_RECIPES[recipe]
+    assert plan.recipe_build.recipe_class == record.cls
+    assert plan.module_filter.require_dims_multiple_of == record.dim_multiple
 
 
 def test_field_of_another_recipe_names_the_recipes_that_take_it():
@@ -59,15 +62,16 @@ def test_tokens_per_micro_batch_must_be_a_multiple_of_8():
 
 
 def test_te_version_defaults_to_the_installed_te_else_the_newest_known(monkeypatch):
-    monkeypatch.setattr(compat, "installed_version", lambda name: "2.19.0" if name == "transformer-engine" else None)
-    plan = to_fsdp2(te_spec(recipe="mxfp8", enable_2d_quantization=True))["float8"]
-    assert (plan["te_version"], plan["te_version_origin"]) == ("2.19.0", "installed")
-    monkeypatch.setattr(compat, "installed_version", lambda name: "2.18.0" if name == "transformer-engine" else None)
+    monkeypatch.setattr(versions, "installed_version", lambda name: "2.19.0" if name == "transformer-engine" else None)
+    plan = to_fsdp2(te_spec(recipe="mxfp8", enable_2d_quantization=True)).float8
+    assert isinstance(plan, TEFloat8Plan) and (plan.te_version, plan.te_version_origin) == ("2.19.0", "installed")
+    monkeypatch.setattr(versions, "installed_version", lambda name: "2.18.0" if name == "transformer-engine" else None)
     with pytest.raises(ConfigError, match="the first release that keeps it is 2.19.0"):
         to_fsdp2(te_spec(recipe="mxfp8", enable_2d_quantization=True))
-    monkeypatch.setattr(compat, "installed_version", lambda name: None)
-    plan = to_fsdp2(te_spec())["float8"]
-    assert plan["te_version"] == compat.fmt(compat.TE_NEWEST_KNOWN) and "newest known" in plan["te_version_origin"]
+    monkeypatch.setattr(versions, "installed_version", lambda name: None)
+    plan = to_fsdp2(te_spec()).float8
+    assert isinstance(plan, TEFloat8Plan)
+    assert plan.te_version == fmt(TE_NEWEST_KNOWN) and "newest known" in plan.te_version_origin
 
 
 @pytest.mark.parametrize("version,says", [("1.13.0", "fp8dist supports Transformer Engine 2.1.0-2.20.2"),
@@ -103,13 +107,13 @@ def test_env_says_when_the_installed_te_is_not_supported():
 def recipe_rows() -> list[str]:
     """docs/gpu_paths.md's recipe table, from the records."""
     rows = []
-    for r in compat.TE_RECIPES.values():
-        fields = ", ".join(f"`{f.name}` {'refused: never read' if f.ignored else compat.fmt(f.since)}"
+    for r in TE_RECIPES.values():
+        fields = ", ".join(f"`{f.name}` {'refused: never read' if f.ignored else fmt(f.since)}"
                            for f in r.fields)
-        raises = ", ".join(f"`{x.field}={json.dumps(x.value)}` {compat.fmt(x.since)}"
-                           f"{'-' + compat.fmt(x.until) if x.until else '+'}" for x in r.rejects) or "-"
+        raises = ", ".join(f"`{x.field}={json.dumps(x.value)}` {fmt(x.since)}"
+                           f"{'-' + fmt(x.until) if x.until else '+'}" for x in r.rejects) or "-"
         top = f" to < {r.max_capability[0]}.{r.max_capability[1]}" if r.max_capability else ""
-        rows.append(f"| `{r.name}` | {r.cls} | {compat.fmt(r.since)} | {r.min_capability[0]}."
+        rows.append(f"| `{r.name}` | {r.cls} | {fmt(r.since)} | {r.min_capability[0]}."
                     f"{r.min_capability[1]}{top} | {r.dim_multiple} | {fields} | {raises} |")
     return rows
 
@@ -118,7 +122,7 @@ def test_gpu_paths_page_shows_the_records():
     text = (ROOT / "docs" / "gpu_paths.md").read_text()
     for row in recipe_rows():
         assert row in text, row
-    assert ", ".join(compat.fmt(v) for v in compat.TE_CHECKED) in text
+    assert ", ".join(fmt(v) for v in TE_CHECKED) in text
 
 
 def test_accelerate_import_drops_margin_for_mxfp8_with_the_reason(tmp_path):

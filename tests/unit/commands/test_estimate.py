@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from fp8dist.config.load import load_config
-from fp8dist.commands.estimate import build_meta_model, estimate
+from fp8dist.estimate.memory import estimate
+from fp8dist.estimate.model import build_meta_model
 from fp8dist.runtime.models import tiny_config
 from tests.conftest import ROOT, run_cli
 
@@ -32,7 +33,7 @@ def test_unseen_hf_configs_count_like_the_real_model(tmp_path, arch):
     real.config.save_pretrained(tmp_path)  # config.json only: no weights are needed
     spec = load_config(ROOT / "configs" / "fsdp2-bf16.yaml")
     for model in (str(tmp_path), str(tmp_path / "config.json")):
-        assert estimate(model, spec, 2)["parameters"] == sum(p.numel() for p in real.parameters())
+        assert estimate(model, spec, 2).parameters == sum(p.numel() for p in real.parameters())
 
 
 def test_the_model_memory_usage_tools_bert_cells_reproduce():
@@ -41,37 +42,37 @@ def test_the_model_memory_usage_tools_bert_cells_reproduce():
     parameters plus buffers (two int64 buffers of 512); its Backward pass (826.36) is model + gradients without
     activations, which fp8dist adds (README, `fp8dist estimate`)."""
     result = estimate("bert-base-cased", load_config(ROOT / "configs" / "fp32.yaml"), 1)
-    phases = result["phases_bytes"]
+    phases = result.phases_bytes
     assert round(phases["model"] / 2**20, 2) == 413.18
     assert round(phases["optimizer_step"] / 2**30, 2) == 1.61
     # The tool doubles the model cell buffers included (826.36); gradients exist for parameters only.
     assert phases["gradients"] / 2**20 == pytest.approx(826.36, abs=0.02)
-    assert phases["backward_pass"] == phases["gradients"] + result["per_rank_bytes"]["activations"]
+    assert phases["backward_pass"] == phases["gradients"] + result.per_rank_bytes["activations"]
 
 
 def test_stores_follow_the_engine_sharding():
     fsdp = estimate("tiny-llama", load_config(ROOT / "configs" / "fsdp2-bf16.yaml"), 4)
-    n = fsdp["parameters"]
-    assert fsdp["per_rank_bytes"]["weights"] == pytest.approx(n * 4 / 4, abs=1)  # fp32 shards
-    assert fsdp["per_rank_bytes"]["master_weights"] == 0
-    assert fsdp["master_weights_note"].startswith("the sharded fp32 parameters are the master weights")
+    n = fsdp.parameters
+    assert fsdp.per_rank_bytes["weights"] == pytest.approx(n * 4 / 4, abs=1)  # fp32 shards
+    assert fsdp.per_rank_bytes["master_weights"] == 0
+    assert fsdp.master_weights_note is not None and fsdp.master_weights_note.startswith("the sharded fp32 parameters are the master weights")
     zero1 = estimate("tiny-llama", load_config(ROOT / "configs" / "deepspeed-bf16-zero1.yaml"), 4)
-    assert zero1["master_weights_note"] is None and zero1["per_rank_bytes"]["master_weights"] == n * 4 / 4
-    zero1 = zero1["per_rank_bytes"]
-    zero3 = estimate("tiny-llama", load_config(ROOT / "configs" / "deepspeed-bf16-zero3.yaml"), 4)["per_rank_bytes"]
-    assert zero1["weights"] == n * 2 and zero3["weights"] == pytest.approx(n * 2 / 4, abs=1)
-    assert zero1["gradients"] == n * 2 and zero3["gradients"] == pytest.approx(n * 2 / 4, abs=1)
-    assert zero1["optimizer"] == pytest.approx(n * 8 / 4, abs=1)
+    assert zero1.master_weights_note is None and zero1.per_rank_bytes["master_weights"] == n * 4 / 4
+    zero1_bytes = zero1.per_rank_bytes
+    zero3 = estimate("tiny-llama", load_config(ROOT / "configs" / "deepspeed-bf16-zero3.yaml"), 4).per_rank_bytes
+    assert zero1_bytes["weights"] == n * 2 and zero3["weights"] == pytest.approx(n * 2 / 4, abs=1)
+    assert zero1_bytes["gradients"] == n * 2 and zero3["gradients"] == pytest.approx(n * 2 / 4, abs=1)
+    assert zero1_bytes["optimizer"] == pytest.approx(n * 8 / 4, abs=1)
 
 
 def test_offloaded_stores_leave_the_device_phases():
     spec = load_config({"engine": "deepspeed", "deepspeed": {"offload_optimizer": "cpu"}})
     result = estimate("tiny-llama", spec, 2)
-    pr, phases = result["per_rank_bytes"], result["phases_bytes"]
-    assert result["offloaded_to_host"] == ["master_weights", "optimizer"]
-    assert result["host_bytes"] == pr["master_weights"] + pr["optimizer"] > 0
+    pr, phases = result.per_rank_bytes, result.phases_bytes
+    assert result.offloaded_to_host == ("master_weights", "optimizer")
+    assert result.host_bytes == pr["master_weights"] + pr["optimizer"] > 0
     assert phases["model"] == pr["weights"] + pr["buffers"] and phases["optimizer_step"] == phases["gradients"]
-    assert result["peak_bytes"] == max(phases.values()) == phases[result["highest_phase"]]
+    assert result.peak_bytes == max(phases.values()) == phases[result.highest_phase]
 
 
 def test_one_peak_labelled_columns_and_one_unit():
@@ -81,9 +82,9 @@ def test_one_peak_labelled_columns_and_one_unit():
 
     result = estimate("tiny-llama", load_config(ROOT / "configs" / "fsdp2-bf16.yaml"), 2)
     text = render_table(result)
-    assert "total" not in text.lower() and "Highest" not in text and "total" not in result["per_rank_bytes"]
+    assert "total" not in text.lower() and "Highest" not in text and "total" not in result.per_rank_bytes
     assert text.count("Peak per rank on the device: ") == 1
-    assert f"Peak per rank on the device: {human(result['peak_bytes'])}, in phase Backward, step 2+" in text
+    assert f"Peak per rank on the device: {human(result.peak_bytes)}, in phase Backward, step 2+" in text
     assert "cumulative: each column holds every store alive then" in text and "powers of 1024" in text
     masters = next(line for line in text.splitlines() if line.startswith("master weights"))
     assert "the sharded fp32 parameters are the master weights" in masters and "0 B" not in masters
@@ -95,9 +96,9 @@ def test_one_peak_labelled_columns_and_one_unit():
 
 def test_activation_checkpointing_saves_activations():
     result = estimate("llama-3-8b", load_config(ROOT / "configs" / "fsdp2-bf16.yaml"), 8)
-    act = result["activations_bytes"]
-    assert 0 < act["full_checkpointing"] < act["selective_checkpointing"] < act["none"] / 2
-    assert result["per_rank_bytes"]["activations"] == act["none"]  # the config's mode: none
+    act = result.activations_bytes
+    assert 0 < act.full_checkpointing < act.selective_checkpointing < act.none / 2
+    assert result.per_rank_bytes["activations"] == act.none  # the config's mode: none
 
 
 @pytest.mark.parametrize("mode", ["none", "full", "selective"])
@@ -107,7 +108,7 @@ def test_activations_are_what_the_engine_keeps(mode):
     per-rank figure adds one block recomputed in backward."""
     import torch
 
-    from fp8dist.commands.estimate import activation_bytes
+    from fp8dist.estimate.model import activation_bytes
     from fp8dist.engines import activation_checkpointing
     from fp8dist.engines.blocks import wrap_units
     from fp8dist.runtime.models import load_model
@@ -121,8 +122,8 @@ def test_activations_are_what_the_engine_keeps(mode):
     ids = torch.randint(0, model.config.vocab_size, (2, 64))
     with activation_checkpointing.kept_for_backward() as kept:
         model(input_ids=ids, labels=ids)
-        assert counted["kept"][mode] == pytest.approx(kept(), rel=0.10)
-    assert estimate("tiny-llama", spec, 1)["per_rank_bytes"]["activations"] == counted[mode]
+        assert counted.kept[mode] == pytest.approx(kept(), rel=0.10)
+    assert estimate("tiny-llama", spec, 1).per_rank_bytes["activations"] == counted.per_rank(mode)
 
 
 # Published peaks, torchao's Llama-3-8B on 8xH100, batch 1 x 8192, FSDP2 + compile + selective AC
@@ -135,20 +136,20 @@ def test_llama_3_8b_highest_is_within_20_percent_of_the_published_peak(config, p
     spec = load_config(ROOT / "configs" / config, overrides=[
         "parallel.activation_checkpointing=selective", "train.micro_batch_size=1", "train.seq_len=8192"])
     result = estimate("llama-3-8b", spec, 8)
-    assert result["highest_phase"] == "later_backward_pass"
-    assert result["peak_bytes"] == pytest.approx(published, rel=0.20)
-    assert result["transient_bytes"]["logits_gradient"] == 8192 * 128256 * 6  # fp32 + bf16 logits gradient
+    assert result.highest_phase == "later_backward_pass"
+    assert result.peak_bytes == pytest.approx(published, rel=0.20)
+    assert result.transient_bytes.logits_gradient == 8192 * 128256 * 6  # fp32 + bf16 logits gradient
 
 
 def test_fp8_coverage_follows_the_module_filter():
     spec = load_config(ROOT / "configs" / "fsdp2-torchao-float8.yaml")
-    coverage = estimate("llama-3-8b", spec, 8)["fp8_coverage"]
-    assert coverage["converted"] == coverage["linears"] - 1  # lm_head excluded
-    assert any(item["fqn"] == "lm_head" and "excluded" in item["reason"] for item in coverage["left_out"])
-    assert 0.7 < coverage["fp8_share"] < 1.0  # lm_head stays in bf16
-    small = estimate("tiny-llama", spec, 2)["fp8_coverage"]
-    assert small["too_small_to_gain"] and small["converted"] + len(small["left_out"]) == small["linears"]
-    assert estimate("tiny-llama", load_config(ROOT / "configs" / "fsdp2-bf16.yaml"), 2)["fp8_coverage"]["fp8_share"] == 0
+    coverage = estimate("llama-3-8b", spec, 8).fp8_coverage
+    assert coverage.converted == coverage.linears - 1  # lm_head excluded
+    assert any(item.fqn == "lm_head" and "excluded" in item.reason for item in coverage.left_out)
+    assert 0.7 < coverage.fp8_share < 1.0  # lm_head stays in bf16
+    small = estimate("tiny-llama", spec, 2).fp8_coverage
+    assert small.too_small_to_gain and small.converted + len(small.left_out) == small.linears
+    assert estimate("tiny-llama", load_config(ROOT / "configs" / "fsdp2-bf16.yaml"), 2).fp8_coverage.fp8_share == 0
 
 
 @pytest.mark.parametrize("experts", ["none", "mxfp8"])
@@ -159,13 +160,13 @@ def test_moe_coverage_counts_the_experts_as_the_audit_measures_them(experts):
 
     spec = load_config({"engine": "fsdp2", "precision": {"preset": "torchao-float8", "fp8": {"torchao": {
         "emulate": True, "experts": experts}}}})
-    coverage = estimate("tiny-mixtral", spec, 2)["fp8_coverage"]
+    coverage = estimate("tiny-mixtral", spec, 2).fp8_coverage
     # enough tokens that MXFP8's padding of each expert's rows to 32 (real FLOPs, not in the estimate) is small
     measured = _converted_mixtral(experts, tokens=(8, 256))["fp8_share"]
-    assert abs(coverage["fp8_share"] - measured) < 0.05, (coverage["fp8_share"], measured)
-    left_out = {item["fqn"] for item in coverage["left_out"]}
+    assert abs(coverage.fp8_share - measured) < 0.05, (coverage.fp8_share, measured)
+    left_out = {item.fqn for item in coverage.left_out}
     assert ("model.layers.0.mlp.experts" in left_out) == (experts == "none")
-    big = estimate("mixtral-8x7b", spec, 8)["fp8_coverage"]["fp8_share"]
+    big = estimate("mixtral-8x7b", spec, 8).fp8_coverage.fp8_share
     assert (big > 0.95) if experts == "mxfp8" else (big < 0.2)  # experts are ~89% of Mixtral's weight GEMMs
 
 
@@ -211,7 +212,7 @@ def test_bad_input_exits_2(tmp_path, setup, args, says):
 
 def test_the_help_names_every_built_in_model_and_shape():
     from fp8dist.cli import build_parser
-    from fp8dist.commands.estimate import SHAPES
+    from fp8dist.estimate.shapes import SHAPES
     from fp8dist.runtime.models import BUILTIN
 
     estimate_parser = build_parser()._subparsers._group_actions[0].choices["estimate"]

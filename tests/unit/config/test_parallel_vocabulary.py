@@ -12,21 +12,21 @@ from fp8dist.translate import to_deepspeed, to_fsdp2
     ("FULL_SHARD", 3, True, "world"), ("SHARD_GRAD_OP", 2, False, "world"), ("NO_SHARD", 0, True, 1),
 ])
 def test_one_strategy_means_the_same_on_both_engines(sharding, stage, reshard, mesh_shard):
-    fsdp2 = to_fsdp2(load_config({"parallel": {"sharding": sharding}}))["sharding"]
-    assert fsdp2["reshard_after_forward"] is reshard and fsdp2["shard_size"] == mesh_shard
+    fsdp2 = to_fsdp2(load_config({"parallel": {"sharding": sharding}})).sharding
+    assert fsdp2.reshard_after_forward is reshard and fsdp2.shard_size == mesh_shard
     ds = to_deepspeed(load_config({"engine": "deepspeed", "parallel": {"sharding": sharding}}), "0.19.8")
     assert ds["zero_optimization"]["stage"] == stage and "zero_hpz_partition_size" not in ds["zero_optimization"]
 
 
 def test_hybrid_is_a_2d_mesh_and_zero3_with_hpz():
     values = {"parallel": {"sharding": "HYBRID_SHARD", "shard_size": 8}}
-    assert to_fsdp2(load_config(values))["sharding"]["shard_size"] == 8
+    assert to_fsdp2(load_config(values)).sharding.shard_size == 8
     zero = to_deepspeed(load_config({**values, "engine": "deepspeed"}), "0.19.8")["zero_optimization"]
     assert zero["stage"] == 3 and zero["zero_hpz_partition_size"] == 8
 
 
 def test_auto_keeps_each_engines_default_and_deepspeed_keys_alone_still_work():
-    assert to_fsdp2(load_config({}))["sharding"]["strategy"] == "full"
+    assert to_fsdp2(load_config({})).sharding.strategy == "full"
     assert load_config({"engine": "deepspeed"}).deepspeed.zero_stage == 2
     assert load_config({"engine": "deepspeed", "deepspeed": {"zero_stage": 1}}).deepspeed.zero_stage == 1
 
@@ -56,21 +56,21 @@ def test_offload_maps_to_deepspeed_keys():
     assert (spec.deepspeed.offload_optimizer, spec.deepspeed.offload_param) == ("cpu", "cpu")
     zero = to_deepspeed(spec, "0.19.8")["zero_optimization"]
     assert zero["offload_param"] == {"device": "cpu"} and zero["offload_optimizer"] == {"device": "cpu"}
-    assert to_fsdp2(load_config({"parallel": {"offload": "params"}}))["offload_policy"]["class"] == "CPUOffloadPolicy"
+    assert to_fsdp2(load_config({"parallel": {"offload": "params"}})).offload_policy is not None
 
 
 def test_world_size_check():
-    from fp8dist.config.vocabulary import check_world_size
+    from fp8dist.config.parallel import ParallelDims, parallel_dims
     from fp8dist.errors import Fp8distError
 
     spec = load_config({"parallel": {"sharding": "hybrid", "shard_size": 4}})
-    check_world_size(spec, 8)
+    assert parallel_dims(spec, 8) == ParallelDims(dp_replicate=2, dp_shard=4)
     with pytest.raises(Fp8distError, match="parallel.shard_size=4 does not divide the 6 ranks"):
-        check_world_size(spec, 6)
+        parallel_dims(spec, 6)
 
 
 def test_estimate_divides_fsdp2_stores_by_the_shard_group():
-    from fp8dist.commands.estimate import shard_counts
+    from fp8dist.estimate.memory import shard_counts
 
     assert shard_counts(load_config({}), 8)["weights"] == 8
     assert shard_counts(load_config({"parallel": {"sharding": "hybrid", "shard_size": 4}}), 8)["optimizer"] == 4

@@ -1,11 +1,15 @@
 """The checkpoint directory protocol (fp8dist.engines.checkpoint) on real directories: what counts as complete,
-what is pruned, what is refused; and the export's destination rules. The engines' writing and reading run
-for real in tests/distributed/test_checkpoints.py."""
+what is pruned, what is refused, a save and resume in one process; and the export's destination rules. The
+engines' writing and reading run for real in tests/distributed/test_checkpoints.py."""
 import json
+import random
 
 import pytest
+import torch
 
-from fp8dist.engines.checkpoint import MANIFEST, check_run_directory, find_latest, model_key, prune, read_manifest
+from fp8dist.config.load import load_config
+from fp8dist.engines.checkpoint import (HF_CONFIG_DIR, MANIFEST, EngineCheckpointing, check_compatible,
+                                        check_run_directory, find_latest, model_key, prune, read_manifest, resume, save)
 from fp8dist.errors import Fp8distError
 from fp8dist.runtime.export import MARKER, check_destination
 
@@ -117,10 +121,6 @@ def test_prune_never_deletes_the_checkpoint_just_written(tmp_path):
 def test_an_adapter_checkpoint_resumes_only_on_its_own_base(tmp_path):
     """A LoRA checkpoint holds the adapters only; the frozen base is read again from MODEL, so another MODEL would
     train these adapters on another base: refused. A full fine-tune's checkpoint holds every weight: a note."""
-    import torch
-
-    from fp8dist.engines.checkpoint import EngineCheckpointing, check_compatible
-
     engine = EngineCheckpointing(torch.nn.Linear(2, 2), model_name="other-llama")
     manifest = {"engine": "", "world_size": 1, "model": {"name": "tiny-llama", "parameters": engine.parameter_shapes()},
                 "config": {"adapter": {"kind": "lora"}}}
@@ -133,11 +133,6 @@ def test_an_adapter_checkpoint_resumes_only_on_its_own_base(tmp_path):
 def test_a_resume_says_which_settings_it_changes_and_refuses_another_adapter_alpha(tmp_path):
     """Resuming under another config is said setting by setting (not the run's length or bookkeeping); another
     adapter.alpha is refused: the adapters were trained under the scaling alpha / r."""
-    import torch
-
-    from fp8dist.config.load import load_config
-    from fp8dist.engines.checkpoint import EngineCheckpointing, check_compatible
-
     engine = EngineCheckpointing(torch.nn.Linear(2, 2), model_name="tiny-llama")
     saved = load_config("configs/fsdp2-lora-float8.yaml").to_dict()
     manifest = {"engine": "", "world_size": 1, "model": {"name": "tiny-llama", "parameters": engine.parameter_shapes()},
@@ -156,7 +151,6 @@ def test_a_resume_says_which_settings_it_changes_and_refuses_another_adapter_alp
 
 def test_merge_of_a_full_fine_tunes_checkpoint_is_refused(tmp_path):
     """`fp8dist export --merge` merges adapters: a checkpoint without any is refused (exit 2), nothing written."""
-    from fp8dist.engines.checkpoint import HF_CONFIG_DIR
     from tests.conftest import run_cli
 
     path = make(tmp_path / "run", 2, files={f"{HF_CONFIG_DIR}/config.json": b"{}"})
@@ -168,3 +162,48 @@ def test_merge_of_a_full_fine_tunes_checkpoint_is_refused(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert "--merge:" in result.stderr and "no adapter to merge" in result.stderr and "fix: drop --merge" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+class FileCheckpointing(EngineCheckpointing):
+    """An engine's checkpointing that keeps the module's state dict in one file (the protocol around it is real)."""
+
+    def write(self, directory):
+        torch.save(self.module.state_dict(), directory / "weights.pt")
+
+    def read(self, directory):
+        self.module.load_state_dict(torch.load(directory / "weights.pt", weights_only=True))
+
+
+def test_a_save_alone_resumes_its_weights_and_random_state(tmp_path, monkeypatch):
+    """save / resume in one process without a process group: rank 0 of 1 whatever RANK a launcher left behind, the
+    manifest written last with every file, and the RNG states restored, so the run continues exactly."""
+    monkeypatch.setenv("RANK", "1")
+    spec = load_config(None, ["checkpoint.keep_last=1"])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    path = save(FileCheckpointing(model), tmp_path, 4, spec=spec)
+    assert path == tmp_path / "step-00000004" and sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004"]
+    manifest = read_manifest(path)
+    assert (manifest["step"], manifest["world_size"], manifest["config"]) == (4, 1, spec.to_dict())
+    assert set(manifest["files"]) == {"weights.pt", "rank-00000.pt"}
+    assert manifest["versions"]["torch"] == torch.__version__
+    after_save = (random.random(), torch.rand(2).tolist())
+
+    fresh = torch.nn.Linear(3, 2)
+    assert not torch.equal(fresh.weight, model.weight)
+    resumed = resume(FileCheckpointing(fresh), tmp_path)
+    assert (resumed.path, resumed.step, resumed.data_position, resumed.notes) == (path, 4, 4, ())
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+    assert (random.random(), torch.rand(2).tolist()) == after_save
+
+
+def test_the_same_step_saved_again_replaces_it_and_older_ones_are_pruned(tmp_path):
+    spec = load_config(None, ["checkpoint.keep_last=1"])
+    model = torch.nn.Linear(2, 2)
+    save(FileCheckpointing(model), tmp_path, 2, spec=spec)
+    save(FileCheckpointing(model), tmp_path, 4, spec=spec)
+    with torch.no_grad():
+        model.weight.fill_(7.0)
+    path = save(FileCheckpointing(model), tmp_path, 4, spec=spec)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004"]  # no .replaced or .partial left
+    assert torch.load(path / "weights.pt", weights_only=True)["weight"].eq(7.0).all()

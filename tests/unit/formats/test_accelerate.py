@@ -11,6 +11,7 @@ import yaml
 from fp8dist.config.load import load_config
 from fp8dist.errors import Fp8distError
 from fp8dist.translate import to_deepspeed, to_fsdp2
+from fp8dist.translate.fsdp2 import torchao_float8_plan
 from fp8dist.formats.accelerate.translate import NotExpressible, accelerate_file, accelerate_plan, render
 from tests.conftest import CONFIGS, ROOT, run_cli
 
@@ -110,20 +111,20 @@ def _check_fsdp_env(spec, env):
 
     plugin = FullyShardedDataParallelPlugin()  # built from the launcher's environment, as in each rank
     assert plugin.fsdp_version == 2
-    assert plugin.reshard_after_forward is (to_fsdp2(spec)["sharding"]["reshard_after_forward"])
+    assert plugin.reshard_after_forward is to_fsdp2(spec).sharding.reshard_after_forward
     assert isinstance(plugin.cpu_offload, CPUOffloadPolicy) is (spec.parallel.offload == "params")
     assert plugin.activation_checkpointing is (spec.parallel.activation_checkpointing == "full")
     assert plugin.cpu_ram_efficient_loading is spec.parallel.cpu_ram_efficient_loading
     if spec.fsdp2.wrap != "auto":
         assert plugin.transformer_cls_names_to_wrap == list(spec.fsdp2.wrap)
     mixed = env["ACCELERATE_MIXED_PRECISION"]
-    policy = to_fsdp2(spec)["mixed_precision_policy"]
+    policy = to_fsdp2(spec).mixed_precision_policy
     if mixed != "no":
         plugin.set_mixed_precision(mixed)  # what AcceleratorState does with it
-        assert plugin.mixed_precision_policy.param_dtype == _dtype(policy["param_dtype"])
-        assert plugin.mixed_precision_policy.reduce_dtype == _dtype(policy["reduce_dtype"])
+        assert plugin.mixed_precision_policy.param_dtype == _dtype(policy.param_dtype)
+        assert plugin.mixed_precision_policy.reduce_dtype == _dtype(policy.reduce_dtype)
     else:
-        assert plugin.mixed_precision_policy is None and policy["param_dtype"] is None
+        assert plugin.mixed_precision_policy is None and policy.param_dtype is None
         assert spec.precision.reduce_dtype == spec.precision.load_dtype
     if spec.compile:
         assert env["ACCELERATE_DYNAMO_BACKEND"] == "INDUCTOR"
@@ -134,9 +135,9 @@ def _check_fsdp_env(spec, env):
 
         assert FP8BackendType(env["ACCELERATE_FP8_BACKEND"]) == FP8BackendType.AO
         ao = AORecipeKwargs().config
-        want = to_fsdp2(spec, AO_VERSION)["float8"]["float8_linear_config"]
-        assert ao.enable_fsdp_float8_all_gather is want["enable_fsdp_float8_all_gather"]
-        assert ao.pad_inner_dim is want["pad_inner_dim"] and ao.emulate is want["emulate"]
+        want = torchao_float8_plan(spec, AO_VERSION).float8_linear_config
+        assert ao.enable_fsdp_float8_all_gather is want.enable_fsdp_float8_all_gather
+        assert ao.pad_inner_dim is want.pad_inner_dim and ao.emulate is want.emulate
     elif spec.fp8.backend == "te":  # TERecipeKwargs needs Transformer Engine: the exported values are checked
         assert env["ACCELERATE_FP8_BACKEND"] == "TE"
         assert env["ACCELERATE_FP8_AMAX_COMPUTE_ALGO"] == spec.fp8.te.amax_compute_algo
@@ -252,12 +253,12 @@ def test_accelerator_kwargs_builds_real_objects_or_refuses(config, clean_env):
     if spec.engine == "fsdp2":
         plugin = kwargs["fsdp_plugin"]
         assert isinstance(plugin, FullyShardedDataParallelPlugin) and plugin.fsdp_version == 2
-        policy = to_fsdp2(spec)["mixed_precision_policy"]
+        policy = to_fsdp2(spec).mixed_precision_policy
         if plugin.mixed_precision_policy is not None:
-            assert plugin.mixed_precision_policy.param_dtype == _dtype(policy["param_dtype"])
-            assert plugin.mixed_precision_policy.reduce_dtype == _dtype(policy["reduce_dtype"])
+            assert plugin.mixed_precision_policy.param_dtype == _dtype(policy.param_dtype)
+            assert plugin.mixed_precision_policy.reduce_dtype == _dtype(policy.reduce_dtype)
         else:
-            assert policy["param_dtype"] is None and spec.precision.reduce_dtype == spec.precision.load_dtype
+            assert policy.param_dtype is None and spec.precision.reduce_dtype == spec.precision.load_dtype
         if spec.parallel.sharding == "hybrid":
             pc = kwargs["parallelism_config"]
             assert (pc.dp_replicate_size, pc.dp_shard_size) == (4 // spec.parallel.shard_size, spec.parallel.shard_size)
@@ -271,9 +272,9 @@ def test_accelerator_kwargs_builds_real_objects_or_refuses(config, clean_env):
     if spec.fp8.backend == "torchao":
         (handler,) = kwargs["kwargs_handlers"]
         assert isinstance(handler, AORecipeKwargs) and kwargs["mixed_precision"] == "fp8"
-        want = to_fsdp2(spec, AO_VERSION)["float8"]["float8_linear_config"]
-        assert handler.config.emulate is want["emulate"]
-        assert handler.config.enable_fsdp_float8_all_gather is want["enable_fsdp_float8_all_gather"]
+        want = torchao_float8_plan(spec, AO_VERSION).float8_linear_config
+        assert handler.config.emulate is want.emulate
+        assert handler.config.enable_fsdp_float8_all_gather is want.enable_fsdp_float8_all_gather
         if not spec.fp8.modules.skip_first_last:
             assert handler.module_filter_func is not None
 
@@ -363,10 +364,11 @@ def test_training_arguments_kwargs_for_bf16_fsdp2_and_refusals(tmp_path, trainer
 
 
 def test_the_file_says_when_the_installed_accelerate_is_another_release(monkeypatch):
-    import fp8dist.compat as compat
-    assert compat.accelerate_matches((1, 15, 2))[0] and not compat.accelerate_matches((1, 14, 0))[0]
+    from fp8dist.facts import versions
+    from fp8dist.facts.accelerate import accelerate_matches
+    assert accelerate_matches((1, 15, 2))[0] and not accelerate_matches((1, 14, 0))[0]
     spec = load_config(ROOT / "configs" / "fp32.yaml")
     document, plan = accelerate_file(spec)
     assert "is installed, the file follows" not in render(document, plan, spec, "x")
-    monkeypatch.setattr(compat, "installed_version", lambda name: "1.14.0" if name == "accelerate" else None)
+    monkeypatch.setattr(versions, "installed_version", lambda name: "1.14.0" if name == "accelerate" else None)
     assert "# note: Accelerate 1.14.0 is installed, the file follows 1.15.x" in render(document, plan, spec, "x")

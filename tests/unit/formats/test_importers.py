@@ -30,7 +30,7 @@ def deepspeed_precision(ds):
 
 
 def fsdp2_plan(spec):
-    plan = to_fsdp2(spec, AO_VERSION)
+    plan = to_fsdp2(spec, AO_VERSION).to_json()
     return {key: plan[key] for key in FSDP2_PARTS}
 
 

@@ -6,6 +6,7 @@ import pytest
 from fp8dist.config.load import load_config
 from fp8dist.errors import ConfigError
 from fp8dist.translate import to_deepspeed, to_fsdp2
+from fp8dist.translate.fsdp2 import TorchaoFloat8Plan
 from tests.conftest import ROOT
 from tests.golden.regenerate import golden_cases, translate
 
@@ -92,22 +93,24 @@ def test_extra_merges_last_and_conflicts_name_both():
 
 def test_fsdp2_plan_policy_and_float8():
     plan = to_fsdp2(load_config(ROOT / "configs" / "fsdp2-torchao-float8.yaml"))
-    assert plan["mixed_precision_policy"]["param_dtype"] == "bf16"
-    assert plan["upcast_before_shard"] == "fp32"
-    f8 = plan["float8"]
-    assert f8["float8_linear_config"]["enable_fsdp_float8_all_gather"] is True
-    assert f8["precompute_float8_dynamic_scale_for_fsdp"] is True
-    assert f8["force_recompute_fp8_weight_in_bwd"]["reason"]
-    rowwise = to_fsdp2(load_config(ROOT / "configs" / "fsdp2-torchao-rowwise.yaml"))["float8"]
-    assert rowwise["float8_linear_config"]["enable_fsdp_float8_all_gather"] is False
-    assert rowwise["precompute_float8_dynamic_scale_for_fsdp"] is False
+    assert plan.mixed_precision_policy.param_dtype == "bf16"
+    assert plan.upcast_before_shard == "fp32"
+    f8 = plan.float8
+    assert isinstance(f8, TorchaoFloat8Plan)
+    assert f8.float8_linear_config.enable_fsdp_float8_all_gather is True
+    assert f8.precompute_float8_dynamic_scale_for_fsdp is True
+    assert f8.force_recompute_fp8_weight_in_bwd.reason
+    rowwise = to_fsdp2(load_config(ROOT / "configs" / "fsdp2-torchao-rowwise.yaml")).float8
+    assert isinstance(rowwise, TorchaoFloat8Plan)
+    assert rowwise.float8_linear_config.enable_fsdp_float8_all_gather is False
+    assert rowwise.precompute_float8_dynamic_scale_for_fsdp is False
     pure = to_fsdp2(load_config(ROOT / "configs" / "fsdp2-bf16-pure.yaml"))
-    assert pure["mixed_precision_policy"]["param_dtype"] is None and pure["upcast_before_shard"] is None
-    assert pure["optimizer"]["state_dtype"] == "bf16"
+    assert pure.mixed_precision_policy.param_dtype is None and pure.upcast_before_shard is None
+    assert pure.optimizer.state_dtype == "bf16"
 
 
 def test_fsdp2_low_bit_optimizer_states():
     plan = to_fsdp2(load_config({"optimizer": {"state_dtype": "fp8"}}))
-    assert plan["optimizer"]["class"] == "torchao.optim.AdamWFp8"
+    assert plan.optimizer.cls == "torchao.optim.AdamWFp8"
     with pytest.raises(ConfigError, match="torch.optim keeps states"):
         load_config({"optimizer": {"state_dtype": "bf16"}})

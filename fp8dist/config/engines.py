@@ -1,0 +1,23 @@
+"""What the config layer must know of each engine to validate a config and derive its values, by the schema's
+`engine` value. Pure, no torch. Everything else about an engine (its translation, where it keeps each number, how
+it loads, launches and offloads) lives in its own package, fp8dist/engines/<name>/, behind the typed
+fp8dist.engines.facts.EngineFacts; its config rules in fp8dist/config/rules/<name>.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineTraits:
+    gathers_float8: bool
+    """Whether the engine can all-gather torchao's float8 weights (`enable_fsdp_float8_all_gather`): FSDP2's
+    fully_shard runs torchao's fsdp_pre_all_gather / fsdp_post_all_gather extension (torchao 0.18
+    torchao/float8/fsdp_utils.py WeightWithDynamicFloat8CastTensor); DeepSpeed gathers its partitions in the module
+    dtype."""
+
+
+TRAITS: dict[str, EngineTraits] = {
+    "fsdp2": EngineTraits(gathers_float8=True),
+    "deepspeed": EngineTraits(gathers_float8=False),
+}

@@ -1,0 +1,97 @@
+"""The rules for every engine and backend: master weights, the backend blocks written, loss scaling, the adapter."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from fp8dist.config.spec import FP8Spec, Spec
+from fp8dist.errors import Issue
+
+
+def written(explicit: Mapping[str, Any], *path: str) -> Any:
+    """What the user wrote at `path` (None where nothing): the rules that refuse a written setting ask this, since the
+    resolved spec holds every key at its default."""
+    value: Any = explicit
+    for key in path:
+        value = value.get(key) if isinstance(value, Mapping) else None
+    return value
+
+
+def blocks_in_use(fp8: FP8Spec) -> tuple[str, ...]:
+    """The precision.fp8 blocks that act: the backend's own, and `te` under MS-AMP with use_te (MS-AMP then runs
+    Transformer Engine's Linear, configured by that block)."""
+    if fp8.backend == "none":
+        return ()
+    return (fp8.backend, "te") if fp8.backend == "msamp" and fp8.msamp.use_te else (fp8.backend,)
+
+
+def check(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
+    return [*_master_needs_mixed_precision(spec), *_explicit_block_matches_backend(spec, explicit),
+            *_loss_scaling(spec, explicit), *_adapter(spec, explicit)]
+
+
+def _master_needs_mixed_precision(spec: Spec) -> list[Issue]:
+    p = spec.precision
+    if p.mixed_precision == "none" and p.master_weights != "none":
+        return [Issue("precision.master_weights",
+                      "a master copy only exists with mixed precision; without it the optimizer steps on "
+                      "the weights as loaded", p.master_weights,
+                      "set precision.master_weights=none, or turn on precision.mixed_precision=bf16")]
+    if p.master_weights in ("bf16", "fp16") and p.master_weights != p.mixed_precision:
+        return [Issue("precision.master_weights",
+                      f"{p.master_weights} master weights need {p.master_weights} mixed precision",
+                      p.master_weights, "use master_weights=fp32, or match mixed_precision")]
+    return []
+
+
+def _explicit_block_matches_backend(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
+    blocks = written(explicit, "precision", "fp8") or {}
+    in_use = blocks_in_use(spec.fp8)
+    return [Issue(f"precision.fp8.{block}", f"these settings do nothing with backend '{spec.fp8.backend}'",
+                  fix=f"set precision.fp8.backend={block}, or remove the block")
+            for block in ("torchao", "te", "msamp") if block in blocks and block not in in_use]
+
+
+def _loss_scaling(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
+    """Loss scaling acts on fp16 compute only (what each engine does with it: its own rules)."""
+    scaling, compute = written(explicit, "precision", "loss_scaling"), spec.precision.compute_dtype
+    if scaling and compute != "fp16":
+        return [Issue("precision.loss_scaling", f"loss scaling acts only on fp16 compute; the compute dtype here is "
+                      f"{compute}, so these settings would do nothing", scaling,
+                      "remove precision.loss_scaling, or set precision.mixed_precision=fp16")]
+    return []
+
+
+def _adapter(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
+    """LoRA composes with torchao's float8 conversion (the frozen base Linears convert, the adapters do not: a
+    module filter on the names). MS-AMP and Transformer Engine replace or wrap every Linear's weight in their
+    own types, under PEFT's layers; neither path runs here (both need a CUDA GPU), so neither is claimed."""
+    ad, issues = spec.adapter, []
+    settings = written(explicit, "adapter")
+    settings = settings if isinstance(settings, Mapping) else {}
+    if not ad.enabled:
+        extra = sorted(k for k in settings if k != "kind")
+        if extra:
+            issues.append(Issue(f"adapter.{extra[0]}", f"adapter settings do nothing with adapter.kind=none "
+                                f"({', '.join('adapter.' + k for k in extra)})", settings[extra[0]],
+                                "set adapter.kind=lora, or remove them"))
+        return issues
+    if ad.base_dtype != "auto":
+        issues.append(Issue("adapter.base_dtype", f"a {ad.base_dtype} base (QLoRA) runs on bitsandbytes' CUDA "
+                            "kernels, which fp8dist does not run", ad.base_dtype,
+                            "set adapter.base_dtype=auto (the base stays in precision.load_dtype, or FP8 with "
+                            "precision.fp8.backend=torchao)"))
+    backend = spec.fp8.backend
+    if backend == "msamp":
+        issues.append(Issue("precision.fp8.backend", "MS-AMP casts every Linear weight to its ScalingTensor and its "
+                            "optimizer steps them all; frozen base weights under LoRA adapters are not a regime it "
+                            "has", "msamp", "use precision.fp8.backend=torchao with the adapter, or adapter.kind=none"))
+    if backend == "te":
+        issues.append(Issue("precision.fp8.backend", "Transformer Engine under LoRA is not a path fp8dist runs: "
+                            "fp8dist applies PEFT before FP8 conversion, while PEFT's TE layers (peft 0.21 "
+                            "tuners/lora/te.py) wrap te.Linear modules that already exist and cannot merge", "te",
+                            "use precision.fp8.backend=torchao with the adapter, or adapter.kind=none"))
+    if spec.parallel.cpu_ram_efficient_loading:
+        issues.append(Issue("parallel.cpu_ram_efficient_loading", "the adapters are not in the model directory's "
+                            "files, and shard-on-read loads only what the files hold", True,
+                            "set parallel.cpu_ram_efficient_loading=false with adapter.kind=lora"))
+    return issues

@@ -1,0 +1,125 @@
+"""The rules of engine=deepspeed: what DeepSpeed 0.19.8's ZeRO stages, precision sections and ZeRO-Offload run."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from fp8dist.config.rules.common import written
+from fp8dist.config.spec import Spec
+from fp8dist.errors import Issue
+
+
+def check(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
+    return [*_loss_scaling(spec, explicit), *_precision(spec), *_offload(spec), *_optimizer(spec),
+            *_parallel(spec)]
+
+
+def _loss_scaling(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
+    scaling, p = written(explicit, "precision", "loss_scaling"), spec.precision
+    if scaling and p.mixed_precision == "fp16" and p.master_weights == "none":
+        return [Issue("precision.loss_scaling", "fp16 compute on fp32 weights maps to DeepSpeed's torch_autocast, "
+                      "whose torch.amp.GradScaler keeps its own defaults and never reads these settings "
+                      "(deepspeed/runtime/engine.py, 0.19.8)", scaling,
+                      "remove precision.loss_scaling, or set precision.master_weights=fp32 (DeepSpeed fp16 section)")]
+    return []
+
+
+def _precision(spec: Spec) -> list[Issue]:
+    """What DeepSpeed does with the precision section it is given (or without one): the gradient accumulation and
+    reduction dtypes it honours, and whether anything scales an fp16 loss."""
+    ds, p, issues = spec.deepspeed, spec.precision, []
+    stage, accum = ds.zero_stage, ds.grad_accum_dtype
+    if accum is not None and stage == 0:
+        issues.append(Issue("deepspeed.grad_accum_dtype", "DeepSpeed refuses a separate accumulation dtype at ZeRO "
+                            "stage 0 (NotImplementedError at initialize)", accum,
+                            "use zero_stage>=1 or leave grad_accum_dtype null"))
+    section = p.mixed_precision != "none" and p.master_weights != "none"
+    module = p.mixed_precision if section else p.load_dtype
+    offloaded = ds.offload_optimizer != "none" and stage in (1, 2)
+    # What DeepSpeed 0.19.8 does with data_types.grad_accum_dtype, as the audit observed it: honoured with a
+    # bf16/fp16 section (ZeRO-1 fp32: BF16_Optimizer; ZeRO-2/3: fp32 averaged_gradients); with ZeRO-1/2
+    # optimizer offload every gradient lands in the fp32 CPU partition (stage_1_and_2.py
+    # async_inplace_copy_grad_to_fp32_buffer_from_gpu); without a section the module's dtype wins.
+    ignored_by = ("ZeRO-Offload, which accumulates every gradient in its fp32 CPU partition" if offloaded and
+                  accum != "fp32" else None if section else
+                  f"DeepSpeed without a bf16/fp16 section, whose ZeRO optimizer accumulates in the module dtype "
+                  f"({module})" if accum != module else None)
+    if accum is not None and stage >= 1 and ignored_by:
+        want = "fp32" if offloaded else module
+        issues.append(Issue("deepspeed.grad_accum_dtype", f"ignored by {ignored_by}", accum,
+                            f"leave deepspeed.grad_accum_dtype null (or {want})"))
+    if p.mixed_precision != "none" and p.master_weights == "none" and p.reduce_dtype != p.load_dtype:
+        issues.append(Issue("precision.reduce_dtype", f"{p.load_dtype} weights with {p.mixed_precision} compute "
+                            "run on DeepSpeed's torch_autocast, which reduces each gradient in its parameter's dtype "
+                            f"({p.load_dtype}) and ignores communication_data_type", p.reduce_dtype,
+                            f"set precision.reduce_dtype={p.load_dtype}"))
+    if p.load_dtype == "fp16" and p.mixed_precision == "none":
+        issues.append(Issue("precision.load_dtype", "fp16 weights without mixed precision give DeepSpeed no fp16 "
+                            "section, so nothing scales the loss and small gradients underflow silently (its ZeRO "
+                            "optimizer then keeps a static loss scale of 1)", "fp16",
+                            "set precision.mixed_precision=fp16 with master_weights=fp32 (DeepSpeed's fp16 section), "
+                            "or use engine=fsdp2, whose fp16 compute runs fp8dist's loss scaler"))
+    return issues
+
+
+def _offload(spec: Spec) -> list[Issue]:
+    ds, issues = spec.deepspeed, []
+    stage = ds.zero_stage
+    if ds.offload_param != "none" and stage != 3:
+        issues.append(Issue("deepspeed.offload_param", "parameter offload needs ZeRO stage 3", ds.offload_param,
+                            "set deepspeed.zero_stage=3 or offload_param=none"))
+    if ds.offload_optimizer != "none" and stage == 0:
+        if spec.parallel.offload == "optimizer":  # the vocabulary decided deepspeed.offload_optimizer
+            issues.append(Issue("parallel.offload", "optimizer offload is ZeRO-Offload, which needs ZeRO stage >= 1; "
+                                "the sharding here is ZeRO-0", "optimizer",
+                                "set parallel.sharding=grad_op (ZeRO-2) or full, or parallel.offload=none"))
+        else:
+            issues.append(Issue("deepspeed.offload_optimizer", "optimizer offload needs ZeRO stage >= 1",
+                                ds.offload_optimizer, "set deepspeed.zero_stage>=1"))
+    if "nvme" in (ds.offload_optimizer, ds.offload_param) and not ds.nvme_path:
+        issues.append(Issue("deepspeed.nvme_path", "nvme offload needs a path", None, "set deepspeed.nvme_path"))
+    return issues
+
+
+def _optimizer(spec: Spec) -> list[Issue]:
+    """Where DeepSpeed keeps master weights and optimizer states, and which optimizer steps them."""
+    ds, p, issues = spec.deepspeed, spec.precision, []
+    master, state, stage = p.master_weights, spec.optimizer.state_dtype, ds.zero_stage
+    if master in ("bf16", "fp16"):
+        if stage == 0:
+            issues.append(Issue("precision.master_weights", f"{master} master weights need ZeRO stage >= 1 in "
+                                "DeepSpeed", master, "set deepspeed.zero_stage>=1"))
+        needs_offload = master == "fp16" or state not in ("auto", "bf16")
+        if needs_offload and ds.offload_optimizer != "cpu":
+            issues.append(Issue("precision.master_weights", f"DeepSpeed keeps {master} master weights with fp32 "
+                                "optimizer states only under ZeRO-Offload (DeepSpeedCPUAdam)", master,
+                                "set deepspeed.offload_optimizer=cpu, or optimizer.state_dtype=bf16 with bf16 masters"))
+        if needs_offload and spec.optimizer.name == "sgd":
+            issues.append(Issue("optimizer.name", f"DeepSpeed steps {master} master weights only with "
+                                "DeepSpeedCPUAdam (stage_1_and_2.py _enforce_cpu_offload), an Adam", "sgd",
+                                "set optimizer.name=adamw, or use fp32 master weights with SGD"))
+    if state == "bf16" and master != "bf16":
+        issues.append(Issue("optimizer.state_dtype", "DeepSpeed's bf16_optimizer_states needs bf16 master weights",
+                            state, "set precision.master_weights=bf16 (and mixed_precision=bf16)"))
+    if state in ("fp8", "int8"):
+        issues.append(Issue("optimizer.state_dtype", f"{state} optimizer states are a torchao optimizer for FSDP2; "
+                            "DeepSpeed has none (MS-AMP O2/O3 has its own)", state,
+                            "use engine=fsdp2, or backend=msamp with opt_level O2/O3"))
+    return issues
+
+
+def _parallel(spec: Spec) -> list[Issue]:
+    """The `parallel` vocabulary where DeepSpeed cannot run it at the ZeRO stage it resolved to."""
+    par, stage, issues = spec.parallel, spec.deepspeed.zero_stage, []
+    if par.offload == "params" and stage != 3:
+        issues.append(Issue("parallel.offload", "DeepSpeed offloads parameters only under ZeRO-3 "
+                            f"(deepspeed.zero_stage is {stage})", "params",
+                            "set parallel.sharding=full (ZeRO-3), or parallel.offload=optimizer"))
+    if par.cpu_ram_efficient_loading and stage != 3:
+        issues.append(Issue("parallel.cpu_ram_efficient_loading", "on DeepSpeed the model is built partitioned inside "
+                            "deepspeed.zero.Init, which is ZeRO-3; at ZeRO-"
+                            f"{stage} every rank holds the whole model anyway", True,
+                            "set parallel.sharding=full (ZeRO-3), or parallel.cpu_ram_efficient_loading=false"))
+    if par.sharding == "hybrid" and spec.fp8.backend == "msamp":
+        issues.append(Issue("parallel.sharding", "hybrid is ZeRO-3 + hpZ on DeepSpeed, and MS-AMP does not run "
+                            "ZeRO-3 (Azure/MS-AMP#182)", "hybrid", "set parallel.sharding=grad_op"))
+    return issues

@@ -1,0 +1,180 @@
+"""Saving and resuming, with every rank: what each rank writes, what rank 0 alone decides and writes, and in which
+order, so that a checkpoint is complete on every rank or not there at all.
+
+A save writes everything under the `.partial` name; rank 0 then writes the manifest (with every file's size) and
+renames the directory (fp8dist.engines.checkpoint.layout.make_complete), and only then deletes checkpoints beyond
+`checkpoint.keep_last` and unfinished saves. A resume lets rank 0 find and check the checkpoint
+(fp8dist.engines.checkpoint.compatibility) and gives every rank its answer, or the same error, before any weight
+is read.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import fp8dist.distributed as distributed
+from fp8dist.engines.checkpoint.compatibility import check_compatible
+from fp8dist.engines.checkpoint.files import write_file_atomic
+from fp8dist.engines.checkpoint.interface import checkpointing_for
+from fp8dist.engines.checkpoint.layout import (FORMAT, HF_CONFIG_DIR, MANIFEST, complete_checkpoints, find_latest,
+                                               make_complete, partial_path, prune, rank_file, read_manifest,
+                                               step_name)
+from fp8dist.engines.checkpoint.rng import rng_state, set_rng_state
+from fp8dist.errors import Fp8distError
+from fp8dist.facts import versions
+
+# The releases a manifest records: what wrote the checkpoint, for whoever reads it later.
+RECORDED_DISTRIBUTIONS = ("fp8dist", "torch", "deepspeed", "torchao", "transformers")
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where a resumed run stands."""
+
+    path: Path
+    step: int  # optimizer steps already taken
+    data_position: int  # the step index of the next batch
+    notes: tuple[str, ...] = ()  # what is not exact (e.g. RNG states of another world size)
+
+
+def checkpoint_ranks() -> tuple[int, int]:
+    """(this process's rank, the number of ranks) as checkpoints count them: which rank file is this process's, the
+    `world_size` a manifest records, and the one a resume compares it with. Today the default process group's (a
+    process without one is rank 0 of 1, whatever its launcher's RANK); the one place to change when checkpoints
+    count data-parallel ranks."""
+    if not distributed.is_initialized():
+        return 0, 1
+    return distributed.rank(), distributed.world_size()
+
+
+def save(target: Any, directory: str | os.PathLike[str], step: int, *, spec: Any, model_name: str = "",
+         scheduler: Any = None, data_position: int | None = None) -> Path:
+    """Write a checkpoint of `target` taken after `step` optimizer steps into `directory`/step-NNNNNNNN.
+    Every rank calls it. Returns the checkpoint's path once it is complete on every rank. `spec` is the run's
+    fp8dist.config.spec.Spec (recorded in the manifest; its checkpoint.keep_last prunes)."""
+    engine = checkpointing_for(target, model_name=model_name, scheduler=scheduler)
+    directory = Path(directory)
+    rank, world = checkpoint_ranks()
+    final, partial = directory / step_name(step), partial_path(directory, step)
+
+    def begin() -> None:
+        if directory.exists() and not directory.is_dir():
+            raise Fp8distError(f"--checkpoint-dir {directory}: is a file\n  fix: name a directory")
+        directory.mkdir(parents=True, exist_ok=True)
+        if partial.exists():
+            shutil.rmtree(partial)
+        partial.mkdir()
+        config = engine.hf_config()
+        if config is not None:
+            (partial / HF_CONFIG_DIR).mkdir()
+            config.to_json_file(str(partial / HF_CONFIG_DIR / "config.json"))
+
+    def commit() -> None:
+        manifest = {
+            "fp8dist_checkpoint": FORMAT,
+            "engine": engine.engine,
+            "step": step,
+            "data_position": step if data_position is None else data_position,
+            "world_size": world,
+            "model": {"name": model_name, "parameters": engine.parameter_shapes()},
+            "config": spec.to_dict(),
+            "files": {str(p.relative_to(partial)): p.stat().st_size
+                      for p in sorted(partial.rglob("*")) if p.is_file()},
+            "versions": _versions(),
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        write_file_atomic(partial / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        make_complete(partial, final)
+        prune(directory, spec.checkpoint.keep_last, keep=final)
+
+    distributed.on_rank_zero(f"preparing {partial}", begin)
+    engine.write(partial)
+    torch.save({"rng": rng_state(), **engine.rank_state()}, partial / rank_file(rank))
+    distributed.barrier()
+    distributed.on_rank_zero(f"completing {final}", commit)
+    return final
+
+
+def resume(target: Any, directory: str | os.PathLike[str], *, model_name: str = "",
+           scheduler: Any = None) -> Resumed | None:
+    """Load the newest complete checkpoint under `directory` into `target` (every rank calls it). Returns
+    None when there is none yet. Rank 0 decides which checkpoint and checks it; every rank raises the same
+    error when it cannot be used, before any weight is read."""
+    engine = checkpointing_for(target, model_name=model_name, scheduler=scheduler)
+    spec = getattr(getattr(target, "fp8dist_run", target), "spec", None)
+    rank, world = checkpoint_ranks()
+
+    def decide() -> tuple[str, dict[str, Any], list[str]] | None:
+        path = find_latest(directory)
+        if path is None:
+            return None
+        manifest = read_manifest(path)
+        config = spec.to_dict() if spec is not None else None
+        return str(path), manifest, check_compatible(manifest, path, engine, world, config)
+
+    decided = distributed.on_rank_zero(f"resuming from {directory}", decide)
+    if decided is None:
+        return None
+    path, manifest, notes = Path(decided[0]), decided[1], decided[2]
+    engine.read(path)
+    if manifest["world_size"] == world:
+        state = torch.load(path / rank_file(rank), weights_only=True)
+        set_rng_state(state.pop("rng"))
+        engine.load_rank_state(state)
+    else:  # the scaler and the scheduler: the same on all ranks
+        engine.load_rank_state(torch.load(path / rank_file(0), weights_only=True))
+    distributed.barrier()
+    return Resumed(path, manifest["step"], manifest["data_position"], tuple(notes))
+
+
+def check_run_directory(directory: str | os.PathLike[str], resuming: bool) -> None:
+    """Before the first step (every rank calls it): `directory` must be a directory this job can write (made if
+    missing), not one checkpoint, and for a new run hold no checkpoint of an earlier one: the new run's saves
+    would interleave with them, and pruning and `--resume` would pick the other run's newer steps."""
+    directory = Path(directory)
+
+    def check() -> None:
+        if (directory / MANIFEST).is_file():
+            raise Fp8distError(f"--checkpoint-dir {directory}: names one checkpoint, not the directory of a run"
+                               f"\n  fix: pass its parent, {directory.parent}" + (" (--resume then continues from its "
+                                                                                 "newest checkpoint)" if resuming else ""))
+        if directory.exists() and not directory.is_dir():
+            raise Fp8distError(f"--checkpoint-dir {directory}: is a file\n  fix: name a directory")
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            probe = directory / f".fp8dist-write-test-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise Fp8distError(f"--checkpoint-dir {directory}: cannot write there ({exc.strerror})"
+                               "\n  fix: name a directory this job can write, on a filesystem every rank sees") from None
+        complete = complete_checkpoints(directory)
+        if complete and not resuming:
+            raise Fp8distError(f"--checkpoint-dir {directory}: holds checkpoints of an earlier run (newest "
+                               f"{complete[-1].name})\n  fix: add --resume to continue that run, or name a new or "
+                               "empty directory")
+
+    distributed.on_rank_zero(f"--checkpoint-dir {directory}", check)
+
+
+def failure_text(exc: BaseException) -> str:
+    """One line for an error while reading or writing a checkpoint; torch.distributed.checkpoint's
+    CheckpointException holds each failing rank's own error (`failures`)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:  # rank -> (exception, traceback) in torch 2.13 (api.py)
+        errors = {rank: e[0] if isinstance(e, tuple) else e for rank, e in failures.items()}
+        return "; ".join(f"rank {rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+                         for rank, e in sorted(errors.items()))
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+
+
+def _versions() -> dict[str, str]:
+    return {name: version for name in RECORDED_DISTRIBUTIONS
+            if (version := versions.installed_version(name)) is not None}

@@ -1,0 +1,114 @@
+"""The memory model: per-rank bytes of each store, of each phase of a step, and the peak, for one model, config and
+world size (see fp8dist/estimate/__init__.py for what is counted and how)."""
+from __future__ import annotations
+
+import math
+from typing import cast
+
+from fp8dist.audit.expected import expected, frozen_bytes_per_param, implied_bytes_per_param
+from fp8dist.config.parallel import parallel_dims
+from fp8dist.config.spec import Spec
+from fp8dist.dtypes import get as dtype_info
+from fp8dist.engines.registry import facts_for
+from fp8dist.errors import Fp8distError
+from fp8dist.estimate.coverage import fp8_coverage, fp8_extra_bytes
+from fp8dist.estimate.model import MetaModel, activation_bytes, adapted_counts, blocks, build_meta_model
+from fp8dist.estimate.result import (ActivationBytes, CheckpointingMode, Estimate, Phase, ShardedStore, Store,
+                                     STORES, TransientBytes)
+
+
+# The engine's facts, asked here only (engines/<name>/facts.py, through the registry).
+def shard_counts(spec: Spec, world: int) -> dict[ShardedStore, int]:
+    """Over how many ranks each store is divided (1: every rank holds all of it)."""
+    return facts_for(spec).shard_counts(spec, parallel_dims(spec, world))
+
+
+def offloaded(spec: Spec) -> set[ShardedStore]:
+    """The stores that live in host memory instead of the accelerator's."""
+    return facts_for(spec).offloaded(spec)
+
+
+def bytes_per_param(spec: Spec) -> dict[ShardedStore, float]:
+    """Bytes per trainable parameter of each sharded store, in the dtypes the audit expects for the config (the same
+    rules it checks a real run against)."""
+    implied = implied_bytes_per_param(spec)
+    return {"weights": implied["weights"], "master_weights": implied["master"], "gradients": implied["gradients"],
+            "optimizer": implied["optimizer"]}
+
+
+def masters_note(spec: Spec, per_param: dict[ShardedStore, float]) -> str | None:
+    """Why the master-weights store holds no bytes of its own (None when it does): no master copy at all, or the
+    engine's weights are the masters (FSDP2 shards the parameters in the master dtype: engines/fsdp2/facts.py)."""
+    if per_param["master_weights"]:
+        return None
+    cell = expected(spec, nproc=2)["master_weights"][0]
+    if cell == "n/a":
+        return "none: the optimizer steps the weights themselves (precision.master_weights)"
+    return f"the sharded {cell} parameters are the master weights (counted under weights; no copy beside them)"
+
+
+def transient_bytes(meta: MetaModel, spec: Spec, shards: dict[ShardedStore, int]) -> TransientBytes:
+    """Bytes that exist only for a moment of the step, on top of the stores: the gathered weights of the wrap units
+    in flight when weights are sharded (the unit computing and the one prefetched: FSDP2's default prefetch of
+    one, torch 2.13 _fully_shard/_fsdp_state.py; ZeRO-3 prefetches likewise), and the gradient of the logits,
+    which a causal LM's loss upcasts to fp32 (transformers 5 loss/loss_utils.py ForCausalLMLoss) and which
+    reaches the bf16 lm_head output as a compute-dtype copy."""
+    compute = int(dtype_info(spec.precision.compute_dtype).bits) // 8  # compute dtypes are whole bytes
+    units = 0
+    if shards["weights"] > 1:
+        sizes = sorted((sum(p.numel() for p in block.parameters()) for block in blocks(meta.model, spec)),
+                       reverse=True)
+        units = sum(sizes[:2]) * compute
+    logits = 0
+    vocab = getattr(meta.config, "vocab_size", 0)
+    if meta.causal_lm and vocab:
+        logits = spec.train.micro_batch_size * spec.train.seq_len * vocab * (4 + compute)
+    return TransientBytes(unsharded_units=units, logits_gradient=logits)
+
+
+def phases(device: dict[Store, int], transient: TransientBytes) -> dict[Phase, int]:
+    """The device bytes of each phase of a step, every store alive in it counted (`device`: the per-rank stores, 0
+    for those in host memory)."""
+    model = device["weights"] + device["master_weights"] + device["buffers"]
+    backward = (model + device["gradients"] + device["activations"] + device["fp8_extras"]
+                + transient.unsharded_units + transient.logits_gradient)
+    return {"model": model, "gradients": model + device["gradients"], "backward_pass": backward,
+            "optimizer_step": model + device["gradients"] + device["optimizer"],
+            "later_backward_pass": backward + device["optimizer"]}
+
+
+def estimate(name: str, spec: Spec, world: int) -> Estimate:
+    """The estimate of model `name` (a built-in model or shape, a model directory or a config.json) trained with
+    `spec` on `world` ranks."""
+    if world < 1:
+        raise Fp8distError(f"--world-size must be at least 1, got {world}")
+    shards = shard_counts(spec, world)  # refuses a world the config's parallel dims do not fit, before the build
+    meta = build_meta_model(name, spec.precision.compute_dtype)
+    trainable, frozen = adapted_counts(meta, spec)
+    per_param = bytes_per_param(spec)
+    # the trainable parameters carry every store; the frozen ones (an adapter run's base) their weight only
+    per_rank: dict[Store, int] = {store: math.ceil(trainable * per_param[store] / shards[store])
+                                  for store in per_param}
+    per_rank["weights"] += math.ceil(frozen * frozen_bytes_per_param(spec) / shards["weights"])
+    mode = cast(CheckpointingMode, spec.parallel.activation_checkpointing)
+    measured = activation_bytes(meta, spec)
+    coverage = fp8_coverage(meta, spec)
+    extras, extras_how = fp8_extra_bytes(meta, spec)
+    # Buffers (RoPE tables, BERT's position ids) stay whole on every rank, in their own dtype.
+    per_rank["buffers"] = sum(b.numel() * b.element_size() for b in meta.model.buffers())
+    per_rank["fp8_extras"] = extras
+    per_rank["activations"] = measured.per_rank(mode)
+    host = offloaded(spec)
+    device: dict[Store, int] = {store: 0 if store in host else per_rank[store] for store in STORES}
+    transient = transient_bytes(meta, spec, shards)
+    return Estimate(
+        model=name, shape_only=meta.shape_only, world_size=world, trainable_parameters=trainable,
+        frozen_parameters=frozen, frozen_bytes_per_param=frozen_bytes_per_param(spec), engine=spec.engine,
+        config=spec.source, preset=spec.precision.preset, micro_batch_size=spec.train.micro_batch_size,
+        seq_len=spec.train.seq_len, bytes_per_param=per_param, master_weights_note=masters_note(spec, per_param),
+        shards=shards, per_rank_bytes={store: per_rank[store] for store in STORES},
+        offloaded_to_host=tuple(sorted(host)),
+        activations_bytes=ActivationBytes(none=measured.per_rank("none"), full_checkpointing=measured.per_rank("full"),
+                                          selective_checkpointing=measured.per_rank("selective"), mode=mode),
+        phases_bytes=phases(device, transient), fp8_extras_counted=extras_how, transient_bytes=transient,
+        fp8_coverage=coverage)

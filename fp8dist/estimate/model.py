@@ -1,0 +1,200 @@
+"""The model an estimate counts, built on the meta device (real shapes, no storage, no weights read), and the bytes
+one micro-batch's forward keeps for backward, measured on it. torch and transformers are imported only when a meta
+model is built."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from fp8dist.config.spec import Spec
+from fp8dist.dtypes import torch_dtype
+from fp8dist.engines.base import forward_loss
+from fp8dist.errors import Fp8distError
+from fp8dist.estimate.result import CheckpointingMode
+from fp8dist.estimate.shapes import SHAPES
+from fp8dist.runtime.adapters import apply_adapter, split_parameters
+from fp8dist.runtime.models import BUILTIN
+
+if TYPE_CHECKING:
+    import torch
+
+ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2"}
+
+
+@dataclass
+class MetaModel:
+    model: torch.nn.Module
+    config: Any  # the transformers PretrainedConfig it was built from
+    shape_only: bool  # a built-in shape: parameter count and sizes are real, no weights exist
+    causal_lm: bool
+
+
+@dataclass(frozen=True)
+class MeasuredActivations:
+    """What `activation_bytes` measured: the bytes kept until backward per checkpointing mode, and the largest
+    block's own bytes (`none`), which checkpointing recomputes in backward one block at a time."""
+    kept: Mapping[CheckpointingMode, int]
+    recomputed_block: int
+
+    def per_rank(self, mode: CheckpointingMode) -> int:
+        """The bytes a rank holds at once in `mode`: what is kept, plus one block recomputed when checkpointing."""
+        return self.kept[mode] + (self.recomputed_block if mode != "none" else 0)
+
+
+def _hf_config(name: str) -> Any:
+    """The transformers config `name` stands for: a built-in shape or model, a model directory or a config.json."""
+    from transformers import AutoConfig
+
+    if name in SHAPES:
+        values = dict(SHAPES[name])
+        return AutoConfig.for_model(values.pop("model_type"), **values)
+    if name in BUILTIN:
+        return BUILTIN[name]()
+    path = Path(name)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise Fp8distError(f"unknown MODEL {name!r}: use a built-in name or shape ({', '.join([*BUILTIN, *SHAPES])}), "
+                           "a local Hugging Face model directory, or a config.json")
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise Fp8distError(f"{path}: not a JSON config ({exc})") from None
+    except OSError as exc:
+        raise Fp8distError(f"{path}: cannot read it ({exc.strerror})") from None
+    if not isinstance(document, dict) or "model_type" not in document:
+        raise Fp8distError(f"{path}: a Hugging Face config.json needs a `model_type` key")
+    model_type = document.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **document)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise Fp8distError(f"{path}: transformers cannot build model_type {model_type!r}: "
+                           f"{str(exc).splitlines()[0]}") from None
+
+
+def build_meta_model(name: str, dtype: str) -> MetaModel:
+    """The model on the meta device in `dtype`: real shapes, no storage."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    config = _hf_config(name)
+    architectures = getattr(config, "architectures", None) or []
+    # A causal LM is trained as one; anything else (BERT's masked LM) is counted as its base model, as
+    # Accelerate's estimate-memory does.
+    causal = any(a.endswith("ForCausalLM") for a in architectures) or (
+        not architectures and not getattr(config, "is_encoder_decoder", False)
+        and config.model_type not in ENCODER_TYPES)
+    with torch.device("meta"):
+        try:
+            auto = AutoModelForCausalLM if causal else AutoModel
+            model = auto.from_config(config, dtype=torch_dtype(dtype))
+        except Exception as exc:  # noqa: BLE001 - whatever transformers raises for a config it cannot build
+            raise Fp8distError(f"transformers cannot build {name!r} ({config.model_type}): "
+                               f"{str(exc).splitlines()[0]}") from None
+    return MetaModel(model, config, name in SHAPES, causal)
+
+
+def adapted_counts(meta: MetaModel, spec: Spec) -> tuple[int, int]:
+    """(trainable, frozen) parameters: with `adapter`, PEFT's LoRA applied to the meta model (its adapters built on
+    meta too: no storage), as the run's loading applies it."""
+    import torch
+
+    with torch.device("meta"):
+        model = apply_adapter(meta.model, spec.adapter, spec.precision.weight_dtype, spec.train.seed)
+    return split_parameters(model)
+
+
+def blocks(model: torch.nn.Module, spec: Spec) -> list[torch.nn.Module]:
+    """The transformer blocks, found as FSDP2 finds its wrap units (HF `_no_split_modules`, else the first
+    ModuleList)."""
+    from fp8dist.engines.blocks import wrap_units
+
+    return [module for _, module in wrap_units(model, spec)]
+
+
+def activation_bytes(meta: MetaModel, spec: Spec) -> MeasuredActivations:
+    """Bytes kept for backward in one micro-batch forward, per activation-checkpointing mode, measured on the
+    meta device in the compute dtype. `none`: what autograd saves; a tensor saved by several ops (the input of
+    q/k/v_proj) or through several views counts once, at the size of its base; attention is counted as flash
+    attention keeps it (no S x S tensors). `full`: every block keeps its input. `selective`: every block keeps its
+    input and the op outputs the engines' selective policy saves (engines/activation_checkpointing.py SavePolicy).
+    Under either, one block at a time is recomputed in backward (its `none` bytes: `recomputed_block`)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fp8dist.engines.activation_checkpointing import SavePolicy
+
+    model, t = meta.model, spec.train
+    params = {id(p) for p in model.parameters()}
+    units = blocks(model, spec)
+    current: list[int | None] = [None]
+    per_block = [0] * len(units)
+    block_inputs = [0] * len(units)
+    outside = [0]
+    seen: dict[int, torch.Tensor] = {}  # keeps every counted base alive, so that ids are not reused
+    selective = [0] * len(units)
+    policies: dict[int, SavePolicy] = {}
+
+    class SelectiveKeeps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            index = current[0]
+            if index is not None and policies.setdefault(index, SavePolicy()).keeps(func):
+                for tensor in [o for o in (out if isinstance(out, (tuple, list)) else [out])
+                               if isinstance(o, torch.Tensor)]:
+                    selective[index] += tensor.numel() * tensor.element_size()
+            return out
+
+    class FlashAttention(TorchFunctionMode):
+        """Attention as flash attention keeps it for backward (q, k, v, output, logsumexp): the meta device runs
+        the math SDPA, which saves fp32 copies and S x S scores no GPU run keeps. torch's CPU flash kernel has a
+        meta implementation (and takes grouped k/v heads), so it stands in."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.nn.functional.scaled_dot_product_attention:
+                query, key, value = args[:3]
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    query, key, value, 0.0, bool(kwargs.get("is_causal")), scale=kwargs.get("scale"))[0]
+            return func(*args, **kwargs)
+
+    def pack(tensor):
+        base = tensor._base if tensor._base is not None else tensor
+        if id(base) not in params and id(base) not in seen:
+            seen[id(base)] = base
+            size = base.numel() * base.element_size()
+            if current[0] is None:
+                outside[0] += size
+            else:
+                per_block[current[0]] += size
+        return tensor
+
+    def enter(index):
+        def hook(_module, args, kwargs):
+            current[0] = index
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            if isinstance(hidden, torch.Tensor):
+                block_inputs[index] = hidden.numel() * hidden.element_size()
+        return hook
+
+    handles = [unit.register_forward_pre_hook(enter(i), with_kwargs=True) for i, unit in enumerate(units)]
+    handles += [unit.register_forward_hook(lambda *_: current.__setitem__(0, None)) for unit in units]
+    ids = torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta")
+    batch = {"input_ids": ids, **({"labels": ids} if meta.causal_lm else {})}
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), FlashAttention(), \
+                SelectiveKeeps():
+            forward_loss(model, batch)
+    except Exception as exc:  # noqa: BLE001 - an op without a meta kernel, a model that needs other inputs
+        raise Fp8distError(f"cannot run {type(model).__name__} on the meta device to measure activations: "
+                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    finally:
+        for handle in handles:
+            handle.remove()
+    kept: dict[CheckpointingMode, int] = {
+        "none": outside[0] + sum(per_block), "full": outside[0] + sum(block_inputs),
+        "selective": outside[0] + sum(block_inputs) + sum(selective)}
+    return MeasuredActivations(kept, max(per_block) if per_block else 0)

@@ -1,0 +1,123 @@
+"""What an estimate says, typed (torch-free): the `Estimate` of one model, config and world size, and the parts it is
+made of. `Estimate.to_json()` is the document `fp8dist estimate --format json` prints; its keys are a contract
+(README, tests/unit/commands/test_estimate.py)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Mapping
+
+from fp8dist.engines.facts import Store as ShardedStore
+
+# The stores of a rank's memory, in the order the table lists them: the four an engine shards (engines/facts.py),
+# then what every rank keeps whole.
+Store = Literal[ShardedStore, "buffers", "fp8_extras", "activations"]
+STORES: tuple[Store, ...] = ("weights", "master_weights", "gradients", "optimizer", "buffers", "fp8_extras",
+                             "activations")
+# The phases of a step, each with every store alive in it (not an increment over the one before). The first four
+# are the training columns of the Model Memory Usage tool (huggingface.co/spaces/hf-accelerate/model-memory-usage),
+# counted for the first step, before the optimizer's states exist; from step 2 on the states are there during every
+# backward pass, which is where a run peaks (what published peaks measure).
+Phase = Literal["model", "gradients", "backward_pass", "optimizer_step", "later_backward_pass"]
+PHASES: tuple[Phase, ...] = ("model", "gradients", "backward_pass", "optimizer_step", "later_backward_pass")
+CheckpointingMode = Literal["none", "full", "selective"]
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Bytes kept for backward by one micro-batch, per `parallel.activation_checkpointing` mode (checkpointing: plus
+    one block recomputed in backward), and the mode the config counts."""
+    none: int
+    full_checkpointing: int
+    selective_checkpointing: int
+    mode: CheckpointingMode
+
+
+@dataclass(frozen=True)
+class TransientBytes:
+    """Bytes that exist only for a moment of backward, on top of the stores."""
+    unsharded_units: int  # the gathered weights of the wrap units in flight (weights sharded)
+    logits_gradient: int  # the gradient of a causal LM's logits: fp32 from the loss, plus a compute-dtype copy
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    fqn: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Fp8Coverage:
+    """Share of one token's weight-GEMM FLOPs that run in FP8, the Linears and MoE experts modules counted, those left
+    in high precision and why, and the converted Linears below torchao's size heuristics."""
+    backend: str  # "none" without an FP8 backend
+    fp8_share: float
+    linears: int
+    converted: int
+    left_out: tuple[LeftOut, ...]
+    too_small_to_gain: tuple[str, ...]
+    experts: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "left_out": [asdict(item) for item in self.left_out],
+                "too_small_to_gain": list(self.too_small_to_gain)}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-rank memory of one run before it starts (fp8dist/estimate/memory.py `estimate` builds it)."""
+    model: str
+    shape_only: bool  # a built-in shape: parameter count and sizes are real, no weights exist
+    world_size: int
+    trainable_parameters: int
+    frozen_parameters: int  # an adapter run's base: weights only
+    frozen_bytes_per_param: float
+    engine: str
+    config: str
+    preset: str | None
+    micro_batch_size: int
+    seq_len: int
+    bytes_per_param: Mapping[ShardedStore, float]  # of a trainable parameter
+    master_weights_note: str | None  # why master_weights holds no bytes of its own (None: it does)
+    shards: Mapping[ShardedStore, int]  # the ranks each store is divided over
+    per_rank_bytes: Mapping[Store, int]
+    offloaded_to_host: tuple[Store, ...]
+    activations_bytes: ActivationBytes
+    phases_bytes: Mapping[Phase, int]  # on the device; each phase holds every store alive in it
+    fp8_extras_counted: str  # how the fp8_extras store was counted
+    transient_bytes: TransientBytes
+    fp8_coverage: Fp8Coverage
+
+    @property
+    def parameters(self) -> int:
+        return self.trainable_parameters + self.frozen_parameters
+
+    @property
+    def host_bytes(self) -> int:
+        """Per-rank bytes of the stores in host memory (outside the phases)."""
+        return sum(self.per_rank_bytes[store] for store in self.offloaded_to_host)
+
+    @property
+    def highest_phase(self) -> Phase:
+        return max(PHASES, key=lambda phase: self.phases_bytes[phase])
+
+    @property
+    def peak_bytes(self) -> int:
+        """The one total the estimate gives: the device bytes of the phase where a rank peaks."""
+        return self.phases_bytes[self.highest_phase]
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON document of `fp8dist estimate --format json`, keys in their documented order."""
+        return {
+            "model": self.model, "shape_only": self.shape_only, "parameters": self.parameters,
+            "world_size": self.world_size, "trainable_parameters": self.trainable_parameters,
+            "frozen_parameters": self.frozen_parameters, "frozen_bytes_per_param": self.frozen_bytes_per_param,
+            "engine": self.engine, "config": self.config, "preset": self.preset,
+            "micro_batch_size": self.micro_batch_size, "seq_len": self.seq_len,
+            "bytes_per_param": dict(self.bytes_per_param), "master_weights_note": self.master_weights_note,
+            "shards": dict(self.shards), "per_rank_bytes": dict(self.per_rank_bytes),
+            "offloaded_to_host": list(self.offloaded_to_host), "host_bytes": self.host_bytes,
+            "activations_bytes": asdict(self.activations_bytes), "phases_bytes": dict(self.phases_bytes),
+            "highest_phase": self.highest_phase, "peak_bytes": self.peak_bytes,
+            "fp8_extras_counted": self.fp8_extras_counted, "transient_bytes": asdict(self.transient_bytes),
+            "fp8_coverage": self.fp8_coverage.to_json(),
+        }

@@ -1,0 +1,33 @@
+"""DeepSpeed: the config sections and defaults that changed between releases, by the release that changed them.
+Pull requests are deepspeedai/DeepSpeed's; paths are relative to the wheel's deepspeed/ at the release named."""
+from __future__ import annotations
+
+from fp8dist.facts.versions import Version, fmt
+
+# Newest DeepSpeed whose config rules this module knows (the PyPI release fp8dist is tested against).
+NEWEST_KNOWN_DEEPSPEED = (0, 19, 8)
+# `torch_autocast` section: 0.17.2 (#6993; runtime/torch_autocast.py, runtime/config.py get_torch_autocast_enabled);
+# combined with fp16/bf16 since 0.18.3 (#7700).
+DS_TORCH_AUTOCAST = (0, 17, 2)
+DS_AUTOCAST_WITH_BF16 = (0, 18, 3)
+# bf16_master_weights_and_grads / bf16_optimizer_states (runtime/precision_config.py): 0.18.3 (#7700).
+DS_BF16_MASTER = (0, 18, 3)
+# `amp` (Apex) section removed: any `amp` key raises DeepSpeedConfigError in 0.19.8 (#8564; 0.19.8
+# runtime/config.py _REMOVED_TOP_LEVEL_CONFIG_KEYS, which points to issue #8489).
+DS_AMP_REMOVED = (0, 19, 8)
+# gradient_clipping default became 1.0 in 0.19.3 (#8068; runtime/constants.py GRADIENT_CLIPPING_DEFAULT); 0.0 before.
+DS_CLIPPING_DEFAULT_CHANGED = (0, 19, 3)
+
+
+def deepspeed_has_torch_autocast(ds: Version) -> tuple[bool, str]:
+    if ds >= DS_TORCH_AUTOCAST:
+        return True, f"DeepSpeed {fmt(ds)} has the torch_autocast section"
+    return False, (f"DeepSpeed {fmt(ds)} has no torch_autocast section (added in "
+                   f"{fmt(DS_TORCH_AUTOCAST)})")
+
+
+def deepspeed_has_bf16_master(ds: Version) -> tuple[bool, str]:
+    if ds >= DS_BF16_MASTER:
+        return True, f"DeepSpeed {fmt(ds)} has bf16_master_weights_and_grads"
+    return False, (f"DeepSpeed {fmt(ds)} lacks bf16_master_weights_and_grads / bf16_optimizer_states "
+                   f"(added in {fmt(DS_BF16_MASTER)})")

@@ -1,0 +1,29 @@
+"""PEFT's LoRA names: how an adapter's own modules and a wrapped model's modules are named, and the shorthand for
+every Linear. Paths are relative to the peft 0.21 wheel's peft/."""
+from __future__ import annotations
+
+# tuners/lora/layer.py LoraLayer.adapter_layer_names ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
+# "lora_magnitude_vector"): an adapter's own modules are named `<target>.lora_A.<adapter>`; the Linear it adapts
+# becomes `<target>.base_layer`. FP8 filters (fp8dist's and the one fp8dist hands Accelerate) leave them out.
+LORA_MODULE_PREFIX = "lora_"
+
+
+def is_lora_module(fqn: str) -> bool:
+    """A LoRA adapter's own module or parameter (lora_A, lora_B, lora_embedding_*, lora_magnitude_vector), by PEFT's
+    names."""
+    return any(part.startswith(LORA_MODULE_PREFIX) for part in fqn.split("."))
+
+
+# utils/constants.py INCLUDE_LINEAR_LAYERS_SHORTHAND: LoraConfig target_modules for every Linear but the output layer
+# (tuners/tuners_utils.py _maybe_include_all_linear_layers); fp8dist's `adapter.target_modules: auto`.
+PEFT_ALL_LINEAR = "all-linear"
+
+# peft_model.py / tuners/tuners_utils.py BaseTuner.model: a PeftModel puts `base_model.model.` in front.
+PEFT_MODEL_PREFIX = "base_model.model."
+
+
+def peft_base_name(fqn: str) -> str:
+    """The name a module had before PEFT wrapped it (`base_model.model.` and `.base_layer` left out): exclusion
+    patterns written for the base model match the same modules in an adapter run."""
+    fqn = fqn[len(PEFT_MODEL_PREFIX):] if fqn.startswith(PEFT_MODEL_PREFIX) else fqn
+    return fqn.replace(".base_layer", "")
