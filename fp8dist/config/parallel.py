@@ -29,6 +29,9 @@ class ParallelDims:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    replicate_dim: bool = False
+    """Keep the dp_replicate dim in the mesh at size 1 too: `parallel.sharding` hybrid and replicate name a 2-D
+    (replicate, shard) layout, and FSDP2 runs HSDP on it as configured whatever the world size."""
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -51,11 +54,10 @@ class ParallelDims:
         return rank // (self.cp * self.tp)
 
     def mesh_shape(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
-        """(dim names, sizes) of the DeviceMesh: the data dims always (FSDP2 wants a named 2-D mesh for HSDP and
-        replicate, torch 2.13 _fsdp_init.py _validate_mesh), a 1-D shard mesh when nothing replicates (one rank
-        alone included); cp and tp only when they are used."""
-        replicates = self.dp_replicate > 1 or (self.dp_shard == 1 and self.world_size > 1)
-        dims = [("dp_replicate", self.dp_replicate)] if replicates else []
+        """(dim names, sizes) of the DeviceMesh: (dp_replicate, dp_shard) when ranks replicate or the layout
+        names the replicate dim (FSDP2 wants a named 2-D mesh for HSDP and replicate, torch 2.13 _fsdp_init.py
+        _validate_mesh), else a 1-D shard mesh; cp and tp only when they are used."""
+        dims = [("dp_replicate", self.dp_replicate)] if self.dp_replicate > 1 or self.replicate_dim else []
         dims.append(("dp_shard", self.dp_shard))
         dims += [(axis, getattr(self, axis)) for axis in ("cp", "tp") if getattr(self, axis) > 1]
         return tuple(name for name, _ in dims), tuple(size for _, size in dims)
@@ -71,7 +73,7 @@ def parallel_dims(spec, world: int) -> ParallelDims:
             raise Fp8distError(f"parallel.shard_size={size} does not divide the {world} ranks of this job: hybrid "
                                f"sharding needs whole shard groups\n  fix: set parallel.shard_size to a divisor of "
                                f"{world} (e.g. the GPUs per node), or launch a multiple of it")
-        return ParallelDims(dp_replicate=world // size, dp_shard=size)
+        return ParallelDims(dp_replicate=world // size, dp_shard=size, replicate_dim=True)
     if par.sharding == "replicate":
-        return ParallelDims(dp_replicate=world, dp_shard=1)
+        return ParallelDims(dp_replicate=world, dp_shard=1, replicate_dim=True)
     return ParallelDims(dp_shard=world)

@@ -64,7 +64,7 @@ def test_world_size_check():
     from fp8dist.errors import Fp8distError
 
     spec = load_config({"parallel": {"sharding": "hybrid", "shard_size": 4}})
-    assert parallel_dims(spec, 8) == ParallelDims(dp_replicate=2, dp_shard=4)
+    assert parallel_dims(spec, 8) == ParallelDims(dp_replicate=2, dp_shard=4, replicate_dim=True)
     with pytest.raises(Fp8distError, match="parallel.shard_size=4 does not divide the 6 ranks"):
         parallel_dims(spec, 6)
 
