@@ -65,6 +65,9 @@ BENCHMARKS = {
     "lora": Benchmark("lora.py", ("--steps", "2"), (
         "lora_peak_fp8dist_over_accelerate_peft", "lora_peak_over_full_finetune", "lora_bytes_per_frozen_param",
         "lora_fp32_partition_per_trainable")),
+    "tensor_parallel": Benchmark("tensor_parallel.py", ("--layers", "4", "--pairs", "6"), (
+        "tp_allgather_bytes_fp8_vs_bf16_per_block", "tp_allgather_bytes_fp8_vs_bf16_whole_model",
+        "tp_axis_bytes_fp8_vs_bf16", "tp_step_time_fp8dist_vs_hand", "tp_step_time_noise_floor_hand_vs_hand")),
     "gpu_throughput": Benchmark("gpu_throughput.py", ("--steps", "5", "--warmup", "2"), (
         "gpu_tokens_per_s_float8_tensorwise_vs_bf16", "gpu_tokens_per_s_float8_rowwise_vs_bf16",
         "gpu_tokens_per_s_te_Float8CurrentScaling_vs_bf16")),

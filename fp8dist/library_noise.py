@@ -68,6 +68,16 @@ BENIGN = (
         why="on a machine where torch sees no CUDA device the run is a CPU run by fp8dist's choice too (`fp8dist env` "
             "says so); with a CUDA device visible the message is kept.",
         when=lambda record: _no_cuda()),
+    BenignMessage(
+        logger="torch.distributed.tensor._redistribute",
+        pattern=r"redistributing from \((Partial\(max\)(, )?)+\) to \((Replicate\(\)(, )?)+\), \d+ sequential "
+                r"all_reduce operations",
+        source="torch 2.13 torch/distributed/tensor/_redistribute.py (logger.warning when a Partial DTensor spans "
+               "several mesh dims), triggered by torchao's precompute_float8_dynamic_scale_for_fsdp taking the amax "
+               "of weights sharded over (dp_shard, tp) (torchao 0.18 torchao/float8/fsdp_utils.py)",
+        why="a latency hint for one scalar per weight; a max is the same in any reduction order, so the warning's "
+            "'inconsistent results between ranks' cannot happen for it. Other partial reductions are kept.",
+    ),
 )
 
 

@@ -7,6 +7,7 @@ derivation below reproduces every row of those tables from the preset and engine
 from __future__ import annotations
 
 from fp8dist.dtypes import FAMILY_BYTES
+from fp8dist.config.parallel import sequence_parallel
 from fp8dist.config.schema import read_schema_file
 from fp8dist.config.spec import Spec
 from fp8dist.engines.registry import facts_for
@@ -28,6 +29,9 @@ PHASES = {
     "optimizer": "the optimizer states after the step (Adam: first moment + second moment)",
     "communication": "the gradient reductions on the wire (2+ ranks)",
     "weight_all_gather": "the weight all-gathers on the wire (FSDP2, 2+ ranks)",
+    "tp_all_gather": "the activations all-gathered on the tensor-parallel axis (sequence parallel; tp > 1)",
+    "tp_reduction": "the partial sums reduced on the tensor-parallel axis: row-wise Linears' outputs, column-wise "
+                    "Linears' input gradients (tp > 1)",
     "frozen_weights": "an adapter run's frozen base as stored",
     "frozen_state": "gradients or optimizer states kept for the frozen base (expected: none)",
     "numerics": "with `--numerics` (`watch(..., numerics=True)`) only: every FP8 weight GEMM's operand casts (share "
@@ -86,12 +90,29 @@ def expected(spec: Spec, nproc: int = 1) -> dict[str, tuple[str, str]]:
         cells = _msamp_row(spec)
         for phase in ("gemm", "communication", "weights", "master_weights", "weight_gradients", "optimizer"):
             row[phase] = (cells[phase], f"table A, MS-AMP {spec.fp8.msamp.opt_level}")
+    if spec.parallel.tensor_size > 1:
+        row.update(_tensor_parallel_rows(spec, compute))
     if spec.adapter.enabled:
         row["frozen_state"] = ("none", "adapter.kind=lora: the frozen base gets no gradient and no optimizer state")
     if nproc < 2:
         for phase in MULTI_RANK_PHASES:
             row.pop(phase, None)
     return {phase: row[phase] for phase in PHASES if phase in row}
+
+
+def _tensor_parallel_rows(spec: Spec, compute: str) -> dict[str, tuple[str, str]]:
+    """What crosses the tp axis: partial sums in the compute dtype; under sequence parallel, activation all-gathers
+    in float8 where torchao's float8 styles run (tensorwise Float8Linears: engines/fsdp2/tensor_parallel.py), else in
+    the compute dtype (torchtitan docs/float8.md: "For float8 with rowwise scaling, all distributed communication is
+    done in high precision"; MXFP8 likewise, torchtitan mxfp8.md)."""
+    rows = {"tp_reduction": (compute, "tensor parallel reduces partial sums in the compute dtype")}
+    if sequence_parallel(spec):
+        tensorwise = spec.fp8.backend == "torchao" and spec.fp8.torchao.recipe_name == "tensorwise"
+        rows["tp_all_gather"] = (("fp8", "tensorwise float8 with sequence parallel: torchao's float8 styles gather "
+                                         "activations in float8") if tensorwise else
+                                 (compute, "sequence parallel gathers activations in the compute dtype (float8 only "
+                                           "with tensorwise scaling)"))
+    return rows
 
 
 def frozen_bytes_per_param(spec: Spec) -> float:

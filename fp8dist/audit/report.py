@@ -38,7 +38,8 @@ def build(spec: Spec, model: str, observed: dict[str, Any], nproc: int,
             "bytes_per_param": per_param, "parameters": observed.get("_parameters"),
             "frozen_bytes_per_param": observed.get("_frozen_bytes"), "fp8_modules": observed.get("_decisions", []),
             "gemm_flops": observed.get("_gemm_flops"), "fp8_emulated": bool(observed.get("_fp8_emulated")),
-            "communication_bytes": observed.get("_comm"), "outside_scope": outside,
+            "communication_bytes": observed.get("_comm"),
+            "communication_bytes_by_axis": observed.get("_comm_axes"), "outside_scope": outside,
             **({"numerics": observed["_numerics"]} if "_numerics" in observed else {})}
 
 

@@ -30,7 +30,7 @@ from fp8dist.audit.numerics import NumericsRecorder, observe as observe_numerics
 from fp8dist.backends.module_filter import LinearInfo, decide, is_adapter, linear_infos
 from fp8dist.audit.expected import expected, normalize
 from fp8dist.audit.report import build, table, verdict
-from fp8dist.audit.wire import REDUCTIONS, WireRecorder
+from fp8dist.audit.wire import DATA_AXES, REDUCTIONS, WireRecorder
 from fp8dist.backends.storage import is_scaling_tensor
 from fp8dist.config.load import load_config
 from fp8dist.config.parallel import parallel_dims
@@ -95,7 +95,7 @@ class Watch:
         self.rank = distributed.rank() if self.nproc > 1 else 0
         self.data_size = parallel_dims(self.spec, self.nproc).data_size  # the ranks whose gradients reduce
         self._observe_stores()
-        self.matmuls, self.wire = probes.MatmulRecorder(), WireRecorder()
+        self.matmuls, self.wire = probes.MatmulRecorder(), WireRecorder(self.inspector.mesh_axes())
         import torch
 
         with contextlib.ExitStack() as stack:  # a failure halfway removes what was installed so far
@@ -277,7 +277,7 @@ class Watch:
 
     def _observe_wire(self) -> None:
         out, wire = self.observed, cast(WireRecorder, self.wire)  # __enter__ made it; _release drops it after this
-        record = wire.as_dict()
+        record = wire.as_dict(axes=DATA_AXES)  # the tp axis has its own rows (_observe_tensor_parallel)
         # MS-AMP sends its FP8 gradients as uint8 (ScalingTensor bytes): name them by what they carry.
         msamp = self.spec.fp8.backend == "msamp"
         reduced = sorted({"fp8" if d == "uint8" and msamp else d for d in wire.dtypes(REDUCTIONS)})
@@ -293,7 +293,10 @@ class Watch:
             gather = "+".join(sorted(gathered - {"uint8"} or gathered)) or "none"
         out["weight_all_gather"] = _obs(gather, f"all-gathers {record.get('all_gather', {})}; "
                                                 f"{float8_weights} float8 weights")
-        out["_comm"] = record
+        out["_comm"] = wire.as_dict()
+        out["_comm_axes"] = wire.by_axis()
+        if self.spec.parallel.tensor_size > 1:
+            self._observe_tensor_parallel(wire)
         if self.inspector.engine == "none":
             if wire.dtypes({"all_reduce"}):
                 # The loop handed over the bare module (HF Trainer does so under DDP): replicated training is
@@ -303,6 +306,19 @@ class Watch:
             elif not reduced:
                 out["engine"]["detail"] += (f"; {self.nproc} ranks and no gradient reduction on the wire: "
                                             "each rank trains alone")
+
+    def _observe_tensor_parallel(self, wire: WireRecorder) -> None:
+        """What crossed the `tp` axis: the activations all-gathered (sequence parallel) and the partial sums
+        reduced (row-wise outputs, column-wise input gradients)."""
+        out, record = self.observed, wire.by_axis().get("tp", {})
+        reduced = wire.dtypes(REDUCTIONS, axes=("tp",))
+        out["tp_reduction"] = _obs("+".join(reduced) or "none", f"reductions on the tp axis (scalars left out): "
+                                   f"{ {k: v for k, v in record.items() if k in REDUCTIONS} }")
+        gathered = set(wire.dtypes({"all_gather"}, axes=("tp",)))
+        float8 = gathered & FLOAT8_WIRE
+        gather = "fp8" if float8 and normalize(expected(self.spec, self.data_size).get(
+            "tp_all_gather", ("",))[0]) == "fp8" else "+".join(sorted(gathered)) or "none"
+        out["tp_all_gather"] = _obs(gather, f"all-gathers on the tp axis: {record.get('all_gather', {})}")
 
     def _agree(self) -> None:
         """One verdict for the job: a rank that saw a mismatch fails every rank."""

@@ -15,6 +15,10 @@ class PrecisionBackend:
     does all the work."""
 
     name = "none"
+    converts_after_tensor_parallel = False
+    """Whether convert_module runs after tensor parallel has split the Linears (True where the low-precision
+    layer wraps the DTensor weights, as torchao's MXFP8 does), rather than before it (float8 Linears, which
+    torchao's float8 TP styles require)."""
 
     def __init__(self, spec: Spec, plan: FSDP2Plan | None = None):
         self.spec = spec

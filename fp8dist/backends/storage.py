@@ -94,7 +94,9 @@ def storage(obj) -> Storage:
             numel = buffers[0].numel() * buffers[0].element_size() * 8 // _bits(te_format) if buffers else 0
         return Storage(te_format, numel, held)
     if hasattr(obj, "to_local"):
-        return storage(obj.to_local())
+        # the local tensor as held: to_local() runs view_as, which torchao's Float8TrainingTensor does not implement
+        # (a tensor-parallel float8 operand is a DTensor over one; torch 2.13 torch/distributed/tensor/_api.py)
+        return storage(getattr(obj, "_local_tensor", None) if hasattr(obj, "_local_tensor") else obj.to_local())
     if type(obj).__name__ in CODE_FORMATS:
         codes = obj.codes
         return Storage(CODE_FORMATS[type(obj).__name__], obj.numel(),

@@ -30,6 +30,9 @@ class TorchaoFloat8(PrecisionBackend):
         # resolved for the hardware by check_environment, which every engine calls before convert_module
         self.experts_mode: str | None = None
         self.experts_why = "check_environment was not called"
+        # MXFP8 after TP (torchao 0.18 testing/training/dtensor_utils.py: "For MXFP8: parallelize first, then
+        # quantize"); float8 Linears before it ("Float8 TP strategies expect Float8 weights").
+        self.converts_after_tensor_parallel = self.plan.float8_linear_config.recipe_name == "mxfp8"
 
     def check_environment(self, device: dict[str, Any]) -> None:
         if versions.installed_version("torchao") is None:

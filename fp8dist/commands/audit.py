@@ -14,9 +14,9 @@ from typing import Sequence
 from fp8dist.audit.report import markdown, table
 from fp8dist.commands.output import dump_json
 from fp8dist.config.load import load_config
-from fp8dist.config.parallel import parallel_dims
 from fp8dist.errors import Checks, ExitCode, Fp8distError
 from fp8dist.runtime.loading import check_efficient_loading
+from fp8dist.runtime.models import check_mesh_fits
 from fp8dist.runtime.preflight import preflight
 from fp8dist.runtime.ranks import launch
 
@@ -25,9 +25,9 @@ TIMEOUT_S = 600  # default bound of an audit run (the CLI's --timeout)
 
 def check_before_launch(spec, model: str, nproc: int) -> None:
     """Everything that can fail without launching, every refusal at once (Problems): the model name, the backend,
-    the engine's own refusals, the ranks a hybrid shard group needs."""
+    the engine's own refusals, the ranks a hybrid shard group needs, the sizes a tensor-parallel mesh splits."""
     checks = Checks()
-    for check in (lambda: check_efficient_loading(model, spec), lambda: parallel_dims(spec, nproc),
+    for check in (lambda: check_efficient_loading(model, spec), lambda: check_mesh_fits(spec, model, nproc),
                   lambda: preflight(spec)):
         with checks.one():
             check()

@@ -51,9 +51,32 @@ def _coverage_note(result: Estimate) -> str:
     return note + (f"; left out: {left}" if left else "") + more
 
 
+def _mesh(result: Estimate) -> str:
+    return " x ".join(f"{axis} {size}" for axis, size in result.mesh.items())
+
+
+def _divided_note(result: Estimate) -> str:
+    """What each store was divided by: the mesh axes, so that a figure can be traced to them."""
+    shards = ", ".join(f"{store.replace('_', ' ')} {n}" for store, n in result.shards.items())
+    tp, cp, split = result.mesh["tp"], result.mesh["cp"], result.tensor_parallel
+    if tp == 1:
+        note = f"divided by mesh {_mesh(result)}: each store over the ranks it is sharded on ({shards})"
+    else:
+        vocabulary = "with" if split.vocabulary_split else "without"
+        note = (f"divided by mesh {_mesh(result)}: the {split.split_parameters / 1e6:,.2f}M parameters tensor "
+                f"parallel splits ({split.plan}; {vocabulary} the vocabulary) by tp {tp} x the ranks each store "
+                f"is sharded on, the rest by those alone ({shards})")
+    sequence = [f"the sequence by cp {cp}"] if cp > 1 else []
+    if tp > 1:
+        sequence.append(f"inside attention and MLP by tp {tp} (heads and columns; their input whole)")
+    if split.sequence_parallel:
+        sequence.append(f"the rest of each block by tp {tp} (sequence parallel)")
+    return note + ("; activations: " + ", ".join(sequence) if sequence else "")
+
+
 def _notes(result: Estimate) -> list[str]:
     act, transient = result.activations_bytes, result.transient_bytes
-    notes = [_coverage_note(result),
+    notes = [_divided_note(result), _coverage_note(result),
              f"activations per micro batch: {human(act.none)} without checkpointing, "
              f"{human(act.selective_checkpointing)} selective, {human(act.full_checkpointing)} full "
              f"(counted: {act.mode})",
@@ -72,7 +95,7 @@ def render_table(result: Estimate, markdown: bool = False) -> str:
     (cumulative), the one peak, then notes."""
     r = result
     head = (f"fp8dist estimate: {r.model}{' (shape only)' if r.shape_only else ''}, "
-            f"{r.parameters / 1e6:,.2f}M parameters, {r.engine} on {r.world_size} rank(s), "
+            f"{r.parameters / 1e6:,.2f}M parameters, {r.engine} on {r.world_size} rank(s) (mesh {_mesh(r)}), "
             f"micro batch {r.micro_batch_size} x {r.seq_len} tokens, config {r.config}")
     store_rows = _store_rows(r)
     stores_title = "Per rank, by store (KiB, MiB, GiB: powers of 1024)" + (

@@ -15,9 +15,13 @@ class EngineTraits:
     fully_shard runs torchao's fsdp_pre_all_gather / fsdp_post_all_gather extension (torchao 0.18
     torchao/float8/fsdp_utils.py WeightWithDynamicFloat8CastTensor); DeepSpeed gathers its partitions in the module
     dtype."""
+    sequence_parallel: bool
+    """Whether the engine's tensor parallel can also shard activations along the sequence (FSDP2: DTensor
+    SequenceParallel styles, torch 2.13 torch/distributed/tensor/parallel/style.py; DeepSpeed AutoTP has no such
+    mode, deepspeed 0.19 module_inject/auto_tp.py: its sequence parallel is Ulysses, a separate axis)."""
 
 
 TRAITS: dict[str, EngineTraits] = {
-    "fsdp2": EngineTraits(gathers_float8=True),
-    "deepspeed": EngineTraits(gathers_float8=False),
+    "fsdp2": EngineTraits(gathers_float8=True, sequence_parallel=True),
+    "deepspeed": EngineTraits(gathers_float8=False, sequence_parallel=False),
 }

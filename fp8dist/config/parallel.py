@@ -6,8 +6,10 @@ Axes, outermost first (the order of the DeviceMesh and of the rank numbering):
 - `dp_replicate`: copies of the model that only all-reduce gradients (HSDP's replicate dim, `parallel.sharding:
   replicate`);
 - `dp_shard`: the ranks one copy is sharded over (FSDP2's shard dim; DeepSpeed's ZeRO partition group);
-- `cp`, `tp`: context and tensor parallel. The schema does not offer them yet, so both are 1; a new axis gets its
-  config key, its size rule in `parallel_dims`, and its mesh dim here, and nothing else in this module changes.
+- `cp`: context parallel (`parallel.context_size`): the sequence split inside attention;
+- `tp`: tensor parallel (`parallel.tensor_size`): each block's Linears split over its ranks; with sequence parallel
+  (`parallel.sequence_parallel`) the activations between them split along the sequence too.
+A new axis gets its config key, its size rule in `parallel_dims`, and its mesh dim here.
 
 The data-parallel group is dp_replicate x dp_shard: the ranks that read different batches. Data loading,
 checkpoints and the audit count data-parallel ranks (`data_rank`, `data_size`), which equal the global rank and
@@ -16,7 +18,9 @@ world size only while cp and tp are 1.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Mapping
 
+from fp8dist.config.engines import TRAITS
 from fp8dist.errors import Fp8distError
 
 # The mesh dims, outermost first (torchtitan's order: dp_replicate, dp_shard, cp, tp).
@@ -65,15 +69,70 @@ class ParallelDims:
 
 def parallel_dims(spec, world: int) -> ParallelDims:
     """The dims of `spec` on `world` ranks, or an Fp8distError naming the key when they do not fit (said when the
-    ranks start, and by the launching commands before they do)."""
+    ranks start, and by the launching commands before they do). tp and cp come first; the data axes are what is left
+    of the world size (torchtitan's dp_shard = -1)."""
     par = spec.parallel
+    tp, cp = par.tensor_size, par.context_size
+    if world % (tp * cp):
+        keys = " x ".join(f"parallel.{key}={value}" for key, value in (("tensor_size", tp), ("context_size", cp))
+                          if value > 1)
+        raise Fp8distError(f"{keys} does not divide the {world} ranks of this job: the mesh is dp_replicate x "
+                           f"dp_shard x cp x tp = world size\n  fix: launch a multiple of {tp * cp} ranks, or lower "
+                           f"{keys.split('=')[0]} to a divisor of {world}")
+    data = world // (tp * cp)
     if par.sharding == "hybrid":
         size = par.shard_size
-        if world % size:
-            raise Fp8distError(f"parallel.shard_size={size} does not divide the {world} ranks of this job: hybrid "
-                               f"sharding needs whole shard groups\n  fix: set parallel.shard_size to a divisor of "
-                               f"{world} (e.g. the GPUs per node), or launch a multiple of it")
-        return ParallelDims(dp_replicate=world // size, dp_shard=size, replicate_dim=True)
+        if data % size:
+            left = f"the {data} data-parallel ranks left by tp x cp" if tp * cp > 1 else f"the {world} ranks of this job"
+            raise Fp8distError(f"parallel.shard_size={size} does not divide {left}: hybrid sharding needs whole shard "
+                               f"groups\n  fix: set parallel.shard_size to a divisor of {data} (e.g. the GPUs per "
+                               f"node / tensor_size), or launch a multiple of it")
+        return ParallelDims(dp_replicate=data // size, dp_shard=size, cp=cp, tp=tp, replicate_dim=True)
     if par.sharding == "replicate":
-        return ParallelDims(dp_replicate=world, dp_shard=1, replicate_dim=True)
-    return ParallelDims(dp_shard=world)
+        return ParallelDims(dp_replicate=data, dp_shard=1, cp=cp, tp=tp, replicate_dim=True)
+    return ParallelDims(dp_shard=data, cp=cp, tp=tp)
+
+
+def sequence_parallel(spec) -> bool:
+    """`parallel.sequence_parallel` resolved: `auto` is on where the engine's tensor parallel can shard the sequence
+    (FSDP2's DTensor plans; DeepSpeed AutoTP has no sequence parallel) and tensor_size > 1."""
+    value = spec.parallel.sequence_parallel
+    if value == "auto":
+        return spec.parallel.tensor_size > 1 and TRAITS[spec.engine].sequence_parallel
+    return bool(value)
+
+
+# What each mesh axis must divide in a Hugging Face config (the names transformers 5 uses across decoder models).
+_TP_DIVIDES = (("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads"),
+               ("hidden_size", "hidden size"), ("intermediate_size", "MLP size"))
+_EXPERT_COUNTS = ("num_local_experts", "num_experts")  # Mixtral; Qwen2/3-MoE (transformers 5 configuration files)
+
+
+def check_model_fits(dims: ParallelDims, config: Mapping[str, Any], seq_len: int, *, sequence_split: bool,
+                     source: str) -> None:
+    """Refuse, before any weight is loaded, a mesh the model cannot be split on: heads, KV heads, hidden and MLP
+    sizes by tp (each rank holds whole heads: torchtitan and DeepSpeed AutoTP distribute heads whole); the
+    sequence length by tp x 2 x cp where the sequence is split (torchtitan ParallelDims.seq_len_divisor: sequence
+    parallel shards by tp, context parallel's load balancer cuts each cp shard in two). `config`: the model's
+    config.json values; `source`: where they come from, for the message."""
+    problems = []
+    experts = next((config[key] for key in _EXPERT_COUNTS if isinstance(config.get(key), int)), 0)
+    if dims.tp > 1 and experts > 1:
+        problems.append(f"it has {experts} MoE experts, which fp8dist's tensor parallel does not split (routed experts "
+                        "are expert parallel's: torchao's MoE tutorial recommends against TP on them)")
+    if dims.tp > 1:
+        for key, what in _TP_DIVIDES:
+            value = config.get(key)
+            if isinstance(value, int) and value % dims.tp:
+                problems.append(f"{what} ({key}={value}) do not divide by parallel.tensor_size={dims.tp}")
+    divisor = dims.tp * (2 * dims.cp if dims.cp > 1 else 1) if sequence_split or dims.cp > 1 else 1
+    if divisor > 1 and seq_len % divisor:
+        problems.append(f"the sequence length (train.seq_len={seq_len}) does not divide by {divisor} (tp "
+                        f"{dims.tp}{f' x 2 x cp {dims.cp}' if dims.cp > 1 else ''}: each rank holds an equal slice "
+                        f"of the sequence)")
+    if problems:
+        fix = ("parallel.tensor_size=1 for this model" if experts > 1 and dims.tp > 1 else
+               "choose a parallel.tensor_size that divides every size named (and a train.seq_len that divides by "
+               "it), or parallel.tensor_size=1")
+        raise Fp8distError(f"{source}: the model does not split on this mesh: " + "; ".join(problems)
+                           + f"\n  fix: {fix}")

@@ -192,6 +192,9 @@ class AuditSpec:
 class ParallelSpec:
     sharding: str  # auto | full | grad_op | hybrid | replicate
     shard_size: int | None
+    tensor_size: int
+    sequence_parallel: Any  # "auto" | bool
+    context_size: int
     offload: str  # none | optimizer | params
     activation_checkpointing: str  # none | full | selective
     cpu_ram_efficient_loading: bool

@@ -17,6 +17,13 @@ def _say(key: str, message: str, rank: int) -> None:
     _SAID.add(key)
 
 
+def say(key: str, message: str) -> None:
+    """A note about what the engine did (e.g. how the tensor-parallel plan split the model), once, on rank 0."""
+    import os
+
+    _say(key, message, int(os.environ.get("RANK", "0")))
+
+
 def advise(spec: Spec, world: int, rank: int | None = None, cuda: bool | None = None) -> list[str]:
     """The notes for this config on this machine (printed on rank 0 once per process); returns their keys."""
     import os

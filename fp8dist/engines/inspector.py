@@ -77,6 +77,17 @@ class Inspector:
         """The module parameters the optimizer steps (its param groups)."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
+    def mesh_axes(self) -> dict[frozenset[int], str]:
+        """The ranks of each group this run communicates on -> its mesh axis: every named dim of the meshes its
+        DTensor parameters live on (FSDP2's data axes, tensor parallel's `tp`)."""
+        from fp8dist.engines.mesh import axis_ranks
+
+        axes: dict[frozenset[int], str] = {}
+        meshes = {id(p.device_mesh): p.device_mesh for p in self.module.parameters() if hasattr(p, "device_mesh")}
+        for mesh in meshes.values():
+            axes.update(axis_ranks(mesh))
+        return axes
+
     @contextlib.contextmanager
     def capture_gradients(self, record: GradientRecord) -> Iterator[None]:
         def before_step(*_):

@@ -3,17 +3,20 @@
 The model is built on the meta device (no weights read, no memory), so an 8B or 70B estimate takes
 seconds (model.py). Per-parameter bytes of each store come from the audit's expected dtypes for the config
 (audit/expected.py `implied_bytes_per_param`, the same rules the audit checks a real run against), then
-divided by the ranks each engine shards that store over (memory.py, the engine's facts). Activations are measured on
+divided by the mesh axes each engine shards that store over (memory.py, the engine's facts): the data-parallel
+ranks, and tp on top for the parameters tensor parallel splits (tensor_parallel.py). Activations are measured on
 the meta device: one forward of a `micro_batch_size x seq_len` batch in the compute dtype, summing the tensors
 autograd saves for backward (parameters excluded; attention as flash attention keeps it), attributed to the
 transformer blocks, so the config's `parallel.activation_checkpointing` can be counted: `full` (every block keeps
 its input) and `selective` (its input and the op outputs the engines' selective policy saves), each plus one block
-recomputed in backward. The transient peaks of backward (gathered weights in flight, the logits' gradient) and, from
-step 2 on, the optimizer's states give the phase where a rank peaks: its bytes are the one total the estimate gives.
+recomputed in backward; on a mesh, for one rank: its `seq_len / cp` tokens, its tp shard of each split Linear, and
+under sequence parallel its sequence shard of what the blocks keep outside attention and MLP. The transient peaks
+of backward (gathered weights in flight, the logits' gradient) and, from step 2 on, the optimizer's states give the
+phase where a rank peaks: its bytes are the one total the estimate gives.
 The FP8 coverage (coverage.py) predicts the share of weight-GEMM FLOPs the audit will measure in FP8.
 
 Modules: shapes (the built-in model shapes), model (the meta build and the activation measurement; torch imported
-only there, when a model is built), coverage (FP8 share and extra bytes), memory (the memory model, `estimate`),
-result (the typed `Estimate`). Nothing imports this package but fp8dist/commands/ and fp8dist/cli.py (the shape
-names for the help).
+only there, when a model is built), tensor_parallel (what the `tp` axis splits), coverage (FP8 share and extra
+bytes), memory (the memory model, `estimate`), result (the typed `Estimate`). Nothing imports this package but
+fp8dist/commands/ and fp8dist/cli.py (the shape names for the help).
 """

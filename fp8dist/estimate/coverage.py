@@ -9,6 +9,7 @@ from fp8dist.backends.module_filter import Decision, LinearInfo, decide, is_rout
 from fp8dist.config.spec import Spec
 from fp8dist.estimate.model import MetaModel
 from fp8dist.estimate.result import Fp8Coverage, LeftOut
+from fp8dist.estimate.tensor_parallel import TensorSplit
 from fp8dist.facts.torchao import TORCHAO_EXPERTS_DIM_MULTIPLE, torchao_too_small_to_gain
 from fp8dist.facts.transformer_engine import TE_RECIPES
 from fp8dist.translate.fsdp2 import torchao_dims_multiple
@@ -96,13 +97,15 @@ def fp8_coverage(meta: MetaModel, spec: Spec) -> Fp8Coverage:
                        experts=len(experts))
 
 
-def fp8_extra_bytes(meta: MetaModel, spec: Spec) -> tuple[int, str]:
+def fp8_extra_bytes(meta: MetaModel, spec: Spec, split: TensorSplit) -> tuple[int, str]:
     """Per-rank bytes the FP8 recipe keeps beyond the other stores (the fp8_extras store), and how they were
-    counted."""
+    counted. A weight tensor parallel splits is kept as its tp rank's shard."""
     if not spec.fp8.enabled:
         return 0, "no FP8 backend"
     infos, decisions = _decisions(meta, spec)
-    sizes = [i.in_features * i.out_features for i, d in zip(infos, decisions) if d.convert]
+    dims = split.split_dims()
+    sizes = [i.in_features * i.out_features // (split.tp if f"{i.fqn}.weight" in dims else 1)
+             for i, d in zip(infos, decisions) if d.convert]
     if spec.fp8.backend == "torchao":
         scales = 4 * 3 * len(sizes)  # input, weight and grad scales (fp32) per Float8Linear
         if spec.float8_all_gather:

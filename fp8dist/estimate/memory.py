@@ -6,7 +6,7 @@ import math
 from typing import cast
 
 from fp8dist.audit.expected import expected, frozen_bytes_per_param, implied_bytes_per_param
-from fp8dist.config.parallel import parallel_dims
+from fp8dist.config.parallel import AXES, check_model_fits, parallel_dims, sequence_parallel
 from fp8dist.config.spec import Spec
 from fp8dist.dtypes import get as dtype_info
 from fp8dist.engines.registry import facts_for
@@ -14,12 +14,14 @@ from fp8dist.errors import Fp8distError
 from fp8dist.estimate.coverage import fp8_coverage, fp8_extra_bytes
 from fp8dist.estimate.model import MetaModel, activation_bytes, adapted_counts, blocks, build_meta_model
 from fp8dist.estimate.result import (ActivationBytes, CheckpointingMode, Estimate, Phase, ShardedStore, Store,
-                                     STORES, TransientBytes)
+                                     STORES, TensorParallelCounted, TransientBytes)
+from fp8dist.estimate.tensor_parallel import tensor_split
 
 
 # The engine's facts, asked here only (engines/<name>/facts.py, through the registry).
 def shard_counts(spec: Spec, world: int) -> dict[ShardedStore, int]:
-    """Over how many ranks each store is divided (1: every rank holds all of it)."""
+    """Over how many data-parallel ranks each store is divided (1: every rank holds all of it); a parameter tensor
+    parallel splits is divided by tp on top (tensor_parallel.py)."""
     return facts_for(spec).shard_counts(spec, parallel_dims(spec, world))
 
 
@@ -47,22 +49,26 @@ def masters_note(spec: Spec, per_param: dict[ShardedStore, float]) -> str | None
     return f"the sharded {cell} parameters are the master weights (counted under weights; no copy beside them)"
 
 
-def transient_bytes(meta: MetaModel, spec: Spec, shards: dict[ShardedStore, int]) -> TransientBytes:
+def transient_bytes(meta: MetaModel, spec: Spec, shards: dict[ShardedStore, int],
+                    local: dict[str, int]) -> TransientBytes:
     """Bytes that exist only for a moment of the step, on top of the stores: the gathered weights of the wrap units
     in flight when weights are sharded (the unit computing and the one prefetched: FSDP2's default prefetch of
-    one, torch 2.13 _fully_shard/_fsdp_state.py; ZeRO-3 prefetches likewise), and the gradient of the logits,
-    which a causal LM's loss upcasts to fp32 (transformers 5 loss/loss_utils.py ForCausalLMLoss) and which
-    reaches the bf16 lm_head output as a compute-dtype copy."""
+    one, torch 2.13 _fully_shard/_fsdp_state.py; ZeRO-3 prefetches likewise), gathered over the data axes only, so
+    a unit's tensor-parallel shards (`local`: parameter fqn -> a tp rank's elements); and the gradient of the
+    logits of the rank's `seq_len / cp` tokens, which a causal LM's loss upcasts to fp32 (transformers 5
+    loss/loss_utils.py ForCausalLMLoss) and which reaches the bf16 lm_head output as a compute-dtype copy (the
+    whole vocabulary: a split LM head gathers its logits)."""
     compute = int(dtype_info(spec.precision.compute_dtype).bits) // 8  # compute dtypes are whole bytes
     units = 0
     if shards["weights"] > 1:
-        sizes = sorted((sum(p.numel() for p in block.parameters()) for block in blocks(meta.model, spec)),
-                       reverse=True)
+        sizes = sorted((sum(local[f"{name}.{param}"] for param, _ in block.named_parameters())
+                        for name, block in blocks(meta.model, spec)), reverse=True)
         units = sum(sizes[:2]) * compute
     logits = 0
     vocab = getattr(meta.config, "vocab_size", 0)
     if meta.causal_lm and vocab:
-        logits = spec.train.micro_batch_size * spec.train.seq_len * vocab * (4 + compute)
+        tokens = spec.train.micro_batch_size * (spec.train.seq_len // spec.parallel.context_size)
+        logits = tokens * vocab * (4 + compute)
     return TransientBytes(unsharded_units=units, logits_gradient=logits)
 
 
@@ -83,31 +89,43 @@ def estimate(name: str, spec: Spec, world: int) -> Estimate:
     if world < 1:
         raise Fp8distError(f"--world-size must be at least 1, got {world}")
     shards = shard_counts(spec, world)  # refuses a world the config's parallel dims do not fit, before the build
+    dims = parallel_dims(spec, world)
     meta = build_meta_model(name, spec.precision.compute_dtype)
+    check_model_fits(dims, meta.config.to_dict(), spec.train.seq_len, sequence_split=sequence_parallel(spec),
+                     source=name)
     trainable, frozen = adapted_counts(meta, spec)
+    split = tensor_split(meta.model, spec)
+    local = split.local_numels(meta.model)  # a tp rank's elements of each parameter
+    params = list(meta.model.named_parameters())
+    trainable_local = sum(local[fqn] for fqn, param in params if param.requires_grad)
+    frozen_local = sum(local[fqn] for fqn, param in params if not param.requires_grad)
     per_param = bytes_per_param(spec)
-    # the trainable parameters carry every store; the frozen ones (an adapter run's base) their weight only
-    per_rank: dict[Store, int] = {store: math.ceil(trainable * per_param[store] / shards[store])
+    # the trainable parameters carry every store; the frozen ones (an adapter run's base) their weight only; each
+    # store of a tp rank's shards divided over the store's data-parallel ranks
+    per_rank: dict[Store, int] = {store: math.ceil(trainable_local * per_param[store] / shards[store])
                                   for store in per_param}
-    per_rank["weights"] += math.ceil(frozen * frozen_bytes_per_param(spec) / shards["weights"])
+    per_rank["weights"] += math.ceil(frozen_local * frozen_bytes_per_param(spec) / shards["weights"])
     mode = cast(CheckpointingMode, spec.parallel.activation_checkpointing)
-    measured = activation_bytes(meta, spec)
+    measured = activation_bytes(meta, spec, split)
     coverage = fp8_coverage(meta, spec)
-    extras, extras_how = fp8_extra_bytes(meta, spec)
+    extras, extras_how = fp8_extra_bytes(meta, spec, split)
     # Buffers (RoPE tables, BERT's position ids) stay whole on every rank, in their own dtype.
     per_rank["buffers"] = sum(b.numel() * b.element_size() for b in meta.model.buffers())
     per_rank["fp8_extras"] = extras
     per_rank["activations"] = measured.per_rank(mode)
     host = offloaded(spec)
     device: dict[Store, int] = {store: 0 if store in host else per_rank[store] for store in STORES}
-    transient = transient_bytes(meta, spec, shards)
+    transient = transient_bytes(meta, spec, shards, local)
+    tensor_parallel = TensorParallelCounted(
+        plan=split.plan, split_parameters=sum(param.numel() for fqn, param in params if local[fqn] < param.numel()),
+        vocabulary_split=split.vocabulary is not None, sequence_parallel=split.tp > 1 and sequence_parallel(spec))
     return Estimate(
-        model=name, shape_only=meta.shape_only, world_size=world, trainable_parameters=trainable,
-        frozen_parameters=frozen, frozen_bytes_per_param=frozen_bytes_per_param(spec), engine=spec.engine,
-        config=spec.source, preset=spec.precision.preset, micro_batch_size=spec.train.micro_batch_size,
-        seq_len=spec.train.seq_len, bytes_per_param=per_param, master_weights_note=masters_note(spec, per_param),
-        shards=shards, per_rank_bytes={store: per_rank[store] for store in STORES},
-        offloaded_to_host=tuple(sorted(host)),
+        model=name, shape_only=meta.shape_only, world_size=world, mesh={axis: getattr(dims, axis) for axis in AXES},
+        trainable_parameters=trainable, frozen_parameters=frozen, frozen_bytes_per_param=frozen_bytes_per_param(spec),
+        engine=spec.engine, config=spec.source, preset=spec.precision.preset,
+        micro_batch_size=spec.train.micro_batch_size, seq_len=spec.train.seq_len, bytes_per_param=per_param,
+        master_weights_note=masters_note(spec, per_param), shards=shards, tensor_parallel=tensor_parallel,
+        per_rank_bytes={store: per_rank[store] for store in STORES}, offloaded_to_host=tuple(sorted(host)),
         activations_bytes=ActivationBytes(none=measured.per_rank("none"), full_checkpointing=measured.per_rank("full"),
                                           selective_checkpointing=measured.per_rank("selective"), mode=mode),
         phases_bytes=phases(device, transient), fp8_extras_counted=extras_how, transient_bytes=transient,

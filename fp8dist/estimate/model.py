@@ -8,12 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from fp8dist.config.parallel import sequence_parallel
 from fp8dist.config.spec import Spec
 from fp8dist.dtypes import torch_dtype
 from fp8dist.engines.base import forward_loss
 from fp8dist.errors import Fp8distError
 from fp8dist.estimate.result import CheckpointingMode
 from fp8dist.estimate.shapes import SHAPES
+from fp8dist.estimate.tensor_parallel import TensorSplit, local_linears, tensor_split
 from fp8dist.runtime.adapters import apply_adapter, split_parameters
 from fp8dist.runtime.models import BUILTIN
 
@@ -106,21 +108,30 @@ def adapted_counts(meta: MetaModel, spec: Spec) -> tuple[int, int]:
     return split_parameters(model)
 
 
-def blocks(model: torch.nn.Module, spec: Spec) -> list[torch.nn.Module]:
-    """The transformer blocks, found as FSDP2 finds its wrap units (HF `_no_split_modules`, else the first
-    ModuleList)."""
+def blocks(model: torch.nn.Module, spec: Spec) -> list[tuple[str, torch.nn.Module]]:
+    """(fqn, module) of the transformer blocks, found as FSDP2 finds its wrap units (HF `_no_split_modules`, else
+    the first ModuleList)."""
     from fp8dist.engines.blocks import wrap_units
 
-    return [module for _, module in wrap_units(model, spec)]
+    return wrap_units(model, spec)
 
 
-def activation_bytes(meta: MetaModel, spec: Spec) -> MeasuredActivations:
-    """Bytes kept for backward in one micro-batch forward, per activation-checkpointing mode, measured on the
-    meta device in the compute dtype. `none`: what autograd saves; a tensor saved by several ops (the input of
+def activation_bytes(meta: MetaModel, spec: Spec, split: TensorSplit | None = None) -> MeasuredActivations:
+    """Bytes one rank keeps for backward in one micro-batch forward, per activation-checkpointing mode, measured on
+    the meta device in the compute dtype. `none`: what autograd saves; a tensor saved by several ops (the input of
     q/k/v_proj) or through several views counts once, at the size of its base; attention is counted as flash
     attention keeps it (no S x S tensors). `full`: every block keeps its input. `selective`: every block keeps its
     input and the op outputs the engines' selective policy saves (engines/activation_checkpointing.py SavePolicy).
-    Under either, one block at a time is recomputed in backward (its `none` bytes: `recomputed_block`)."""
+    Under either, one block at a time is recomputed in backward (its `none` bytes: `recomputed_block`).
+
+    The mesh (`split`: what tensor parallel splits, default the config's): context parallel gives a rank
+    `seq_len / cp` tokens everywhere, so the forward runs on those. Tensor parallel: the forward runs with each split
+    Linear holding one tp rank's shard (tensor_parallel.local_linears), so attention and MLP keep their rank's heads
+    and columns and their input whole. Sequence parallel also splits what the blocks keep outside attention and
+    MLP (norms, block inputs) and the final norm along the sequence, by tp (Korthikanti et al. 2022,
+    arXiv:2205.05198, Table 2: per layer sbh(10/t + 24/t + 5as/ht) with sequence parallel against
+    sbh(10 + 24/t + 5as/ht) without); a region's input is gathered whole (torch's PrepareModuleInput) and counted
+    whole. The LM head's input, the logits and the loss stay whole: the logits are gathered on every rank."""
     import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -128,9 +139,12 @@ def activation_bytes(meta: MetaModel, spec: Spec) -> MeasuredActivations:
     from fp8dist.engines.activation_checkpointing import SavePolicy
 
     model, t = meta.model, spec.train
-    params = {id(p) for p in model.parameters()}
-    units = blocks(model, spec)
+    split = split or tensor_split(model, spec)
+    # what is kept while `on_sequence_shard` is a rank's sequence shard: divided by tp under sequence parallel
+    sequence_shards = split.tp if sequence_parallel(spec) else 1
+    units = [module for _, module in blocks(model, spec)]
     current: list[int | None] = [None]
+    on_sequence_shard = [False]  # in a block outside its regions, or in a sequence-parallel module outside blocks
     per_block = [0] * len(units)
     block_inputs = [0] * len(units)
     outside = [0]
@@ -145,7 +159,7 @@ def activation_bytes(meta: MetaModel, spec: Spec) -> MeasuredActivations:
             if index is not None and policies.setdefault(index, SavePolicy()).keeps(func):
                 for tensor in [o for o in (out if isinstance(out, (tuple, list)) else [out])
                                if isinstance(o, torch.Tensor)]:
-                    selective[index] += tensor.numel() * tensor.element_size()
+                    selective[index] += rank_bytes(tensor.numel() * tensor.element_size())
             return out
 
     class FlashAttention(TorchFunctionMode):
@@ -161,32 +175,50 @@ def activation_bytes(meta: MetaModel, spec: Spec) -> MeasuredActivations:
                     query, key, value, 0.0, bool(kwargs.get("is_causal")), scale=kwargs.get("scale"))[0]
             return func(*args, **kwargs)
 
+    def rank_bytes(size: int) -> int:
+        """A rank's bytes of a tensor kept now."""
+        return size // sequence_shards if on_sequence_shard[0] else size
+
     def pack(tensor):
         base = tensor._base if tensor._base is not None else tensor
         if id(base) not in params and id(base) not in seen:
             seen[id(base)] = base
             size = base.numel() * base.element_size()
             if current[0] is None:
-                outside[0] += size
+                outside[0] += rank_bytes(size)
             else:
-                per_block[current[0]] += size
+                per_block[current[0]] += rank_bytes(size)
         return tensor
 
     def enter(index):
         def hook(_module, args, kwargs):
-            current[0] = index
+            current[0], on_sequence_shard[0] = index, True
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             if isinstance(hidden, torch.Tensor):
-                block_inputs[index] = hidden.numel() * hidden.element_size()
+                block_inputs[index] = hidden.numel() * hidden.element_size() // sequence_shards
         return hook
 
+    def leave(*_):
+        current[0], on_sequence_shard[0] = None, False
+
+    def sequence_shard(value: bool):
+        return lambda *_: on_sequence_shard.__setitem__(0, value)
+
     handles = [unit.register_forward_pre_hook(enter(i), with_kwargs=True) for i, unit in enumerate(units)]
-    handles += [unit.register_forward_hook(lambda *_: current.__setitem__(0, None)) for unit in units]
-    ids = torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta")
+    handles += [unit.register_forward_hook(leave) for unit in units]
+    for fqn in split.regions:  # attention and MLP hold the whole sequence, gathered
+        handles += [model.get_submodule(fqn).register_forward_pre_hook(sequence_shard(False)),
+                    model.get_submodule(fqn).register_forward_hook(sequence_shard(True))]
+    if split.final_norm is not None:
+        final_norm = model.get_submodule(split.final_norm)
+        handles += [final_norm.register_forward_pre_hook(sequence_shard(True)),
+                    final_norm.register_forward_hook(sequence_shard(False))]
+    ids = torch.zeros(t.micro_batch_size, t.seq_len // spec.parallel.context_size, dtype=torch.long, device="meta")
     batch = {"input_ids": ids, **({"labels": ids} if meta.causal_lm else {})}
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), FlashAttention(), \
-                SelectiveKeeps():
+        with local_linears(model, split), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+                FlashAttention(), SelectiveKeeps():
+            params = {id(p) for p in model.parameters()}  # the rank's shards, in place while measuring
             forward_loss(model, batch)
     except Exception as exc:  # noqa: BLE001 - an op without a meta kernel, a model that needs other inputs
         raise Fp8distError(f"cannot run {type(model).__name__} on the meta device to measure activations: "

@@ -40,6 +40,15 @@ class TransientBytes:
 
 
 @dataclass(frozen=True)
+class TensorParallelCounted:
+    """What the estimate divided by the mesh's `tp` axis (fp8dist/estimate/tensor_parallel.py)."""
+    plan: str  # where the tensor-parallel plan came from; "" without tensor parallel
+    split_parameters: int  # elements of the parameters split over tp: their stores are divided by tp x the shards
+    vocabulary_split: bool  # embedding and LM head among them
+    sequence_parallel: bool  # what the blocks keep outside attention and MLP divided by tp too
+
+
+@dataclass(frozen=True)
 class LeftOut:
     fqn: str
     reason: str
@@ -68,6 +77,7 @@ class Estimate:
     model: str
     shape_only: bool  # a built-in shape: parameter count and sizes are real, no weights exist
     world_size: int
+    mesh: Mapping[str, int]  # the size of each mesh axis (config/parallel.py AXES), outermost first
     trainable_parameters: int
     frozen_parameters: int  # an adapter run's base: weights only
     frozen_bytes_per_param: float
@@ -78,7 +88,8 @@ class Estimate:
     seq_len: int
     bytes_per_param: Mapping[ShardedStore, float]  # of a trainable parameter
     master_weights_note: str | None  # why master_weights holds no bytes of its own (None: it does)
-    shards: Mapping[ShardedStore, int]  # the ranks each store is divided over
+    shards: Mapping[ShardedStore, int]  # the ranks each store is sharded on: the data axes (FSDP2: x cp)
+    tensor_parallel: TensorParallelCounted  # the parameters whose stores are divided by tp on top
     per_rank_bytes: Mapping[Store, int]
     offloaded_to_host: tuple[Store, ...]
     activations_bytes: ActivationBytes
@@ -109,12 +120,13 @@ class Estimate:
         """The JSON document of `fp8dist estimate --format json`, keys in their documented order."""
         return {
             "model": self.model, "shape_only": self.shape_only, "parameters": self.parameters,
-            "world_size": self.world_size, "trainable_parameters": self.trainable_parameters,
+            "world_size": self.world_size, "mesh": dict(self.mesh), "trainable_parameters": self.trainable_parameters,
             "frozen_parameters": self.frozen_parameters, "frozen_bytes_per_param": self.frozen_bytes_per_param,
             "engine": self.engine, "config": self.config, "preset": self.preset,
             "micro_batch_size": self.micro_batch_size, "seq_len": self.seq_len,
             "bytes_per_param": dict(self.bytes_per_param), "master_weights_note": self.master_weights_note,
-            "shards": dict(self.shards), "per_rank_bytes": dict(self.per_rank_bytes),
+            "shards": dict(self.shards), "tensor_parallel": asdict(self.tensor_parallel),
+            "per_rank_bytes": dict(self.per_rank_bytes),
             "offloaded_to_host": list(self.offloaded_to_host), "host_bytes": self.host_bytes,
             "activations_bytes": asdict(self.activations_bytes), "phases_bytes": dict(self.phases_bytes),
             "highest_phase": self.highest_phase, "peak_bytes": self.peak_bytes,

@@ -15,6 +15,11 @@ DS_BF16_MASTER = (0, 18, 3)
 # `amp` (Apex) section removed: any `amp` key raises DeepSpeedConfigError in 0.19.8 (#8564; 0.19.8
 # runtime/config.py _REMOVED_TOP_LEVEL_CONFIG_KEYS, which points to issue #8489).
 DS_AMP_REMOVED = (0, 19, 8)
+# AutoTP training (`tensor_parallel.autotp_size`): 0.16.4 (#6922; Accelerate 1.15 utils/constants.py
+# DEEPSPEED_AUTOTP_MIN_VERSION checks the same); with ZeRO-3 only from 0.19.4 (#8168; runtime/engine.py: "AutoTP +
+# ZeRO stage 3 is supported for both inference and training"; 0.17.0-0.19.3 assert zero_optimization_stage() <= 2).
+DS_AUTOTP_TRAINING = (0, 16, 4)
+DS_AUTOTP_ZERO3 = (0, 19, 4)
 # gradient_clipping default became 1.0 in 0.19.3 (#8068; runtime/constants.py GRADIENT_CLIPPING_DEFAULT); 0.0 before.
 DS_CLIPPING_DEFAULT_CHANGED = (0, 19, 3)
 
@@ -31,3 +36,13 @@ def deepspeed_has_bf16_master(ds: Version) -> tuple[bool, str]:
         return True, f"DeepSpeed {fmt(ds)} has bf16_master_weights_and_grads"
     return False, (f"DeepSpeed {fmt(ds)} lacks bf16_master_weights_and_grads / bf16_optimizer_states "
                    f"(added in {fmt(DS_BF16_MASTER)})")
+
+
+def deepspeed_autotp(ds: Version, zero_stage: int) -> tuple[bool, str]:
+    """Whether DeepSpeed `ds` trains with AutoTP at this ZeRO stage."""
+    if ds < DS_AUTOTP_TRAINING:
+        return False, f"DeepSpeed {fmt(ds)} has no AutoTP training (added in {fmt(DS_AUTOTP_TRAINING)})"
+    if zero_stage == 3 and ds < DS_AUTOTP_ZERO3:
+        return False, (f"DeepSpeed {fmt(ds)} asserts ZeRO stage <= 2 with AutoTP (ZeRO-3 from "
+                       f"{fmt(DS_AUTOTP_ZERO3)})")
+    return True, f"DeepSpeed {fmt(ds)} trains with AutoTP at ZeRO-{zero_stage}"

@@ -46,6 +46,17 @@ def integer(value: Any, key: str) -> int:
     return int(value)
 
 
+def parallel_size(value: Any, key: str) -> int:
+    """A parallel degree (tensor, context, sequence, data shard or replicate size): an integer >= 1; null or left out
+    is 1 (each tool's default)."""
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit() \
+            or int(value) < 1:
+        raise WrongShape(key, value, "an integer >= 1")
+    return int(value)
+
+
 class ImportProblem(Fp8distError):
     """The file cannot be imported: every problem, each naming the source key, why, and the fix (exit 2)."""
 

@@ -34,7 +34,7 @@ from fp8dist.errors import Checks, Fp8distError
 from fp8dist.runtime import process_group
 from fp8dist.runtime.data import SYNTHETIC_BATCHES, BatchMaker, batches_for
 from fp8dist.runtime.loading import check_efficient_loading, load_for_run
-from fp8dist.runtime.models import LoadedModel
+from fp8dist.runtime.models import LoadedModel, check_mesh_fits
 from fp8dist.runtime.preflight import preflight
 from fp8dist.translate import EnginePlan
 
@@ -196,6 +196,6 @@ def prepare_run(spec: Spec, model_name: str, *, export_hf: str | None = None) ->
     model as the run loads it. Returns (the loaded model, the run's translation)."""
     plan = check_before_launch(spec, model_name, export_hf=export_hf)
     process_group.init(spec.train.process_group_timeout_s, deepspeed=facts_for(spec).deepspeed_process_group)
-    parallel_dims(spec, process_group.world_size())
+    check_mesh_fits(spec, model_name, process_group.world_size())
     advise(spec, process_group.world_size())
     return load_for_run(model_name, spec, plan=plan), plan

@@ -180,6 +180,31 @@ def _check_safetensors(directory: Path) -> None:
                                "safetensors file; save the model again or copy it completely)") from None
 
 
+def config_values(name: str) -> dict | None:
+    """MODEL's config.json values without building it (None for a factory, whose model only prepare sees)."""
+    if name in BUILTIN:
+        return BUILTIN[name]().to_dict()
+    if ":" in name:
+        return None
+    path = Path(name) / "config.json"
+    if path.is_file():
+        return json.loads(path.read_text(encoding="utf-8"))
+    return hub_config(name).to_dict()
+
+
+def check_mesh_fits(spec, name: str, world: int) -> None:
+    """Refuse, before any weight is loaded, a tensor / context parallel mesh MODEL does not split on
+    (fp8dist.config.parallel.check_model_fits); a factory model is checked when the engine sees it."""
+    from fp8dist.config.parallel import check_model_fits, parallel_dims, sequence_parallel
+
+    dims = parallel_dims(spec, world)
+    if dims.tp == 1 and dims.cp == 1:
+        return
+    values = config_values(name)
+    if values is not None:
+        check_model_fits(dims, values, spec.train.seq_len, sequence_split=sequence_parallel(spec), source=name)
+
+
 def load_model(name: str, dtype: str, seed: int = 0) -> LoadedModel:
     """Build or load MODEL in the load dtype. Only a Hub id may reach the network (transformers resolves it)."""
     check_model_name(name)

@@ -5,7 +5,8 @@ Rules (DeepSpeed 0.19.8 sources: deepspeed/runtime/config.py, deepspeed/runtime/
 - `torch_autocast` always with an explicit `dtype` (its default is fp16 on CUDA);
 - never `"auto"` inside a typed section (DeepSpeedConfigModel drops it silently);
 - `gradient_clipping` always explicit (default changed 0.0 -> 1.0 in 0.19.3, #8068);
-- the `msamp` section only for DeepSpeed versions MS-AMP supports (facts.msamp.MSAMP_DEEPSPEED_WINDOWS).
+- the `msamp` section only for DeepSpeed versions MS-AMP supports (facts.msamp.MSAMP_DEEPSPEED_WINDOWS);
+- tensor parallel as AutoTP, `tensor_parallel.autotp_size`, and no split of the model through `deepspeed.extra`.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from fp8dist.config.spec import Spec
 from fp8dist.config.vocabulary import deepspeed_extras
 from fp8dist.errors import ConfigError, Issue
 from fp8dist.facts import versions
-from fp8dist.facts.deepspeed import (DS_AMP_REMOVED, DS_AUTOCAST_WITH_BF16, DS_BF16_MASTER, NEWEST_KNOWN_DEEPSPEED,
-                                     deepspeed_has_bf16_master, deepspeed_has_torch_autocast)
+from fp8dist.facts.deepspeed import (DS_AMP_REMOVED, DS_AUTOCAST_WITH_BF16, DS_AUTOTP_ZERO3, DS_BF16_MASTER, NEWEST_KNOWN_DEEPSPEED,
+                                     deepspeed_autotp, deepspeed_has_bf16_master, deepspeed_has_torch_autocast)
 from fp8dist.facts.msamp import MSAMP_RELEASE, MSAMP_RELEASE_DEEPSPEED, installed_msamp, msamp_supports_deepspeed
 from fp8dist.facts.versions import Version, fmt, parse_version
 
@@ -70,6 +71,15 @@ def _generated(spec: Spec, version, origin) -> tuple[dict[str, Any], list[Issue]
     config.update(_precision_sections(spec, version, origin, issues))
     config["communication_data_type"] = spec.precision.reduce_dtype
     config["zero_optimization"] = _zero_section(spec)
+    if spec.parallel.tensor_size > 1:
+        # AutoTP training (deepspeed 0.19.8 runtime/tensor_parallel/config.py TPTrainingConfig.autotp_size;
+        # deepspeed.initialize turns it on for autotp_size > 0, runtime/engine.py splits for > 1)
+        config["tensor_parallel"] = {"autotp_size": spec.parallel.tensor_size}
+        ok, reason = deepspeed_autotp(version, spec.deepspeed.zero_stage)
+        if not ok:
+            issues.append(Issue("parallel.tensor_size", f"{reason} ({origin})", spec.parallel.tensor_size,
+                                f"pip install 'deepspeed>={fmt(DS_AUTOTP_ZERO3)}', or parallel.sharding=grad_op "
+                                "(ZeRO-2), or parallel.tensor_size=1"))
     if spec.deepspeed.grad_accum_dtype:
         config["data_types"] = {"grad_accum_dtype": spec.deepspeed.grad_accum_dtype}
     if spec.optimizer.name not in ("adam", "adamw") and spec.deepspeed.zero_stage > 0:
@@ -106,6 +116,7 @@ GENERATED_FROM = {
     "zero_optimization.offload_param": "parallel.offload (or deepspeed.offload_param)",
     "zero_optimization.offload_optimizer.nvme_path": "deepspeed.nvme_path",
     "zero_optimization.offload_param.nvme_path": "deepspeed.nvme_path",
+    "tensor_parallel.autotp_size": "parallel.tensor_size",
     "data_types.grad_accum_dtype": "deepspeed.grad_accum_dtype",
     "zero_allow_untested_optimizer": "optimizer.name",
     "zero_force_ds_cpu_optimizer": "optimizer.name (with deepspeed.offload_optimizer)",
@@ -113,6 +124,14 @@ GENERATED_FROM = {
     "msamp.opt_level": "precision.fp8.msamp.opt_level",
     "msamp.use_te": "precision.fp8.msamp.use_te",
 }
+
+
+# deepspeed.extra keys that would split the model behind the config's back (fp8dist's runtime builds its mesh, the
+# data-parallel ranks and its checks from `parallel`), even where the translation does not write them: the fp8dist key
+# that says the same, or None where fp8dist has none. A value of 1 (0 for autotp_size, DeepSpeed's default) splits
+# nothing and merges.
+LAYOUT_KEYS: dict[str, str | None] = {"tensor_parallel.autotp_size": "parallel.tensor_size",
+                                      "sequence_parallel_size": None}
 
 
 def generated_from(dotted: str) -> str | None:
@@ -223,7 +242,8 @@ def _leaves(node: dict[str, Any], prefix: tuple = ()):
 
 def _merged_with_extra(config: dict[str, Any], extra: dict[str, Any], version) -> tuple[dict[str, Any], list[Issue]]:
     """`deepspeed.extra` merged last, and what it cannot hold: a key the translation generated (named with the
-    fp8dist key that produces it), `"auto"`, `amp` on a DeepSpeed that rejects it, or a second 16-bit mode."""
+    fp8dist key that produces it), a split of the model fp8dist's mesh would not know (LAYOUT_KEYS), `"auto"`, `amp`
+    on a DeepSpeed that rejects it, or a second 16-bit mode."""
     merged = copy.deepcopy(config)
     issues = []
     for path, value in _leaves(extra):
@@ -240,6 +260,14 @@ def _merged_with_extra(config: dict[str, Any], extra: dict[str, Any], version) -
                                 f"fp8dist generates from {source or 'the config'}", value,
                                 f"set {source.split(' ')[0]} instead, or drop {dotted} from deepspeed.extra" if source
                                 else "set it through the fp8dist key that produces it, or drop it from extra"))
+            continue
+        if dotted in LAYOUT_KEYS and value not in (0, 1):
+            key = LAYOUT_KEYS[dotted]
+            issues.append(Issue(f"deepspeed.extra.{dotted}", "splits the model over ranks fp8dist's mesh does not "
+                                "know of" + (f" (its key is {key})" if key else " (DeepSpeed's Ulysses sequence "
+                                "parallel, which fp8dist does not wire)"), value,
+                                f"set {key} instead" if key else f"drop {dotted} from deepspeed.extra (context "
+                                "parallel: parallel.context_size with engine fsdp2)"))
             continue
         if value == "auto":
             issues.append(Issue(f"deepspeed.extra.{dotted}", "\"auto\" is only filled in by Accelerate/HF Trainer; "

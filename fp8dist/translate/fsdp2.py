@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+from fp8dist.config.parallel import sequence_parallel
 from fp8dist.config.spec import Dtype, Spec
 from fp8dist.errors import ConfigError, Issue
 from fp8dist.facts import versions
@@ -162,19 +163,44 @@ class ShardingPlan(PlanSection):
     # root module", torch 2.13 distributed/fsdp/_fully_shard/_fully_shard.py); one all-gather less per step.
     root_reshard_after_forward: bool = False
 
+    tensor_size: int = 1
+    context_size: int = 1
+
     @property
     def mesh(self) -> str:
         """The DeviceMesh, in words (the run builds it: fp8dist.config.parallel.ParallelDims.mesh_shape)."""
+        inner = [f"{axis} = {size}" for axis, size in (("cp", self.context_size), ("tp", self.tensor_size))
+                 if size > 1]
+        data = " / ".join(["world"] + [str(size) for size in (self.context_size, self.tensor_size) if size > 1])
         if self.strategy == "hybrid":
-            return f"2-D (replicate = world / {self.shard_size}, shard = {self.shard_size})"
-        if self.strategy == "replicate":
-            return "2-D (replicate = world, shard = 1)"
-        return "1-D (shard over all ranks)"
+            dims = [f"replicate = {data} / {self.shard_size}", f"shard = {self.shard_size}", *inner]
+        elif self.strategy == "replicate":
+            dims = [f"replicate = {data}", "shard = 1", *inner]
+        elif inner:
+            dims = [f"shard = {data}", *inner]
+        else:
+            return "1-D (shard over all ranks)"
+        return f"{len(dims)}-D ({', '.join(dims)})"
 
     def to_json(self) -> dict[str, Any]:
         return {"strategy": self.strategy, "mesh": self.mesh, "shard_size": self.shard_size,
                 "reshard_after_forward": self.reshard_after_forward,
                 "root_reshard_after_forward": self.root_reshard_after_forward}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorParallelSection(PlanSection):
+    """`parallel.tensor_size` > 1: DTensor tensor parallel on the mesh's `tp` axis, applied by
+    fp8dist/engines/fsdp2/tensor_parallel.py (the run says how it split the model)."""
+    size: int
+    sequence_parallel: bool
+    plan: str = "the model's config.base_model_tp_plan (transformers 5); fp8dist's Llama-style plan where it has none"
+    float8_styles: bool
+    """torchao's Float8ColwiseParallel / Float8RowwiseParallel for the tensorwise Float8Linears (activations
+    all-gathered in float8 under sequence parallel); the plain styles otherwise (compute-dtype communication)."""
+    order: str
+    vocabulary: str = ("split over tp where it divides and embeddings are untied (logits gathered); else whole on "
+                       "each tp rank")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -307,6 +333,7 @@ class FSDP2Plan(PlanSection):
     loading: LoadingPlan
     loss_scaling: LossScalingPlan | None
     float8: Float8Plan | None
+    tensor_parallel: TensorParallelSection | None = _left_out_when(None)
     optimizer: OptimizerPlan
     compile: CompilePlan | None
     gradient_clipping: float
@@ -325,7 +352,21 @@ def fsdp2_layout(spec: Spec) -> ShardingPlan:
         shard_size = spec.parallel.shard_size
     elif strategy == "replicate":
         shard_size = 1
-    return ShardingPlan(strategy=strategy, shard_size=shard_size, reshard_after_forward=strategy != "grad_op")
+    return ShardingPlan(strategy=strategy, shard_size=shard_size, reshard_after_forward=strategy != "grad_op",
+                        tensor_size=spec.parallel.tensor_size, context_size=spec.parallel.context_size)
+
+
+def tensor_parallel_section(spec: Spec) -> TensorParallelSection | None:
+    if spec.parallel.tensor_size == 1:
+        return None
+    ao = spec.fp8.torchao
+    mxfp8 = spec.fp8.backend == "torchao" and ao.recipe_name == "mxfp8"
+    return TensorParallelSection(
+        size=spec.parallel.tensor_size, sequence_parallel=sequence_parallel(spec),
+        float8_styles=spec.fp8.backend == "torchao" and ao.recipe_name == "tensorwise",
+        order=("tensor parallel, then MXFP8 conversion (torchao wraps the DTensor weights)" if mxfp8 else
+               "FP8 conversion, then tensor parallel (torchao's float8 styles need Float8Linears)" if spec.fp8.enabled
+               else "tensor parallel, then activation checkpointing, compile and fully_shard"))
 
 
 # Spec's enumerated fields are `str` (the schema has checked their values): `cast` names the plan's Literal type.
@@ -346,6 +387,7 @@ def to_fsdp2(spec: Spec, torchao_version: str | None = None, te_version: str | N
         else LoadingPlan(mode="full"),
         loss_scaling=loss_scaling_plan(spec),
         float8=float8_plan(spec, torchao_version, te_version),
+        tensor_parallel=tensor_parallel_section(spec),
         optimizer=OptimizerPlan(
             cls=OPTIMIZER_CLASSES[(spec.optimizer.name, state if state in ("fp8", "int8") else None)],
             steps_on=master, state_dtype=state, lr=spec.optimizer.lr, weight_decay=spec.optimizer.weight_decay),

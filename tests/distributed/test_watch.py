@@ -61,6 +61,16 @@ def test_a_broken_loop_fails_naming_the_phase(cases, name, phases, observed):
         assert case["observed"][phase] == value, (phase, case)
 
 
+def test_deepspeed_autotp_dropping_float8_fails_the_gemm_row(cases):
+    """Float8 conversion then DeepSpeed AutoTP: AutoTP replaced all 14 Float8Linears (nn.Linear subclasses) with
+    its own layers; the watch sees bf16 GEMMs, names the replacing class, and puts the TP all-reduces on `tp`."""
+    case = cases["deepspeed-autotp-float8"]
+    assert case["float8_linears"] == [14, 0], case
+    assert case["passed"] is False and "gemm" in case["failing"] and case["observed"]["gemm"] == "bf16", case
+    assert "LinearAllreduce is not an FP8 module" in case["details"]["gemm"], case["details"]["gemm"]
+    assert case["wire_by_axis"]["tp"]["all_reduce"]["bf16"]["calls"] >= 8, case["wire_by_axis"]
+
+
 def test_stale_optimizer_is_explained(cases):
     detail = cases["fsdp2-optimizer-before-upcast"]["details"]["master_weights"]
     assert "not the model's parameters" in detail, detail

@@ -26,7 +26,23 @@ def blocks_in_use(fp8: FP8Spec) -> tuple[str, ...]:
 
 def check(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
     return [*_master_needs_mixed_precision(spec), *_explicit_block_matches_backend(spec, explicit),
-            *_loss_scaling(spec, explicit), *_adapter(spec, explicit)]
+            *_loss_scaling(spec, explicit), *_adapter(spec, explicit), *_mesh(spec)]
+
+
+def _mesh(spec: Spec) -> list[Issue]:
+    """The tensor / sequence / context axes where no backend or engine can honour them (fp8dist.config.parallel has
+    the size rules; each engine and backend module its own refusals)."""
+    par, issues = spec.parallel, []
+    if par.sequence_parallel is True and par.tensor_size == 1:
+        issues.append(Issue("parallel.sequence_parallel", "sequence parallel shards the activations over the "
+                            "tensor-parallel ranks, and parallel.tensor_size is 1", True,
+                            "set parallel.tensor_size > 1, or leave parallel.sequence_parallel auto"))
+    if spec.adapter.enabled and par.tensor_size > 1:
+        issues.append(Issue("parallel.tensor_size", "LoRA adapters wrap the Linears tensor parallel splits (PEFT's "
+                            "lora.Linear holds the base Linear), and fp8dist splits plain nn.Linear layers only",
+                            par.tensor_size, "set parallel.tensor_size=1 with an adapter (FSDP2 shards the frozen "
+                            "base over every rank)"))
+    return issues
 
 
 def _master_needs_mixed_precision(spec: Spec) -> list[Issue]:

@@ -119,6 +119,27 @@ def _parallel(spec: Spec) -> list[Issue]:
                             "deepspeed.zero.Init, which is ZeRO-3; at ZeRO-"
                             f"{stage} every rank holds the whole model anyway", True,
                             "set parallel.sharding=full (ZeRO-3), or parallel.cpu_ram_efficient_loading=false"))
+    if par.tensor_size > 1 and spec.fp8.enabled:
+        issues.append(Issue("parallel.tensor_size", "DeepSpeed's tensor parallel (AutoTP) replaces every nn.Linear "
+                            "subclass with its own LinearLayer / LinearAllreduce (deepspeed 0.19 "
+                            "module_inject/auto_tp.py _replace_module), FP8 Linears included: FP8 would be silently "
+                            f"off (precision.fp8.backend={spec.fp8.backend})", par.tensor_size,
+                            "use engine=fsdp2 (DTensor tensor parallel keeps FP8), or parallel.tensor_size=1, or "
+                            "precision.fp8.backend=none"))
+    if par.tensor_size > 1 and par.sharding == "hybrid":
+        issues.append(Issue("parallel.sharding", "hybrid is ZeRO-3 + ZeRO++ hpZ on DeepSpeed, which AutoTP does not "
+                            "compose with (deepspeed 0.19 runtime/engine.py: AutoTP takes the model-parallel group "
+                            "hpZ partitions inside)", "hybrid", "set parallel.sharding=full, grad_op or replicate"))
+    if par.sequence_parallel is True:
+        issues.append(Issue("parallel.sequence_parallel", "DeepSpeed AutoTP has no sequence parallel, and DeepSpeed's "
+                            "own (Ulysses, `sequence_parallel_size`) needs its attention registered with transformers "
+                            "before the model is built (deepspeed 0.19 runtime/sequence_parallel/ulysses_sp.py), "
+                            "which fp8dist does not wire", True,
+                            "leave parallel.sequence_parallel auto (off on DeepSpeed), or use engine=fsdp2"))
+    if par.context_size > 1:
+        issues.append(Issue("parallel.context_size", "context parallel is torch's context_parallel on FSDP2; DeepSpeed's "
+                            "sequence splitting is Ulysses (`sequence_parallel_size`), which fp8dist does not wire",
+                            par.context_size, "use engine=fsdp2 on GPUs, or parallel.context_size=1"))
     if par.sharding == "hybrid" and spec.fp8.backend == "msamp":
         issues.append(Issue("parallel.sharding", "hybrid is ZeRO-3 + hpZ on DeepSpeed, and MS-AMP does not run "
                             "ZeRO-3 (Azure/MS-AMP#182)", "hybrid", "set parallel.sharding=grad_op"))

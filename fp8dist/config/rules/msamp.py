@@ -35,4 +35,9 @@ def check(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
     if spec.precision.mixed_precision == "none":
         issues.append(Issue("precision.mixed_precision", "MS-AMP runs on DeepSpeed's fp16 or bf16 mode", "none",
                             "set precision.mixed_precision=fp16 (MS-AMP's examples) or bf16"))
+    if spec.parallel.tensor_size > 1:
+        issues.append(Issue("parallel.tensor_size", "MS-AMP's FP8 tensor parallel exists only through Megatron-LM "
+                            "(MS-AMP v0.4.0 msamp/megatron); DeepSpeed AutoTP would replace its FP8 Linears",
+                            spec.parallel.tensor_size, "set parallel.tensor_size=1, or use engine=fsdp2 with "
+                            "precision.fp8.backend=torchao"))
     return issues

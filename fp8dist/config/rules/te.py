@@ -61,4 +61,11 @@ def check(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
                             f"(train.micro_batch_size * train.seq_len = {tokens}) to be a multiple of {multiple} "
                             "(pytorch/utils.py assert_dim_for_fp8_exec fails the forward otherwise)", train.seq_len,
                             f"set train.seq_len to a multiple of {multiple} (e.g. {-(-train.seq_len // multiple) * multiple})"))
+    if spec.fp8.backend == "te" and spec.parallel.tensor_size > 1:
+        issues.append(Issue("parallel.tensor_size", "fp8dist swaps in Transformer Engine's own Linear, which DTensor "
+                            "tensor parallel does not split (TE splits through its own tp_group / "
+                            "sequence_parallel arguments at construction), and TE FP8 + FSDP2 + TP fails in "
+                            "Accelerate too (huggingface/accelerate#3827)", spec.parallel.tensor_size,
+                            "set parallel.tensor_size=1, or precision.fp8.backend=torchao (tensorwise keeps FP8 "
+                            "all-gathers under tensor parallel)"))
     return issues

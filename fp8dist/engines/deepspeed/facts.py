@@ -61,8 +61,11 @@ class DeepSpeedFacts:
         return True
 
     def shard_counts(self, spec: Spec, dims: ParallelDims) -> dict[Store, int]:
-        """Over how many ranks each store is divided by the ZeRO stage. ZeRO-0 keeps everything whole (bf16 runs at
-        stage 0 use the unpartitioned DDP bf16 optimizer, engine.py 0.19.8)."""
+        """Over how many ranks each store is divided by the ZeRO stage: the data-parallel ranks (world / tp: AutoTP's
+        tensor-parallel groups sit outside ZeRO's data-parallel group, deepspeed 0.19.8 runtime/engine.py
+        _init_tp_mesh_device). A Linear AutoTP splits is partitioned as its tp shard, so its stores are divided by
+        tp on top: fp8dist/estimate/tensor_parallel.py. ZeRO-0 keeps everything whole (bf16 runs at stage 0 use
+        the unpartitioned DDP bf16 optimizer, engine.py 0.19.8)."""
         stage, world = spec.deepspeed.zero_stage, dims.data_size
         return {"weights": world if stage >= 3 else 1, "master_weights": world if stage >= 1 else 1,
                 "gradients": world if stage >= 2 else 1, "optimizer": world if stage >= 1 else 1}

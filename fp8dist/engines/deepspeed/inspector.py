@@ -44,6 +44,21 @@ class DeepSpeedInspector(Inspector):
     def __init__(self, module, optimizer, decisions: list | None = None):
         super().__init__("deepspeed", module, optimizer, decisions)
 
+
+    def mesh_axes(self) -> dict[frozenset[int], str]:
+        """DeepSpeed's own groups: AutoTP's tensor-parallel group is `tp`, its data-parallel group `dp_shard` (ZeRO
+        partitions over it). deepspeed 0.19 deepspeed/utils/groups.py _init_tp_mesh_device keeps both in module
+        globals once AutoTP has built them (its public getters assert when they are not); without AutoTP no group
+        is named and every collective counts on the data axes."""
+        import torch.distributed as dist
+
+        groups = sys.modules.get("deepspeed.utils.groups")
+        tp = getattr(groups, "_TENSOR_MODEL_PARALLEL_GROUP", None)
+        if groups is None or tp is None:
+            return {}
+        return {frozenset(dist.get_process_group_ranks(groups.get_data_parallel_group())): "dp_shard",
+                frozenset(dist.get_process_group_ranks(tp)): "tp"}
+
     def weights(self) -> tuple[list, str]:
         return [self.stored(p) for p in self.parameters()], "module parameters (ZeRO-3: partitions)"
 

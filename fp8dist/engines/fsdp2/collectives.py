@@ -45,3 +45,26 @@ class ByteViewAllGather(DefaultAllGather):
         if self.record is not None:
             self.record.add(input_tensor)
         return dist.all_gather_single(_wire(output_tensor), _wire(input_tensor), group=group, async_op=async_op)
+
+
+def carry_float8_tensor_parallel_over_gloo() -> None:
+    """Let torchao's float8 tensor-parallel styles all-gather over gloo, as ByteViewAllGather does for FSDP2: torchao
+    runs a float8 all-gather by calling the functional collective on the Float8TrainingTensor's float8 data
+    (torchao 0.18 torchao/float8/float8_ops.py allgather_fp8, registered in FLOAT8_OPS_TABLE); the entry installed
+    here hands it a collective that moves those bytes as uint8 and views the result back. Process-wide and
+    idempotent; called only where the backend is gloo (NCCL carries float8: elsewhere nothing changes)."""
+    import torchao.float8.float8_ops as float8_ops
+
+    gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+    torchao_gather = float8_ops.FLOAT8_OPS_TABLE[gather]
+    if getattr(torchao_gather, "byte_view", False):
+        return
+
+    def byte_view_gather(aten_op, args, kwargs=None):
+        def gather_bytes(data, *rest, **more):
+            return aten_op(_wire(data), *rest, **more).view(data.dtype)
+
+        return torchao_gather(gather_bytes, args, kwargs or {})
+
+    byte_view_gather.byte_view = True  # type: ignore[attr-defined]
+    float8_ops.FLOAT8_OPS_TABLE[gather] = byte_view_gather

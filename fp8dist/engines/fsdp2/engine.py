@@ -1,15 +1,17 @@
 """FSDP2 engine: execute the plan of fp8dist.translate.fsdp2 on a real model.
 
 The order of model transforms, written once here (torchtitan parallelize_llama, Accelerate fsdp2_prepare_model):
-upcast to the master dtype (FSDP2 wants one original dtype per group) -> FP8
-conversion -> activation checkpointing -> torch.compile per block, in place -> fully_shard each block, then the
-root, on the mesh of `parallel.sharding` -> (meta-built models) materialise the shards and load the weights ->
-the optimizer. Compiling blocks in place before sharding (torchtitan apply_compile: "per-TransformerBlock compile
+upcast to the master dtype (FSDP2 wants one original dtype per group) -> float8 conversion -> tensor parallel on the
+mesh's `tp` axis (engines/fsdp2/tensor_parallel.py) -> MXFP8 conversion (after TP: torchao wraps DTensor weights) ->
+activation checkpointing -> torch.compile per block, in place -> fully_shard each block, then the root, on the data
+axes of the mesh -> (meta-built models) materialise the shards and load the weights -> the optimizer. Compiling blocks in place before sharding (torchtitan apply_compile: "per-TransformerBlock compile
 ... before FSDP") keeps the root an FSDPModule, so gradient accumulation still skips the reduce-scatter of all but
 the last micro-batch. The optimizer gets a step post-hook for the backend (torchao float8 scale precompute); fp16
 compute gets the loss scaler (engines/loss_scaling.py).
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -18,13 +20,15 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 import fp8dist.engines.activation_checkpointing as activation_checkpointing
 from fp8dist.backends.base import get_backend
 from fp8dist.config.spec import Spec
-from fp8dist.config.parallel import parallel_dims
+from fp8dist.config.parallel import check_model_fits, parallel_dims, sequence_parallel
 from fp8dist.dtypes import torch_dtype
-from fp8dist.engines.advice import advise_small_gemms
+from fp8dist.engines.advice import advise_small_gemms, say
 from fp8dist.engines.base import Engine, FirstStepAudit, forward_loss
 from fp8dist.engines.blocks import wrap_units
 from fp8dist.engines.fsdp2.checkpointing import Checkpointing
-from fp8dist.engines.mesh import build_device_mesh, device_type
+import fp8dist.engines.fsdp2.context_parallel as context_parallel
+import fp8dist.engines.fsdp2.tensor_parallel as tensor_parallel
+from fp8dist.engines.mesh import build_device_mesh, data_mesh, device_type
 from fp8dist.engines.inspector import Inspector
 from fp8dist.engines.loss_scaling import DynamicLossScaler, StepOutcome
 from fp8dist.engines.optim import build_optimizer, trainable_parameters
@@ -40,9 +44,12 @@ class FSDP2Run(Engine):
 
     def __init__(self, model, optimizer, backend, plan: FSDP2Plan, spec: Spec, decisions: list, wrapped: list[str],
                  scaler: DynamicLossScaler | None, *, audit: str | None = None,
-                 first_step_audit: FirstStepAudit | None = None):
+                 first_step_audit: FirstStepAudit | None = None,
+                 tensor_parallel_plan: tensor_parallel.TensorParallelPlan | None = None, cp_mesh=None):
         super().__init__(spec, backend, decisions, audit=audit, first_step_audit=first_step_audit)
         self.model, self.optimizer, self.plan, self.wrapped = model, optimizer, plan, wrapped
+        self.tensor_parallel = tensor_parallel_plan  # None: no tp axis
+        self.cp_mesh = cp_mesh  # None: no cp axis (fp8dist/engines/fsdp2/context_parallel.py)
         self.scaler = scaler  # fp16 compute only
         self.clip = spec.train.gradient_clipping
         self.last_step: StepOutcome | None = None  # how the fp16 loss scale moved on the last step
@@ -53,10 +60,18 @@ class FSDP2Run(Engine):
         total = 0.0
         for i, batch in enumerate(batches):
             self.model.set_requires_gradient_sync(i == len(batches) - 1)
-            with self.backend.forward_context():
-                loss = forward_loss(self.model, batch) / len(batches)
-            (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
+            if self.cp_mesh is not None:
+                batch = context_parallel.split_batch(batch)
+            with (context_parallel.sharded_sequence(self.cp_mesh, batch) if self.cp_mesh is not None
+                  else contextlib.nullcontext()):
+                with self.backend.forward_context():
+                    loss = forward_loss(self.model, batch) / len(batches)
+                (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
             total += loss.detach().float().item()
+        if self.cp_mesh is not None:  # each cp rank's loss is its slice's mean: the step's is their mean
+            mean = torch.tensor(total, device=self.input_device)
+            dist.all_reduce(mean, op=dist.ReduceOp.AVG, group=self.cp_mesh.get_group())
+            total = mean.item()
         return total
 
     def apply_gradients(self) -> bool:
@@ -70,7 +85,9 @@ class FSDP2Run(Engine):
                 self.optimizer.zero_grad(set_to_none=True)
                 return False
             self.scaler.unscale_(params)
-        if self.clip > 0:
+        if self.clip > 0 and self.tensor_parallel is not None:
+            tensor_parallel.clip_grad_norm_(params, self.clip)  # gradients on (dp, tp) and on dp meshes
+        elif self.clip > 0:
             torch.nn.utils.clip_grad_norm_(params, self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -127,14 +144,33 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
         for param in model.parameters():
             if param.requires_grad and param.is_floating_point() and param.dtype != master:
                 param.data = param.data.to(master)
-    decisions = backend.convert_module(model)
+    mesh = mesh or build_device_mesh(parallel_dims(spec, dist.get_world_size()))
+    tp_plan = None
+    if "tp" in (mesh.mesh_dim_names or ()):
+        _check_tensor_parallel_model(model, spec, mesh["tp"].size())
+    if "cp" in (mesh.mesh_dim_names or ()) and getattr(model, "loss_function", None) is None:
+        raise Fp8distError(f"parallel.context_size={mesh['cp'].size()}: context parallel splits a causal language "
+                           f"model's sequence and gives it the whole sequence's positions and shifted labels; "
+                           f"{type(model).__name__} is not a transformers model that takes them\n  fix: "
+                           "parallel.context_size=1 for this model")
+    decisions = [] if backend.converts_after_tensor_parallel else backend.convert_module(model)
+    if "tp" in (mesh.mesh_dim_names or ()):
+        tp_plan = tensor_parallel.apply(model, mesh["tp"], sequence_parallel=sequence_parallel(spec))
+        if tp_plan.float8_styles and dist.get_backend() == "gloo":
+            # imported only here: it builds on torchao's float8 op table (tests/unit: no import otherwise)
+            from fp8dist.engines.fsdp2.collectives import carry_float8_tensor_parallel_over_gloo
+
+            carry_float8_tensor_parallel_over_gloo()
+        say("tensor-parallel", tp_plan.summary())
+    if backend.converts_after_tensor_parallel:
+        decisions = backend.convert_module(model)
     advise_small_gemms(spec, model)
     units = activation_checkpointing.apply(model, wrap_units(model, spec), plan.activation_checkpointing, backend)
     if plan.compile:
         for unit in [unit for _, unit in units] or [model]:
             unit.compile()  # in place: the module object (and so the FSDP unit) stays the same
 
-    mesh = mesh or build_device_mesh(parallel_dims(spec, dist.get_world_size()))
+    shard_mesh = data_mesh(mesh)
     mp = plan.mixed_precision_policy
     policy = dict(param_dtype=_dtype(mp.param_dtype), reduce_dtype=_dtype(mp.reduce_dtype),
                   cast_forward_inputs=mp.cast_forward_inputs)
@@ -145,8 +181,8 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan.offload_policy else OffloadPolicy()
     reshard = plan.sharding.reshard_after_forward
     for _, unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=block_policy, reshard_after_forward=reshard, offload_policy=offload)
-    fully_shard(model, mesh=mesh, mp_policy=root_policy, offload_policy=offload,
+        fully_shard(unit, mesh=shard_mesh, mp_policy=block_policy, reshard_after_forward=reshard, offload_policy=offload)
+    fully_shard(model, mesh=shard_mesh, mp_policy=root_policy, offload_policy=offload,
                 reshard_after_forward=plan.sharding.root_reshard_after_forward)
     if materialize is not None:  # offloaded shards live on the CPU (torchtitan enable_cpu_offload)
         materialize.materialize(model, "cpu" if plan.offload_policy else device_type())
@@ -166,7 +202,23 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
     scaler = DynamicLossScaler(spec.precision.loss_scaling) if plan.loss_scaling else None  # ranks agree on a skip
     model.fp8dist_decisions = decisions  # for an inspector that recognises the model (fp8dist.audit.watch)
     return FSDP2Run(model, optimizer, backend, plan, spec, decisions, [name for name, _ in units], scaler,
-                    audit=audit, first_step_audit=first_step_audit)
+                    audit=audit, first_step_audit=first_step_audit, tensor_parallel_plan=tp_plan,
+                    cp_mesh=mesh["cp"] if "cp" in (mesh.mesh_dim_names or ()) else None)
+
+
+def _check_tensor_parallel_model(model, spec: Spec, tp: int) -> None:
+    """The checks that need the model itself (a factory model was not seen before the ranks started): its sizes
+    split over tp, and no MoE experts (splitting experts is expert parallel's, not tensor parallel's)."""
+    from fp8dist.backends.experts import experts_modules
+
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        check_model_fits(parallel_dims(spec, dist.get_world_size()), config.to_dict(), spec.train.seq_len,
+                         sequence_split=sequence_parallel(spec), source=type(model).__name__)
+    if experts_modules(model):
+        raise Fp8distError(f"{type(model).__name__} has MoE experts: fp8dist's tensor parallel splits dense "
+                           "Linears and does not split experts (torchtitan recommends expert parallel for routed "
+                           "experts)\n  fix: parallel.tensor_size=1 for MoE models")
 
 
 def setup(model, spec: Spec, **kwargs) -> FSDP2Run:

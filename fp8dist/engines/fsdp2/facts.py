@@ -24,7 +24,20 @@ class FSDP2Facts:
         return to_fsdp2(spec)
 
     def check_environment(self, spec: Spec, plan: EnginePlan) -> None:
-        """FSDP2 refuses nothing of its own here: torch's floor and the backend's checks are preflight's."""
+        """Context parallel needs an attention kernel torch's context_parallel can shard: it maps only the CUDA
+        flash / memory-efficient / cuDNN SDPA ops (torch 2.13 torch/distributed/tensor/experimental/
+        _context_parallel/_attention.py _sdpa_handler); on CPU, SDPA's flash_attention_for_cpu has no sharding
+        strategy, and attention computed over each rank's slice alone would be silently wrong."""
+        from fp8dist.errors import UnsupportedEnvironment
+        from fp8dist.machine import device_info
+
+        if spec.parallel.context_size > 1 and not device_info()["cuda_available"]:
+            raise UnsupportedEnvironment(
+                f"parallel.context_size={spec.parallel.context_size}: context parallel shards attention through "
+                "torch's CUDA SDPA kernels (flash / memory-efficient / cuDNN); this machine has no CUDA device, and "
+                "aten._scaled_dot_product_flash_attention_for_cpu has no sharding rule",
+                "run on GPUs, or set parallel.context_size=1 (parallel.tensor_size with sequence parallel splits "
+                "activations along the sequence on any device)")
 
     def expected_stores(self, spec: Spec) -> dict[str, tuple[str, str]]:
         p = spec.precision
@@ -52,9 +65,13 @@ class FSDP2Facts:
         return False
 
     def shard_counts(self, spec: Spec, dims: ParallelDims) -> dict[Store, int]:
-        """Every store is divided over the shard dim (all ranks, a hybrid group, or 1 for replicate)."""
-        return {"weights": dims.dp_shard, "master_weights": dims.dp_shard, "gradients": dims.dp_shard,
-                "optimizer": dims.dp_shard}
+        """Every store is divided over the shard dim (the data-parallel ranks, a hybrid group, or 1 for replicate)
+        with cp folded in: FSDP2 shards over dp_shard x cp (engines/mesh.py data_mesh; torchtitan
+        parallel_dims.py "fsdp = dp_shard * cp"). A parameter tensor parallel splits is sharded as its tp shard
+        (torchao 0.18 torchao/float8/fsdp_utils.py: "apply TP first then FSDP2"), so its stores are divided by tp
+        on top: fp8dist/estimate/tensor_parallel.py."""
+        shard = dims.dp_shard * dims.cp
+        return {"weights": shard, "master_weights": shard, "gradients": shard, "optimizer": shard}
 
     def offloaded(self, spec: Spec) -> set[Store]:
         """CPUOffloadPolicy moves parameters, gradients and the optimizer step together."""

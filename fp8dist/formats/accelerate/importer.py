@@ -20,7 +20,7 @@ from typing import Any, Mapping, cast
 
 from fp8dist.errors import Issue
 from fp8dist.formats.common import (LAUNCHER_FLAGS, Imported, ImportProblem, Launcher, Notes, integer, mapping,
-                                   read_beside, read_json_text, set_path, truthy)
+                                   parallel_size, read_beside, read_json_text, set_path, truthy)
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
 from fp8dist.formats.accelerate.sections import fp8_section, fsdp_settings, note_accelerate_refusals
 from fp8dist.formats.accelerate.translate import ADAPTER_MARK, LOAD_DTYPE_MARK
@@ -41,7 +41,8 @@ KEYS = Table("Accelerate", {
     "deepspeed_config": kept("engine deepspeed: its JSON, or Accelerate's own DeepSpeed keys", example={"zero_stage": 2}),
     "fp8_config": kept("precision.fp8 (with mixed_precision fp8)", example={"backend": "AO"}),
     "dynamo_config": kept("compile", example={"dynamo_backend": "INDUCTOR"}),
-    "parallelism_config": kept("parallel.sharding hybrid from dp_shard x dp_replicate; tp/cp/sp sizes above 1 refused",
+    "parallelism_config": kept("parallel: sharding hybrid from dp_shard x dp_replicate, tensor_size from tp, "
+                               "context_size from cp (sp, DeepSpeed's Ulysses, refused)",
                                example={"parallelism_config_dp_shard_size": 2}),
     "megatron_lm_config": refused("Megatron-LM's tensor / pipeline parallelism", "use distributed_type FSDP or DEEPSPEED",
                                   unless=disabled, otherwise="empty", example={"megatron_lm_tp_degree": 2}),
@@ -352,15 +353,78 @@ def _dynamo(config: Mapping[str, Any], out: dict[str, Any], notes: Notes) -> Non
                       "with torch.compile's defaults")
 
 
+_PC = "parallelism_config.parallelism_config_"
+# ParallelismConfig's own settings (accelerate 1.15 parallelism_config.py; `accelerate launch` exports them from the
+# file's parallelism_config section, commands/launch.py): those of a part that is off (size 1) act on nothing.
+_ACTS_WITH = {"cp_backend": "cp_size", "cp_comm_strategy": "cp_size", "sp_backend": "sp_size",
+              "sp_seq_length": "sp_size", "sp_seq_length_is_variable": "sp_size", "sp_attn_implementation": "sp_size"}
+
+
 def _parallelism(config: Mapping[str, Any], out: dict[str, Any], notes: Notes, issues: list[Issue]) -> None:
-    sizes = {key.replace("parallelism_config_", ""): value for key, value in config.items()}
-    for name in ("tp_size", "cp_size", "sp_size"):
-        if integer(sizes.get(name, 1) or 1, f"parallelism_config.parallelism_config_{name}") > 1:
-            issues.append(Issue(f"parallelism_config.parallelism_config_{name}", "fp8dist has no tensor, context or "
-                                "sequence parallelism", sizes.get(name), "set it to 1"))
-    shard = integer(sizes.pop("dp_shard_size", 1) or 1, "parallelism_config.parallelism_config_dp_shard_size")
-    replicate = integer(sizes.pop("dp_replicate_size", 1) or 1, "parallelism_config.parallelism_config_dp_replicate_size")
-    if replicate > 1 and shard > 1 and out["engine"] == "fsdp2":
-        out.setdefault("parallel", {}).update(sharding="hybrid", shard_size=shard)
-    for key, value in sizes.items():
-        notes.dropped(f"parallelism_config.{key}", value, "no fp8dist meaning")
+    """parallelism_config (Accelerate's ParallelismConfig, whose sizes multiply to the number of processes, as
+    fp8dist's mesh axes do): dp_replicate x dp_shard -> parallel.sharding hybrid, tp -> parallel.tensor_size,
+    cp -> parallel.context_size; sp (DeepSpeed's Ulysses) refused."""
+    settings = {key.replace("parallelism_config_", "", 1): value for key, value in config.items()}
+    sizes = {name: parallel_size(settings.pop(f"{name}_size", None), f"{_PC}{name}_size")
+             for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
+    parallel = out.setdefault("parallel", {})
+    fsdp = out["engine"] == "fsdp2" and parallel.get("sharding") != "replicate"
+    if sizes["sp"] > 1:
+        issues.append(Issue(f"{_PC}sp_size", "DeepSpeed's Ulysses sequence parallel (ALST, Accelerate's sp_backend "
+                            "deepspeed), which fp8dist does not wire; fp8dist's context parallel is FSDP2's ring "
+                            "attention (parallelism_config_cp_size)", sizes["sp"],
+                            "set it to 1 (for context parallel: parallelism_config_cp_size with distributed_type FSDP)"))
+    if sizes["tp"] > 1 and out["engine"] == "deepspeed":
+        issues.append(Issue(f"{_PC}tp_size", "under DEEPSPEED Accelerate splits the model by the DeepSpeed config's "
+                            "tensor_parallel.autotp_size (accelerator.py _prepare_deepspeed); parallelism_config_tp_size "
+                            "is its FSDP2 and DDP path (a model split by transformers' tp_plan)", sizes["tp"],
+                            "write tensor_parallel: {autotp_size: N} in the DeepSpeed config and set "
+                            "parallelism_config_tp_size to 1"))
+    elif sizes["tp"] > 1:
+        parallel.update(tensor_size=sizes["tp"], sequence_parallel=False)
+        notes.resolved(f"{_PC}tp_size", f"parallel.tensor_size={sizes['tp']}, sequence_parallel=false", "Accelerate "
+                       "takes the model split by transformers' tp_plan (from_pretrained(tp_plan='auto'): accelerator.py "
+                       "prepare_model), and the models of transformers 5.24 plan no SequenceParallel: the activations "
+                       "between the split Linears stay whole")
+    if sizes["cp"] > 1:
+        parallel["context_size"] = sizes["cp"]
+    data = sizes["dp_replicate"] * sizes["dp_shard"]
+    if (sizes["tp"] > 1 or sizes["cp"] > 1) and sizes["dp_replicate"] > 1 and sizes["dp_shard"] == 1:
+        issues.append(Issue(f"{_PC}dp_replicate_size", "Accelerate refuses tensor or context parallel with pure data "
+                            "parallelism (dp_replicate_size > 1 with dp_shard_size 1: parallelism_config.py "
+                            "ParallelismConfig.__post_init__)", sizes["dp_replicate"],
+                            "set parallelism_config_dp_shard_size above 1 (and distributed_type FSDP)"))
+    elif sizes["tp"] > 1 and data > 1 and not fsdp and out["engine"] == "fsdp2":
+        issues.append(Issue(f"{_PC}dp_shard_size", "without FSDP Accelerate wraps no tensor-parallel model in DDP "
+                            "(accelerator.py prepare_model), so these data-parallel ranks would not average their "
+                            "gradients; fp8dist's would", sizes["dp_shard"],
+                            "use distributed_type FSDP (fsdp_version 2) for data parallel next to tensor parallel"))
+    if out["engine"] == "deepspeed" and data > 1:
+        notes.dropped(f"{_PC}dp_shard_size x dp_replicate_size", f"{sizes['dp_shard']} x {sizes['dp_replicate']}",
+                      "DeepSpeed's ZeRO stage decides the sharding")
+    elif sizes["dp_replicate"] > 1 and sizes["dp_shard"] > 1 and fsdp:
+        parallel.update(sharding="hybrid", shard_size=sizes["dp_shard"])
+    elif data > 1 and not fsdp and sizes["tp"] == 1:
+        notes.dropped(f"{_PC}dp_shard_size x dp_replicate_size", f"{sizes['dp_shard']} x {sizes['dp_replicate']}",
+                      "DDP replicates the model over every data-parallel rank")
+    for name, value in settings.items():
+        size = _ACTS_WITH.get(name)
+        if value is None:
+            continue
+        if size is not None and sizes[size.removesuffix("_size")] == 1:
+            notes.dropped(f"{_PC}{name}", value, f"acts only with parallelism_config_{size} above 1")
+        elif name == "cp_backend" and value != "torch":
+            issues.append(Issue(f"{_PC}{name}", "not a context-parallel backend of Accelerate 1.15 (torch only: "
+                                "parallelism_config.py)", value, "write torch"))
+        elif name == "cp_comm_strategy" and value not in ("allgather", "alltoall"):
+            issues.append(Issue(f"{_PC}{name}", "Accelerate takes allgather or alltoall (utils/dataclasses.py "
+                                "TorchContextParallelConfig)", value, "write allgather or alltoall"))
+        elif name == "cp_comm_strategy" and value == "alltoall":
+            notes.dropped(f"{_PC}{name}", value, "fp8dist leaves torch's default rotation, allgather (torch 2.13 "
+                          "distributed/tensor/experimental/_context_parallel/_attention.py set_rotate_method): each "
+                          "rank merges the same K/V blocks in the same order, gathered at once instead of passed "
+                          "round the ring")
+        elif name not in ("cp_backend", "cp_comm_strategy"):  # torch, allgather: fp8dist's own
+            notes.dropped(f"{_PC}{name}", value, "no fp8dist meaning")
+    if not parallel:
+        del out["parallel"]

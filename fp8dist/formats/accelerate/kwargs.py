@@ -9,9 +9,12 @@ Returns `mixed_precision`, the plugin (`fsdp_plugin`: FullyShardedDataParallelPl
 MixedPrecisionPolicy; or `deepspeed_plugin`: DeepSpeedPlugin around fp8dist's DeepSpeed translation), the FP8
 kwargs handler (AORecipeKwargs with a full Float8LinearConfig and fp8dist's module filter; TERecipeKwargs, or the
 deprecated FP8RecipeKwargs under DeepSpeed, the one class Accelerate 1.15's DeepSpeed path reads), a
-TorchDynamoPlugin for `compile`, and a ParallelismConfig for hybrid sharding. Python can say more than a config
-file (reduce dtype, any torchao recipe, emulation, fp8dist's module filter, hybrid from WORLD_SIZE, FP8 under
-DeepSpeed); what Accelerate still cannot do is refused as in `translate --to accelerate` (docs/accelerate.md).
+TorchDynamoPlugin for `compile`, and a ParallelismConfig for hybrid sharding, tensor and context parallel (the
+script then loads the model split, from_pretrained(..., tp_plan="auto", device_mesh=accelerator.torch_device_mesh),
+and runs each step in accelerator.maybe_context_parallel; DeepSpeed's AutoTP rides in its config). Python can say
+more than a config file (reduce dtype, any torchao recipe, emulation, fp8dist's module filter, the mesh sizes from
+WORLD_SIZE, FP8 under DeepSpeed); what Accelerate still cannot do is refused as in `translate --to accelerate`
+(docs/accelerate.md).
 accelerate and torch are imported when this is called, not when fp8dist.integrations is imported.
 """
 from __future__ import annotations
@@ -19,9 +22,10 @@ from __future__ import annotations
 import dataclasses
 import os
 from fnmatch import fnmatchcase
-from typing import Any, cast
+from typing import Any
 
 from fp8dist.config.load import load_config
+from fp8dist.config.parallel import parallel_dims
 from fp8dist.config.spec import Spec
 from fp8dist.errors import Fp8distError
 import fp8dist.dtypes as dtypes
@@ -35,22 +39,29 @@ def as_spec(config) -> Spec:
     return config if isinstance(config, Spec) else load_config(config)
 
 
-def resolve_world_size(given: int | None, key: str = "parallel.shard_size") -> int:
+def resolve_world_size(given: int | None, key: str) -> int:
+    """`given`, else WORLD_SIZE; `key`: the config key that needs it, for the message."""
     if given is not None:
         return int(given)
     value = os.environ.get("WORLD_SIZE")
     if not value:
-        raise Fp8distError(f"{key}: hybrid sharding needs the world size to split the ranks into shard groups, and "
-                           "WORLD_SIZE is not set\n  fix: call it inside the launched script (accelerate launch / "
+        raise Fp8distError(f"{key}: Accelerate's ParallelismConfig needs the world size (its sizes multiply to it), "
+                           "and WORLD_SIZE is not set\n  fix: call it inside the launched script (accelerate launch / "
                            "torchrun set WORLD_SIZE) or pass world_size=N")
     return int(value)
 
 
-def hybrid_sizes(shard_size: int, world: int) -> dict[str, int]:
-    if world % shard_size:
-        raise Fp8distError(f"parallel.shard_size={shard_size} does not divide the {world} ranks: hybrid sharding "
-                           f"needs whole shard groups\n  fix: set parallel.shard_size to a divisor of {world}")
-    return {"dp_replicate_size": world // shard_size, "dp_shard_size": shard_size}
+def parallelism_config(spec: Spec, world_size: int | None):
+    """Accelerate's ParallelismConfig for the FSDP2 mesh of `spec` on `world_size` ranks (else WORLD_SIZE): the sizes
+    of fp8dist's own mesh axes (fp8dist.config.parallel.parallel_dims), which refuses what does not divide."""
+    from accelerate import ParallelismConfig
+
+    par = spec.parallel
+    key = ("parallel.shard_size" if par.sharding == "hybrid" else
+           "parallel.tensor_size" if par.tensor_size > 1 else "parallel.context_size")
+    dims = parallel_dims(spec, resolve_world_size(world_size, key))
+    return ParallelismConfig(dp_replicate_size=dims.dp_replicate, dp_shard_size=dims.dp_shard, tp_size=dims.tp,
+                             cp_size=dims.cp)
 
 
 class LinearFilter:
@@ -89,11 +100,7 @@ def accelerator_kwargs(config, *, world_size: int | None = None, deepspeed_versi
         kwargs["mixed_precision"] = plan["mixed_precision"]
         kwargs["fsdp_plugin"] = fsdp_plugin(plan)
         if plan["fsdp"]["parallelism"]:
-            from accelerate import ParallelismConfig
-
-            # parallelism is hybrid sharding's, and the config's rules refuse hybrid without parallel.shard_size
-            sizes = hybrid_sizes(cast(int, spec.parallel.shard_size), resolve_world_size(world_size))
-            kwargs["parallelism_config"] = ParallelismConfig(**sizes)
+            kwargs["parallelism_config"] = parallelism_config(spec, world_size)
     else:
         # DeepSpeed's own sections decide the precision; Accelerate's fp8 mode is the only one to name
         # (accelerate 1.15 state.py: DeepSpeed's mixed_precision is read back from the config).

@@ -3,18 +3,20 @@ fp8dist.audit.trainer_callback.AuditCallback).
 
     args = TrainingArguments(output_dir="out", **training_arguments_kwargs("fp8dist.yaml"))
 
-`training_arguments_kwargs` gives bf16/fp16, the DeepSpeed dict (fp8dist's translation) or fsdp + fsdp_config
-(FSDP2), torch_compile, activation checkpointing, the optimizer (optim, lr, betas, eps, weight decay) and the batch,
-accumulation and clipping the DeepSpeed dict also holds; what the Trainer cannot express through Accelerate is
-refused with the key (docs/accelerate.md), never dropped. max_steps, seed and the rest stay yours.
+`training_arguments_kwargs` gives bf16/fp16, the DeepSpeed dict (fp8dist's translation, AutoTP included) or fsdp +
+fsdp_config (FSDP2) with a ParallelismConfig for hybrid sharding, tensor and context parallel (give the Trainer the
+model loaded split, from_pretrained(..., tp_plan="auto"); it runs context parallel itself), torch_compile,
+activation checkpointing, the optimizer (optim, lr, betas, eps, weight decay) and the batch, accumulation and
+clipping the DeepSpeed dict also holds; what the Trainer cannot express through Accelerate is refused with the key
+(docs/accelerate.md), never dropped. max_steps, seed and the rest stay yours.
 
 """
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 from fp8dist.errors import ConfigError, Issue
-from fp8dist.formats.accelerate.kwargs import as_spec, hybrid_sizes, resolve_world_size
+from fp8dist.formats.accelerate.kwargs import as_spec, parallelism_config
 from fp8dist.formats.accelerate.translate import accelerate_plan
 
 
@@ -47,11 +49,7 @@ def training_arguments_kwargs(config, *, world_size: int | None = None,
             fsdp_config["transformer_layer_cls_to_wrap"] = fs["wrap"]
         kwargs["fsdp_config"] = fsdp_config
         if fs["parallelism"]:
-            from accelerate import ParallelismConfig
-
-            kwargs["parallelism_config"] = ParallelismConfig(
-                # parallelism is hybrid sharding's, and the config's rules refuse hybrid without parallel.shard_size
-                **hybrid_sizes(cast(int, spec.parallel.shard_size), resolve_world_size(world_size)))
+            kwargs["parallelism_config"] = parallelism_config(spec, world_size)
     else:
         ds = plan["deepspeed"]["config"]
         # HfTrainerDeepSpeedConfig checks bf16/fp16.enabled against these flags (integrations/deepspeed.py).

@@ -20,9 +20,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 from fp8dist.config.load import load_config
+from fp8dist.config.parallel import sequence_parallel
 from fp8dist.config.spec import Spec
 from fp8dist.errors import ConfigError, Fp8distError, Issue
 from fp8dist.facts import versions
@@ -158,18 +159,7 @@ def _fsdp_plan(spec: Spec, mode: str, mixed: str, issues: list[Issue], notes: li
                             "remove fsdp2.output_dtype (outputs stay in the compute dtype)",
                               nearest={"fsdp2.output_dtype": None}))
     sharding = "full" if par.sharding == "auto" else par.sharding
-    parallelism = None
-    if sharding == "hybrid":
-        if mode == "file":
-            issues.append(Refusal("parallel.sharding", "an Accelerate config file writes HSDP as parallelism_config "
-                                "dp_replicate_size x dp_shard_size, which must equal the number of processes, and an "
-                                "fp8dist config does not fix the world size", "hybrid",
-                                f"build the Accelerator with {_HELPER} (it reads WORLD_SIZE), or add "
-                                f"parallelism_config_dp_shard_size: {par.shard_size} and "
-                                "parallelism_config_dp_replicate_size: WORLD/"
-                                f"{par.shard_size} under parallelism_config yourself",
-                                  nearest={"parallel.sharding": "full", "parallel.shard_size": None}))
-        parallelism = {"dp_shard_size": par.shard_size, "dp_replicate_size": f"world_size / {par.shard_size}"}
+    parallelism = _parallelism_plan(spec, sharding, mode, issues, notes)
     if par.activation_checkpointing == "selective":
         issues.append(Refusal("parallel.activation_checkpointing", "Accelerate's FSDP2 activation checkpointing wraps "
                             "whole blocks (torch checkpoint_wrapper, full recompute); it has no op-level policy "
@@ -200,6 +190,57 @@ def _fsdp_plan(spec: Spec, mode: str, mixed: str, issues: list[Issue], notes: li
             "cpu_ram_efficient_loading": par.cpu_ram_efficient_loading, "parallelism": parallelism,
             "policy": {"param_dtype": compute, "reduce_dtype": p.reduce_dtype,
                        "output_dtype": f.output_dtype or compute, "cast_forward_inputs": f.cast_forward_inputs}}
+
+
+def _parallelism_plan(spec: Spec, sharding: str, mode: str, issues: list[Issue],
+                      notes: list[str]) -> dict[str, Any] | None:
+    """Accelerate's ParallelismConfig sizes for FSDP2 (None: none needed), its sizes multiplying to the world size,
+    as fp8dist's mesh axes do (fp8dist.config.parallel): hybrid sharding's dp_replicate x dp_shard, tensor parallel's
+    tp (the model split by transformers' tp_plan when loaded: accelerate 1.15 accelerator.py prepare_model takes it
+    so, examples/torch_native_parallelism/nd_parallel.py loads it so), context parallel's cp (torch's context_parallel
+    around each step: accelerator.py maybe_context_parallel). The data sizes that need the world size are written as
+    expressions of it."""
+    par = spec.parallel
+    tp, cp = par.tensor_size, par.context_size
+    if tp > 1 and sequence_parallel(spec):
+        issues.append(Refusal("parallel.sequence_parallel", "Accelerate's tensor parallel is the model split by "
+                              "transformers' tp_plan (from_pretrained(tp_plan='auto'); accelerate 1.15 accelerator.py "
+                              "prepare_model), and the models of transformers 5.24 plan no SequenceParallel: the "
+                              "activations between the split Linears stay whole", par.sequence_parallel,
+                              "set parallel.sequence_parallel=false for Accelerate, or run fp8dist's own FSDP2 runtime",
+                              nearest={"parallel.sequence_parallel": False}))
+    if tp > 1 and spec.fp8.enabled:
+        issues.append(Refusal("parallel.tensor_size", "fp8dist converts to FP8 before the split and splits tensorwise "
+                              "float8 Linears with torchao's float8 styles (fp8dist/engines/fsdp2/tensor_parallel.py); "
+                              "Accelerate takes the model split when loaded (transformers' tp_plan) and converts it "
+                              "afterwards (accelerate 1.15 accelerator.py prepare: _prepare_tp, then _prepare_ao / "
+                              "_prepare_te)", tp, "run FP8 with tensor parallel on fp8dist's own FSDP2 runtime, or set "
+                              "parallel.tensor_size=1 for Accelerate"))
+    split = tp * cp
+    shard = cast(int, par.shard_size)  # read with hybrid only, which the config's rules refuse without it
+    if sharding == "hybrid" and mode == "file":
+        issues.append(Refusal("parallel.sharding", "an Accelerate config file writes HSDP as parallelism_config "
+                              "dp_replicate_size x dp_shard_size, which with the other sizes must equal the number of "
+                              "processes, and an fp8dist config does not fix the world size", "hybrid",
+                              f"build the Accelerator with {_HELPER} (it reads WORLD_SIZE), or add "
+                              f"parallelism_config_dp_shard_size: {shard} and "
+                              f"parallelism_config_dp_replicate_size: WORLD/{shard * split} under "
+                              "parallelism_config yourself",
+                              nearest={"parallel.sharding": "full", "parallel.shard_size": None}))
+    if sharding != "hybrid" and split == 1:
+        return None
+    if tp > 1:
+        notes.append("tensor parallel: your script loads the model split, from_pretrained(..., tp_plan='auto', "
+                     "device_mesh=accelerator.torch_device_mesh), before accelerator.prepare (Accelerate splits "
+                     "nothing itself)")
+    if cp > 1:
+        notes.append("context parallel: your script runs each step inside accelerator.maybe_context_parallel("
+                     "buffers=..., buffer_seq_dims=...) (the HF Trainer does it itself)")
+    if sharding == "hybrid":
+        data = {"dp_shard_size": shard, "dp_replicate_size": f"world_size / {shard * split}"}
+    else:
+        data = {"dp_shard_size": f"world_size / {split}", "dp_replicate_size": 1}
+    return {**data, "tp_size": tp, "cp_size": cp}
 
 
 def _ddp_plan(spec: Spec, mode: str, issues: list[Issue], notes: list[str]) -> dict[str, Any]:
@@ -235,6 +276,14 @@ def _ddp_plan(spec: Spec, mode: str, issues: list[Issue], notes: list[str]) -> d
     if mode != "python" and not spec.fsdp2.cast_forward_inputs:
         issues.append(Refusal("fsdp2.cast_forward_inputs", "an FSDP2 setting; Accelerate's DDP has no such policy", False,
                               "remove the key", nearest={"fsdp2.cast_forward_inputs": True}))
+    for key, size in (("parallel.tensor_size", par.tensor_size), ("parallel.context_size", par.context_size)):
+        if size > 1:
+            issues.append(Refusal(key, "Accelerate refuses tensor or context parallel with pure data parallelism "
+                                  "(dp_replicate_size above 1 with dp_shard_size 1: accelerate 1.15 "
+                                  "parallelism_config.py ParallelismConfig.__post_init__)", size,
+                                  "use parallel.sharding=full (FSDP2 over the data-parallel ranks) for Accelerate",
+                                  nearest={"parallel.sharding": "full"}))
+            break
     if len(issues) == issues_before:
         notes.append("DDP: run it with `accelerate launch --num_processes N` (N 1 runs one process); the weights stay in "
                      f"the loading dtype ({p.load_dtype}), as in fp8dist's parallel.sharding: replicate")
@@ -271,6 +320,9 @@ def _deepspeed_plan(spec: Spec, mode: str, deepspeed_version: str | None, issues
                             "config, next to the torch_autocast section fp8dist writes for weights without masters "
                             "(accelerate 1.15 utils/dataclasses.py DeepSpeedPlugin.set_mixed_precision)", "none",
                             "set precision.master_weights=fp32", nearest={"precision.master_weights": "fp32"}))
+    if par.tensor_size > 1:
+        notes.append(f"tensor parallel: DeepSpeed AutoTP by the config's tensor_parallel.autotp_size "
+                     f"({par.tensor_size}), which Accelerate reads (accelerate 1.15 accelerator.py _prepare_deepspeed)")
     if spec.deepspeed.zero_stage == 3 and not par.cpu_ram_efficient_loading:
         notes.append("zero3_init_flag false: Accelerate would otherwise build a ZeRO-3 model inside "
                      "deepspeed.zero.Init (fp8dist does that only with parallel.cpu_ram_efficient_loading)")
@@ -442,6 +494,12 @@ def accelerate_file(spec: Spec, deepspeed_version: str | None = None,
         # prepare_multi_gpu_env); FSDP2 itself ignores the key.
         fsdp["fsdp_sync_module_states"] = fs["cpu_ram_efficient_loading"]
         doc["fsdp_config"] = fsdp
+        if fs["parallelism"]:
+            # A file cannot hold hybrid sharding (refused above); what is left takes dp_shard_size, the world size
+            # over tp x cp, from the launch command (render's header; commands/launch.py lets a flag win over the
+            # file's parallelism_config).
+            doc["parallelism_config"] = {f"parallelism_config_{name}": fs["parallelism"][name]
+                                         for name in ("tp_size", "cp_size")}
     else:
         # mixed_precision is left out: accelerate launch refuses it next to deepspeed_config_file; the bf16/fp16
         # section of the DeepSpeed config decides (state.py AcceleratorState.mixed_precision).
@@ -533,6 +591,19 @@ LOAD_DTYPE_MARK = "# fp8dist: precision.load_dtype="
 ADAPTER_MARK = "# fp8dist: adapter="
 
 
+def _launch_line(document: dict[str, Any]) -> str:
+    """How to launch the file: fp8dist configs do not fix the number of processes N, and a parallelism_config also
+    needs its dp_shard_size, N over the other sizes (Accelerate wants their product to be N and, under FSDP2, a
+    dp_shard_size or cp_size above 1: accelerate 1.15 parallelism_config.py _validate_accelerator)."""
+    sizes = document.get("parallelism_config")
+    if not sizes:
+        return "# accelerate launch --config_file THIS --num_processes N your_script.py   (fp8dist configs do not fix N)"
+    split = sizes["parallelism_config_tp_size"] * sizes["parallelism_config_cp_size"]
+    return (f"# accelerate launch --config_file THIS --num_processes N --parallelism_config_dp_shard_size N/{split} "
+            "your_script.py   (fp8dist configs do not fix N; Accelerate wants the parallelism_config sizes to "
+            "multiply to N)")
+
+
 def render(document: dict[str, Any], plan: dict[str, Any], spec: Spec, source: str,
            differences: Sequence[str] = ()) -> str:
     """The file: a comment header (what it needs from the launch and the script, and where the run differs from
@@ -545,7 +616,7 @@ def render(document: dict[str, Any], plan: dict[str, Any], spec: Spec, source: s
              f"{t.gradient_clipping}")
     lines = [comment_line(f"Accelerate {fmt(ACCELERATE_KNOWN[:2])} config translated by fp8dist from "
                           f"{source}."),
-             "# accelerate launch --config_file THIS --num_processes N your_script.py   (fp8dist configs do not fix N)",
+             _launch_line(document),
              f"{LOAD_DTYPE_MARK}{spec.precision.load_dtype}   (the torch_dtype your script loads the model in; "
              "an Accelerate file has no place for it)",
              f"# your script builds the optimizer: {o.name} lr={o.lr} weight_decay={o.weight_decay}{batch}"]

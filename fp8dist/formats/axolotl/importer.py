@@ -9,18 +9,21 @@ Axolotl trains through transformers' Trainer and Accelerate, so its precision is
   filter (first and last Linear kept), bf16 compute (axolotl core/trainers/base.py additional_accelerator_args);
 - FSDP2 (`fsdp_version: 2` + `fsdp_config`) is Accelerate's FSDP2: fp32 masters, one dtype for compute and
   reduction; `deepspeed: FILE` is that DeepSpeed JSON with "auto" filled from these keys (HF Trainer);
-- neither: DDP, which fp8dist runs as FSDP2 with nothing sharded.
+- neither: DDP, which fp8dist runs as FSDP2 with nothing sharded;
+- tensor_parallel_size / context_parallel_size (sequence_parallel_degree, its deprecated name) split the model and
+  the sequence (axolotl-ai-cloud/axolotl@067b021: transformers' tp_plan, or AutoTP under DeepSpeed; ring-flash-attn),
+  the data-parallel sizes being what is left of the world size, as fp8dist's mesh has them.
 Every key is in KEYS with its class (fp8dist/formats/keys.py: kept, no effect, refused); docs/import.md prints it.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from fp8dist.errors import Issue
 from fp8dist.formats.accelerate.sections import fsdp_settings, note_accelerate_refusals
 from fp8dist.formats.common import (HF_OPTIMIZERS, Imported, ImportProblem, Notes, WrongShape, hf_optimizer, integer,
-                                   mapping, read_beside, stepped_dtype, truthy, yaml11_number)
+                                   mapping, parallel_size, read_beside, stepped_dtype, truthy, yaml11_number)
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
 from fp8dist.formats.keys import Table, disabled, kept, no_effect, one_or_unset, refused
 
@@ -37,8 +40,8 @@ _SCHEDULE = "fp8dist builds no learning-rate schedule; your script's scheduler i
 _TF32 = ("with fp32 compute it turns every matmul into TF32 (10-bit mantissa; axolotl utils/config normalize_config), "
          "which fp8dist does not do")
 _WITH_ADAPTER = "read only with `adapter: lora`"
-_PARALLEL = ("fp8dist runs data parallelism (FSDP2 or DeepSpeed ZeRO) only: no tensor, context, sequence or expert "
-             "parallelism")
+_EXPERT_PARALLEL = ("MoE experts split over ranks: fp8dist has no expert parallelism (its layouts: data parallel, "
+                    "tensor parallel, context parallel)")
 _ADAPTER = ("trains another kind of adapter than LoRA on a 16/32-bit base (qlora: a 4-bit bitsandbytes base; "
             "llama-adapter, ...), which fp8dist's `adapter` section does not run")
 # What Axolotl uses for a left-out key (axolotl src/axolotl/utils/schemas/training.py HyperparametersConfig:
@@ -62,6 +65,11 @@ KEYS = Table("Axolotl", {
     "deepspeed": kept("engine deepspeed, from that JSON", example="deepspeed_configs/zero2.json"),
     "dp_shard_size": kept("parallel.sharding / shard_size (with dp_replicate_size > 1: hybrid)", example=2),
     "dp_replicate_size": kept("parallel.sharding hybrid (with dp_shard_size)", example=2),
+    "tensor_parallel_size": kept("parallel.tensor_size (FSDP2: transformers' tp_plan, without sequence parallel; "
+                                 "deepspeed: AutoTP, tensor_parallel.autotp_size)", example=2),
+    "context_parallel_size": kept("parallel.context_size (ring attention)", example=2),
+    "sequence_parallel_degree": kept("parallel.context_size (the deprecated name of context_parallel_size)",
+                                     example=2),
     "gradient_checkpointing": kept("parallel.activation_checkpointing: full"),
     "torch_compile": kept("compile"),
     # batch and optimizer (kept)
@@ -118,13 +126,7 @@ KEYS = Table("Axolotl", {
                             example=200),
     "fp32_norms": refused("keeps norm layers in fp32 under FSDP2 (a per-module policy)", "remove it: fp8dist gives "
                           "every FSDP2 unit the same MixedPrecisionPolicy", unless=disabled, otherwise="off"),
-    "tensor_parallel_size": refused(_PARALLEL, "set it to 1", unless=one_or_unset, otherwise="1: no tensor "
-                                    "parallelism", example=2),
-    "context_parallel_size": refused(_PARALLEL, "set it to 1", unless=one_or_unset, otherwise="1: no context "
-                                     "parallelism", example=2),
-    "sequence_parallel_degree": refused(_PARALLEL, "set it to 1", unless=one_or_unset, otherwise="1: no sequence "
-                                        "parallelism", example=2),
-    "expert_parallel_size": refused(_PARALLEL, "set it to 1", unless=one_or_unset, otherwise="1: no expert "
+    "expert_parallel_size": refused(_EXPERT_PARALLEL, "set it to 1", unless=one_or_unset, otherwise="1: no expert "
                                     "parallelism", example=2),
     "lora_r": kept("adapter.r", example=16),
     "lora_alpha": kept("adapter.alpha", example=32),
@@ -214,6 +216,7 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
     if deepspeed and fsdp_on:
         issues.append(Issue("deepspeed", "set together with FSDP; Accelerate runs one of them", deepspeed,
                             "remove deepspeed or fsdp_config"))
+    ds: dict[str, Any] = {}  # the DeepSpeed JSON, when the file names one
     if deepspeed:
         out: dict[str, Any] = {"engine": "deepspeed"}  # what the rest of the file is read against when the JSON cannot be
         try:
@@ -265,6 +268,7 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
             out["parallel"] = parallel
         if fsdp2:
             out["fsdp2"] = fsdp2
+    _model_parallel_sizes(cfg, out, ds, notes, issues)
     if fp8:
         ao = {"recipe_name": "tensorwise", "enable_fsdp_float8_all_gather": all_gather and out["engine"] == "fsdp2",
               "force_recompute_fp8_weight_in_bwd": all_gather, "pad_inner_dim": False}
@@ -387,8 +391,8 @@ def _data_parallel_sizes(cfg: dict[str, Any], parallel: dict[str, Any], notes: N
     shard, replicate = cfg.pop("dp_shard_size", None), cfg.pop("dp_replicate_size", None)
     if shard is None and replicate is None:
         return
-    shard_n = integer(shard, "dp_shard_size") if shard is not None else None
-    replicate_n = integer(replicate, "dp_replicate_size") if replicate is not None else 1
+    shard_n = parallel_size(shard, "dp_shard_size") if shard is not None else None
+    replicate_n = parallel_size(replicate, "dp_replicate_size")
     if replicate_n > 1 and shard_n and shard_n > 1:
         parallel.update(sharding="hybrid", shard_size=shard_n)
         notes.resolved("dp_shard_size x dp_replicate_size", f"parallel.sharding=hybrid, shard_size={shard_n}",
@@ -398,8 +402,64 @@ def _data_parallel_sizes(cfg: dict[str, Any], parallel: dict[str, Any], notes: N
                             "world size, which depends on the launch", replicate,
                             "write dp_shard_size too (the ranks that shard one copy)"))
     elif shard_n is not None:
-        notes.resolved("dp_shard_size", "parallel.sharding (all ranks)", "without replicas every rank is in the one "
-                       "shard group")
+        notes.resolved("dp_shard_size", "parallel.sharding (every data-parallel rank)", "Axolotl shards over "
+                       "dp_shard_size ranks and replicates over any left (utils/distributed.py "
+                       "_get_parallel_config_kwargs): the same run on dp_shard_size x tensor_parallel_size x "
+                       "context_parallel_size ranks; for more, write parallel.sharding: hybrid, shard_size: "
+                       f"{shard_n}")
+
+
+def _model_parallel_sizes(cfg: dict[str, Any], out: dict[str, Any], ds: Mapping[str, Any], notes: Notes,
+                          issues: list[Issue]) -> None:
+    """tensor_parallel_size -> parallel.tensor_size, context_parallel_size (or its deprecated name
+    sequence_parallel_degree) -> parallel.context_size. Axolotl builds Accelerate's ParallelismConfig from them, the
+    data-parallel sizes being what is left of the world size (axolotl utils/distributed.py
+    _get_parallel_config_kwargs), as fp8dist's mesh does. `ds`: the DeepSpeed JSON the file names ({} without one)."""
+    tp = parallel_size(cfg.pop("tensor_parallel_size", None), "tensor_parallel_size")
+    # Axolotl copies the deprecated name over, with a warning, only where context_parallel_size is unset
+    # (utils/schemas/validation.py check_context_parallel_size)
+    alias = cfg.pop("sequence_parallel_degree", None)
+    key, value = "context_parallel_size", cfg.pop("context_parallel_size", None)
+    if value is None and alias is not None:
+        key, value = "sequence_parallel_degree", alias
+        notes.resolved(key, "parallel.context_size", "Axolotl's deprecated name of context_parallel_size, which it "
+                       "copies over with a warning")
+    elif alias is not None:
+        notes.dropped("sequence_parallel_degree", alias, "context_parallel_size decides (Axolotl copies its "
+                      "deprecated name only where context_parallel_size is unset)")
+    cp = parallel_size(value, key)
+    parallel = out.setdefault("parallel", {})
+    if tp > 1 and out["engine"] == "deepspeed":
+        # AutoTP: Axolotl writes tensor_parallel.autotp_size into a JSON without a tensor_parallel section (and
+        # leaves a JSON that has one as it is: utils/schemas/validation.py check_tensor_parallel_size_update_ds_json)
+        if "tensor_parallel" not in ds:
+            parallel["tensor_size"] = tp
+            notes.resolved("tensor_parallel_size", f"parallel.tensor_size={tp}", "DeepSpeed AutoTP: Axolotl writes "
+                           "tensor_parallel.autotp_size into the DeepSpeed JSON")
+        elif parallel.get("tensor_size", 1) != tp:
+            issues.append(Issue("tensor_parallel_size", f"the DeepSpeed JSON's tensor_parallel section splits by "
+                                f"autotp_size {parallel.get('tensor_size', 1)}, and Axolotl writes its own size only "
+                                "into a JSON without that section", tp,
+                                "write the same size in both, or remove one of them"))
+    elif tp > 1:
+        parallel.update(tensor_size=tp, sequence_parallel=False)
+        notes.resolved("tensor_parallel_size", f"parallel.tensor_size={tp}, sequence_parallel=false", "Axolotl "
+                       "loads the model split by transformers' tp_plan (loaders/model.py _build_model: "
+                       "from_pretrained tp_plan='auto'), and the models of transformers 5.24 plan no "
+                       "SequenceParallel: the activations between the split Linears stay whole")
+        if parallel.get("sharding") == "replicate":
+            notes.resolved("tensor_parallel_size", "data-parallel gradients averaged", "without fsdp_config or "
+                           "deepspeed Accelerate wraps no tensor-parallel model in DDP (accelerate 1.15 "
+                           "accelerator.py prepare_model), so Axolotl's data-parallel ranks (a launch on more than "
+                           "tensor_parallel_size x context_parallel_size ranks) would not average their gradients; "
+                           "fp8dist's do")
+    if cp > 1:
+        parallel["context_size"] = cp
+        notes.resolved(key, f"parallel.context_size={cp}", "Axolotl splits each sequence over these ranks with "
+                       "ring-flash-attn over flash attention (CUDA); fp8dist runs torch's ring attention over SDPA, "
+                       "and refuses to start where no GPU attention kernel can shard the sequence")
+    if not parallel:
+        del out["parallel"]
 
 
 def _compile(cfg: dict[str, Any], out: dict[str, Any]) -> None:

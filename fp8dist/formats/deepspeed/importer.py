@@ -1,7 +1,8 @@
 """A DeepSpeed config (JSON) -> an fp8dist config with engine deepspeed.
 
 Precision sections (bf16 / fp16 / torch_autocast, communication_data_type, data_types, msamp) become
-`precision`; zero_optimization's stage and offload the `parallel` vocabulary (fp8dist/config/vocabulary.py);
+`precision`; zero_optimization's stage and offload the `parallel` vocabulary (fp8dist/config/vocabulary.py), and
+tensor_parallel.autotp_size (AutoTP) parallel.tensor_size;
 batch and clipping keys `train`; the optimizer section `optimizer`; every other DeepSpeed key goes to
 `deepspeed.extra` unchanged. `"auto"` is what only Accelerate / the HF Trainer fill in, from the launch (DeepSpeed
 alone would drop it inside a typed section, DeepSpeedConfigModel, or crash on a top-level scalar): it is resolved
@@ -21,13 +22,23 @@ from fp8dist.errors import Issue
 from fp8dist.facts.deepspeed import DS_CLIPPING_DEFAULT_CHANGED
 from fp8dist.facts.versions import fmt
 from fp8dist.formats.common import (LAUNCHER_FLAGS, Imported, ImportProblem, Launcher, Notes, dtype_name, mapping,
-                                   set_path, truthy)
+                                   parallel_size, set_path, truthy)
 from fp8dist.formats.keys import KeyClass, Table, disabled, kept, no_effect, one_or_unset, refused
 
 SHARDING_OF_STAGE = {stage: name for name, stage in ZERO_STAGE.items() if name != "hybrid"}
 OFFLOAD_OF_DEVICES = {devices: name for name, devices in DEEPSPEED_OFFLOAD.items()}
 _EXTRA = "deepspeed.extra: DeepSpeed reads it as written"
-_DATA_PARALLEL = "fp8dist runs data parallelism (ZeRO) only: no tensor, pipeline, sequence or expert parallelism"
+_NOT_BUILT = ("a parallel layout fp8dist does not build on DeepSpeed (it runs ZeRO data parallel, with AutoTP tensor "
+              "parallel from parallel.tensor_size)")
+# DeepSpeed's Ulysses: runtime/config.py divides the data-parallel world by it; deepspeed/sequence/layer.py
+# DistributedAttention exchanges the attention heads all-to-all.
+_ULYSSES = ("DeepSpeed's Ulysses sequence parallel (each sequence split over this many ranks, attention heads "
+            "exchanged all-to-all; the data-parallel world divided by it), which fp8dist does not wire; its context "
+            "parallel (parallel.context_size) is FSDP2's ring attention")
+_AUTOTP_RULES = ("custom AutoTP partition rules (which weights split, and how); fp8dist runs AutoTP with DeepSpeed's "
+                 "own rules for the model (its HF tp_plan, else AutoTP's parser: runtime/engine.py "
+                 "_apply_autotp_partitioning), which its checks of heads and sizes assume")
+_AUTOTP_TRAINING = "not read by AutoTP training (runtime/engine.py _apply_autotp_partitioning)"
 _QUANTIZED = ("quantises {what}, a precision fp8dist's config does not describe (its audit would expect the "
               "unquantised dtypes)")
 # What DeepSpeed 0.19.8 uses when a config leaves a key out (or writes "auto" inside a typed section, which
@@ -79,14 +90,11 @@ KEYS = Table("DeepSpeed", {
     "amp": refused("Apex AMP, a mixed-precision mode of its own (and removed from DeepSpeed 0.19.8)",
                    "remove it and say the precision with a bf16 or fp16 section", unless=disabled, otherwise="disabled",
                    example={"enabled": True, "opt_level": "O1"}),
-    "pipeline": refused(_DATA_PARALLEL, "remove the pipeline section (fp8dist does not build a PipelineModule)",
+    "pipeline": refused(_NOT_BUILT, "remove the pipeline section (fp8dist does not build a PipelineModule)",
                         unless=disabled, otherwise="empty", example={"stages": 2}),
-    "tensor_parallel": refused(_DATA_PARALLEL, "remove tensor_parallel (or set autotp_size: 1)",
-                               unless=lambda v: isinstance(v, dict) and one_or_unset(v.get("autotp_size",
-                                                                                            v.get("tp_size"))),
-                               otherwise="a tensor-parallel size of 1", example={"autotp_size": 2}),
-    "sequence_parallel_size": refused(_DATA_PARALLEL, "set it to 1", unless=one_or_unset, otherwise="1", example=2),
-    "expert_parallel": refused(_DATA_PARALLEL, "remove expert_parallel", unless=disabled, otherwise="empty",
+    "sequence_parallel_size": refused(_ULYSSES, "set it to 1 (for context parallel: parallel.context_size with "
+                                      "engine fsdp2)", unless=one_or_unset, otherwise="1", example=2),
+    "expert_parallel": refused(_NOT_BUILT, "remove expert_parallel", unless=disabled, otherwise="empty",
                                example={"enabled": True}),
     "compression_training": refused(_QUANTIZED.format(what="or prunes the model during training"),
                                     "remove compression_training", unless=disabled, otherwise="empty",
@@ -114,6 +122,34 @@ KEYS = Table("DeepSpeed", {
     "zero_optimization.zero_quantized_nontrainable_weights": refused(_QUANTIZED.format(what="the frozen weights to "
                                                                                       "int8"), "remove it",
                                                                      unless=disabled, otherwise="off"),
+    # tensor_parallel: deepspeed 0.19.8 runtime/tensor_parallel/config.py TPTrainingConfig (a typed section that
+    # refuses unknown keys), `tp` its TPConfig (also spelled tensor_parallel)
+    "tensor_parallel": kept("parallel.tensor_size from autotp_size (AutoTP); its other keys by their rules",
+                            example={"autotp_size": 2}),
+    "tensor_parallel.autotp_size": kept("parallel.tensor_size (0, DeepSpeed's default, and 1: no split)", example=2),
+    "tensor_parallel.tp.tp_size": refused("AutoTP training splits by autotp_size; tp.tp_size alone leaves training "
+                                          "unsplit, and next to another autotp_size DeepSpeed stops (runtime/engine.py "
+                                          "_apply_autotp_partitioning)", "write the degree as autotp_size (and "
+                                          "tp.tp_size the same, or remove it)", example=2),
+    "tensor_parallel.tp.tp_grain_size": no_effect("read by AutoTP only with partition_config (runtime/engine.py), "
+                                                  "which fp8dist refuses", example=64),
+    "tensor_parallel.tp_overlap_comm": kept(_EXTRA),
+    "tensor_parallel.keep_module_on_host": kept(_EXTRA),
+    "tensor_parallel.partition_config": refused(_AUTOTP_RULES, "remove it", unless=disabled, otherwise="none",
+                                                example={"use_default_specs": False, "layer_specs": []}),
+    "tensor_parallel.preset_model": refused(_AUTOTP_RULES, "remove it", unless=disabled, otherwise="none",
+                                            example="llama"),
+    "tensor_parallel.injection_policy_tuple": refused(_AUTOTP_RULES, "remove it", unless=disabled, otherwise="none",
+                                                      example=["LlamaDecoderLayer"]),
+    "tensor_parallel.vocab_parallel_lm_head": refused("decides whether the LM head and the loss split over the "
+                                                      "vocabulary; fp8dist leaves it to DeepSpeed (unset: as the "
+                                                      "model's HF tp_plan says, runtime/engine.py)", "remove it"),
+    "tensor_parallel.vocab_parallel_ce_backend": no_effect("the kernel of the vocabulary-parallel loss (torch or "
+                                                           "Liger): the same loss", example="liger"),
+    "tensor_parallel.dtype": no_effect(f"{_AUTOTP_TRAINING}; the bf16 / fp16 section decides the weights' dtype",
+                                       example="bfloat16"),
+    "tensor_parallel.replace_with_kernel_inject": no_effect(f"inference kernel injection, {_AUTOTP_TRAINING}"),
+    "tensor_parallel.kernel_inject": no_effect(f"inference kernel injection, {_AUTOTP_TRAINING}"),
     "zero_optimization.mics_shard_size": refused("MiCS partitions within groups of this size: a layout fp8dist does "
                                                  "not run (its hybrid is ZeRO-3 + ZeRO++ hpZ)", "use "
                                                  "zero_hpz_partition_size (parallel.sharding: hybrid) instead",
@@ -196,6 +232,7 @@ class _Importer:
     def run(self) -> dict[str, Any]:
         self._precision()
         self._zero()
+        self._tensor_parallel()
         self._train()
         self._optimizer()
         for key, value in self.config.items():  # the rest: DeepSpeed's own keys go to extra, the others by the rule
@@ -433,6 +470,48 @@ class _Importer:
             set_path(self.doc, "deepspeed.offload_param", pair[1])
         for key, value in zero.items():
             self._keep(f"zero_optimization.{key}", value)
+
+    # -- tensor parallel (AutoTP) ----------------------------------------------------------------------------
+    def _tensor_parallel(self) -> None:
+        """tensor_parallel.autotp_size -> parallel.tensor_size; the section's other keys by their rules
+        (tensor_parallel.KEY in KEYS; DeepSpeed refuses a key its typed section does not have)."""
+        if "tensor_parallel" not in self.config:
+            return
+        section = mapping(self.config.pop("tensor_parallel"), self.key("tensor_parallel"))
+        autotp = section.pop("autotp_size", None)
+        # 0 is DeepSpeed's own default: AutoTP off (TPTrainingConfig.autotp_size)
+        size = 1 if autotp in (0, "0") else parallel_size(autotp, self.key("tensor_parallel.autotp_size"))
+        if size > 1:
+            set_path(self.doc, "parallel.tensor_size", size)
+        for spelling in ("tp", "tensor_parallel"):  # TPConfig's alias and its field name (populate_by_name)
+            tp = mapping(section.pop(spelling, None), self.key(f"tensor_parallel.{spelling}"))
+            if tp.get("tp_size") is not None:
+                shown = self.key(f"tensor_parallel.{spelling}.tp_size")
+                value = tp.pop("tp_size")
+                degree = parallel_size(value, shown)
+                if degree in (1, size):
+                    self.notes.dropped(shown, value, "the same degree as autotp_size" if degree == size else
+                                       "DeepSpeed sets it to autotp_size's degree (runtime/engine.py)")
+                else:
+                    rule = KEYS.rules["tensor_parallel.tp.tp_size"]
+                    self.issues.append(Issue(shown, rule.why, value, rule.fix))
+            for key, value in tp.items():
+                self._tensor_parallel_key(f"tp.{key}", value, f"{spelling}.{key}")
+        for key, value in section.items():
+            self._tensor_parallel_key(key, value, key)
+
+    def _tensor_parallel_key(self, key: str, value: Any, written: str) -> None:
+        """`tensor_parallel.key` (as `tensor_parallel.written` in the file) by its rule: kept keys to
+        deepspeed.extra, which DeepSpeed reads as written."""
+        rule, shown = KEYS.rule(f"tensor_parallel.{key}"), self.key(f"tensor_parallel.{written}")
+        if rule is None and value is not None:
+            self.issues.append(Issue(shown, "not a key of DeepSpeed 0.19.8's tensor_parallel section, which refuses "
+                                     "unknown keys (runtime/tensor_parallel/config.py, DeepSpeedConfigModel extra="
+                                     "'forbid')", value, "remove it, or correct its name"))
+        elif rule is not None and rule.cls is KeyClass.KEPT:
+            self._keep(f"tensor_parallel.{written}", value)
+        else:
+            KEYS.settle(f"tensor_parallel.{key}", value, self.notes, self.issues, shown=shown)
 
     # -- batch, clipping, optimizer -------------------------------------------------------------------------
     def _launch_value(self, key: str, value: Any, flag_field: str | None, known: Any, fallback: Any, why: str) -> Any:

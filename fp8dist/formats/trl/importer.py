@@ -36,7 +36,7 @@ from fp8dist.formats.accelerate.sections import fsdp_settings, note_accelerate_r
 from fp8dist.formats.common import (Imported, ImportProblem, Notes, WrongShape, dtype_name, hf_optimizer, integer,
                                    mapping, read_beside, stepped_dtype, truthy, yaml11_number)
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
-from fp8dist.formats.keys import Table, disabled, kept, no_effect, one_or_unset, refused
+from fp8dist.formats.keys import Table, disabled, kept, no_effect, refused
 
 # What a recipe that leaves a key out gets: TrainingArguments' defaults (transformers 5.24 training_args.py; the same
 # in 4.x but `optim`, which was adamw_torch) and TRL's (trl/trainer/model_config.py ModelConfig lora_r / lora_alpha /
@@ -60,8 +60,8 @@ _TF32 = ("with fp32 compute it turns every matmul into TF32 (10-bit mantissa; tr
          "enable_tf32), which fp8dist does not do")
 _WITH_PEFT = "read only with `use_peft: true` (trl/trainer/utils.py get_peft_config)"
 _WITH_4BIT = "read only with load_in_4bit (trl get_quantization_config)"
-_PARALLEL = ("fp8dist runs data parallelism (FSDP2 or DeepSpeed ZeRO) only: no tensor, context or sequence "
-             "parallelism")
+_VLLM = ("the tensor parallel of vLLM's generation (trl/scripts/vllm_serve.py ScriptArguments; GRPOConfig's "
+         "vllm_tensor_parallel_size), not the trainer's: the training layout does not change")
 
 
 KEYS = Table("TRL", {
@@ -143,7 +143,15 @@ KEYS = Table("TRL", {
     "half_precision_backend": refused("apex AMP (O1/O2 casts) instead of torch autocast", "use auto",
                                       unless=lambda value: value in (None, "auto", "cuda_amp", "cpu_amp"),
                                       otherwise="torch autocast", example="apex"),
-    "parallelism_config": refused(_PARALLEL, "remove it (fp8dist shards with FSDP2 or DeepSpeed ZeRO)",
+    # TrainingArguments.parallelism_config is an accelerate ParallelismConfig object (transformers 5.24
+    # training_args.py): TrlParser hands a recipe's mapping to it as it is (scripts/utils.py set_defaults_with_config;
+    # HfArgumentParser leaves a mapping a dict), and the Trainer passes it to Accelerator, which calls its methods
+    # (accelerate 1.15 accelerator.py: parallelism_config.get_device_mesh).
+    "parallelism_config": refused("a mapping where the Trainer needs an accelerate ParallelismConfig object: "
+                                  "nothing converts a recipe's mapping, and Accelerator() stops on it (AttributeError: "
+                                  "'dict' object has no attribute 'get_device_mesh')",
+                                  "move the sizes into the accelerate config file you launch with (parallelism_config: "
+                                  "parallelism_config_tp_size, _cp_size, ...) and import that file",
                                   unless=disabled, otherwise="none", example={"tp_size": 2}),
     "accelerator_config": refused("split_batches divides the batch over the processes: the global batch no longer "
                                   "grows with the world size", "set split_batches: false",
@@ -153,7 +161,8 @@ KEYS = Table("TRL", {
                                   example={"split_batches": True}),
     "split_batches": refused("divides the batch over the processes: the global batch no longer grows with the "
                              "world size", "remove it", unless=disabled, otherwise="off"),
-    "tensor_parallel_size": refused(_PARALLEL, "set it to 1", unless=one_or_unset, otherwise="1", example=2),
+    "tensor_parallel_size": no_effect(_VLLM, example=2),
+    "vllm_tensor_parallel_size": no_effect(_VLLM, example=2),
     # no effect on the numerics, the layout, the trained parameters or the global batch
     "model_name_or_path": no_effect("which model: fp8dist's config describes how it is trained, the script loads "
                                     "it", example="x/y"),

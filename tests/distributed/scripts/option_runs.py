@@ -24,6 +24,7 @@ from fp8dist.runtime.process_group import leave
 
 import fp8dist.audit.probes as probes
 from fp8dist.config.load import load_config
+from fp8dist.config.parallel import parallel_dims
 from fp8dist.runtime.data import batches_for
 from fp8dist.runtime.loading import load_for_run
 from fp8dist.runtime.preflight import preflight
@@ -64,6 +65,11 @@ def count_reduce_scatters(model) -> list[int]:
     return count
 
 
+def data_rank(spec) -> int:
+    """This rank's data-parallel index: tensor-parallel peers read the same batch (DeepSpeed AutoTP asserts it)."""
+    return parallel_dims(spec, dist.get_world_size()).data_rank(dist.get_rank())
+
+
 def run_fsdp2(case, spec, loaded) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
@@ -77,7 +83,7 @@ def run_fsdp2(case, spec, loaded) -> dict:
         # Step 1 under the config's first-step audit, as the engine's train_step runs it (this loop injects
         # faults between the halves of a step, so it calls them itself).
         with run.first_step():
-            loss = accumulate_gradients(run, batches_for(loaded.make_batch, spec, step, dist.get_rank()))
+            loss = accumulate_gradients(run, batches_for(loaded.make_batch, spec, step, data_rank(spec)))
             inject = case.inject_inf
             if inject and inject["step"] == step + 1 and inject["rank"] == dist.get_rank():
                 grad = next(p.grad for p in run.model.parameters() if p.grad is not None)
@@ -91,7 +97,7 @@ def run_fsdp2(case, spec, loaded) -> dict:
             scales.append(run.scaler.scale)
     local, _ = probes.summarize(p.to_local() for p in probes.trainable(run.model))
     with torch.no_grad():
-        logits = run.model(**batches_for(loaded.make_batch, spec, 0, dist.get_rank())[0]).logits
+        logits = run.model(**batches_for(loaded.make_batch, spec, 0, data_rank(spec))[0]).logits
     for module in run.model.modules():  # FSDP2 keeps the root (grad_op: every unit) unsharded after a forward
         if isinstance(module, FSDPModule):  # that no backward follows
             module.reshard()
@@ -112,7 +118,8 @@ def run_fsdp2(case, spec, loaded) -> dict:
         "float8_all_gather_weights": sum(1 for p in run.model.parameters()
                                          if type(p.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"),
         "loaded_from_files": loaded_from_files, "experts": experts_implementation(run.model),
-        "skipped_steps": skipped, "skipped_by_rank": all_skipped, "loss_scales": scales, **audit_facts(run.audit_report),
+        "skipped_steps": skipped, "skipped_by_rank": all_skipped,
+        "sequence_parallel": run.tensor_parallel.sequence_parallel if run.tensor_parallel else None, "loss_scales": scales, **audit_facts(run.audit_report),
         **adapter_facts(run.model, run.optimizer),
     }
 
@@ -173,13 +180,16 @@ def run_deepspeed(case, spec, loaded) -> dict:
 
     with deepspeed.zero.GatheredParameters([weight], enabled=hasattr(weight, "ds_id")):
         loaded_from_files = matches_saved(loaded, weight)
-    losses = [train_step(engine, batches_for(loaded.make_batch, spec, step, dist.get_rank())) for step in range(spec.train.steps)]
+    losses = [train_step(engine, batches_for(loaded.make_batch, spec, step, data_rank(spec)))
+              for step in range(spec.train.steps)]
     master, _, separate = DeepSpeedInspector(engine.module, engine.optimizer).masters()
     master = master if separate else None
     facts = {**audit_facts(engine.fp8dist_run.audit_report), "losses": losses, "zero_stage": engine.zero_optimization_stage(),
              "optimizer": type(engine.basic_optimizer).__name__, "compiled": engine.is_compiled,
              "master_dtype": probes.summarize(master)[0] if master else None,
              "float8_linears": float8_linears(engine.module), "mx_linears": mx_linears(engine.module),
+             "tensor_parallel_linears": sum(type(m).__name__ in ("LinearLayer", "LinearAllreduce")
+                                            for m in engine.module.modules()),
              "skipped_steps": engine.skipped_steps,
              "checkpointed_blocks": checkpointed(engine.module), "loaded_from_files": loaded_from_files,
              "experts": experts_implementation(engine.module),

@@ -213,6 +213,30 @@ def deepspeed_case(stage: int, communication: str = "fp32"):
     return run
 
 
+def deepspeed_autotp_float8():
+    """Float8 conversion, then DeepSpeed AutoTP (`tensor_parallel.autotp_size`, what Axolotl's tensor_parallel_size
+    writes): AutoTP replaces every nn.Linear subclass, Float8Linear included, so the GEMMs run in bf16. The config
+    the user meant says FP8; the gemm row must fail."""
+    import deepspeed
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    model = load_model("tiny-llama", "bf16").model
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn != "lm_head")
+    converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+                 "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2}, "steps_per_print": 1000}
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()), config=ds_config)
+    left = sum(type(m).__name__ == "Float8Linear" for m in engine.module.modules())
+    spec = load_config({"engine": "deepspeed", "deepspeed": {"zero_stage": 1}, "precision": {"preset": "torchao-float8"}})
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))  # tp peers: the same batch
+    with watch(engine, optimizer, spec, on_mismatch="ignore") as audit:
+        engine.backward(forward_loss(engine, {"input_ids": ids, "labels": ids}))
+        engine.step()
+    engine.destroy()
+    return {**facts(audit), "float8_linears": [converted, left]}
+
+
 CASES = {
     "fsdp2-correct": fsdp2_correct, "fsdp2-float8-correct": fsdp2_float8_correct,
     "fsdp2-upcast-is-a-no-op": fsdp2_upcast_is_a_no_op, "fsdp2-optimizer-before-upcast": fsdp2_optimizer_before_upcast,
@@ -222,7 +246,7 @@ CASES = {
     "fsdp2-mismatch-raises": fsdp2_mismatch_raises,
     "fsdp2-lora-correct": fsdp2_lora_correct, "fsdp2-lora-base-upcast": fsdp2_lora_base_upcast, "ddp-with-an-fsdp2-config": ddp_with_an_fsdp2_config,
     "deepspeed-zero1": deepspeed_case(1), "deepspeed-zero2": deepspeed_case(2), "deepspeed-zero3": deepspeed_case(3),
-    "deepspeed-zero2-bf16-reduce": deepspeed_case(2, "bf16"),
+    "deepspeed-zero2-bf16-reduce": deepspeed_case(2, "bf16"), "deepspeed-autotp-float8": deepspeed_autotp_float8,
 }
 
 
@@ -233,7 +257,7 @@ def facts(result) -> dict:
     return {"passed": result.passed, "failing": sorted({p for ps in report.get("failing_by_rank", {}).values() for p in ps}),
             "observed": {c["phase"]: c["observed"] for c in report["checks"]},
             "details": {c["phase"]: c["detail"] for c in report["checks"]},
-            "wire": report["communication_bytes"]}
+            "wire": report["communication_bytes"], "wire_by_axis": report["communication_bytes_by_axis"]}
 
 
 def main(ids: list[str]) -> int:

@@ -372,3 +372,91 @@ def test_the_file_says_when_the_installed_accelerate_is_another_release(monkeypa
     assert "is installed, the file follows" not in render(document, plan, spec, "x")
     monkeypatch.setattr(versions, "installed_version", lambda name: "1.14.0" if name == "accelerate" else None)
     assert "# note: Accelerate 1.14.0 is installed, the file follows 1.15.x" in render(document, plan, spec, "x")
+
+
+# -- the mesh: tensor and context parallel ---------------------------------------------------------------------
+TP_CP = {"engine": "fsdp2", "precision": {"preset": "bf16", "reduce_dtype": "bf16"},
+         "parallel": {"tensor_size": 2, "context_size": 2, "sequence_parallel": False}}
+
+
+def test_tensor_and_context_parallel_file_is_launched_by_accelerate_and_imports_back(tmp_path, clean_env):
+    """The file carries tp and cp; the launch gives dp_shard_size (the header says how), and Accelerate's launcher
+    exports the ParallelismConfig the ranks build."""
+    from accelerate import ParallelismConfig
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    from fp8dist.formats.importing import import_file
+
+    spec = load_config(TP_CP)
+    document, plan = accelerate_file(spec, DS_VERSION, AO_VERSION)
+    assert document["parallelism_config"] == {"parallelism_config_tp_size": 2, "parallelism_config_cp_size": 2}
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(render(document, plan, spec, "tp-cp.yaml"))
+    text = path.read_text()
+    assert "--parallelism_config_dp_shard_size N/4" in text and "tp_plan='auto'" in text
+    assert "accelerator.maybe_context_parallel" in text
+    args = launch_command_parser().parse_args(["--config_file", str(path), "--num_processes", "8",
+                                               "--parallelism_config_dp_shard_size", "2", "train.py"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        env = prepare_multi_gpu_env(_validate_launch_command(args)[0])
+    for key, value in env.items():
+        if key.startswith("PARALLELISM_CONFIG_"):
+            clean_env.setenv(key, value)
+    built = ParallelismConfig()  # what each rank builds from the launcher's environment
+    assert (built.dp_replicate_size, built.dp_shard_size, built.tp_size, built.cp_size) == (1, 2, 2, 2)
+    back = load_config(yaml.safe_load(import_file(path)))
+    assert (back.parallel.tensor_size, back.parallel.context_size, back.parallel.sequence_parallel) == (2, 2, False)
+    assert to_fsdp2(back).mixed_precision_policy == to_fsdp2(spec).mixed_precision_policy
+
+
+@pytest.mark.parametrize("overrides, key, nearest", [
+    (["parallel.sequence_parallel=auto"], "parallel.sequence_parallel", {"parallel.sequence_parallel": False}),
+    (["precision.preset=torchao-float8", "precision.fp8.torchao.emulate=true"], "parallel.tensor_size", None),
+    (["parallel.sharding=replicate", "precision.master_weights=none", "precision.reduce_dtype=bf16",
+      "precision.load_dtype=bf16"], "parallel.tensor_size", {"parallel.sharding": "full"}),
+    (["parallel.sharding=hybrid", "parallel.shard_size=2"], "parallel.sharding",
+     {"parallel.sharding": "full", "parallel.shard_size": None}),
+])
+def test_what_accelerates_mesh_cannot_hold_is_refused_with_its_nearest(overrides, key, nearest):
+    spec = load_config(TP_CP, overrides)
+    with pytest.raises(NotExpressible) as info:
+        accelerate_plan(spec, "file")
+    (issue,) = [i for i in info.value.issues if i.path == key]
+    assert issue.fix and getattr(issue, "nearest") == nearest, str(info.value)
+    if key == "parallel.sharding":
+        assert "parallelism_config_dp_replicate_size: WORLD/8" in issue.fix  # shard 2 x tp 2 x cp 2
+
+
+def test_deepspeed_autotp_rides_in_the_deepspeed_config_accelerate_reads(tmp_path, clean_env):
+    spec = load_config({"engine": "deepspeed", "precision": {"preset": "bf16"}, "parallel": {"tensor_size": 2}})
+    document, plan = accelerate_file(spec, DS_VERSION)
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(render(document, plan, spec, "ds-tp.yaml"))
+    env = _launch_env(path)
+    for key, value in env.items():
+        clean_env.setenv(key, value)
+    from accelerate.utils import DeepSpeedPlugin
+
+    assert DeepSpeedPlugin().deepspeed_config["tensor_parallel"] == {"autotp_size": 2}
+    assert "DeepSpeed AutoTP by the config's tensor_parallel.autotp_size (2)" in path.read_text()
+
+
+def test_accelerator_and_trainer_kwargs_build_the_mesh_from_the_world_size(tmp_path, trainer_state):
+    from transformers import TrainingArguments
+
+    from fp8dist.integrations import accelerator_kwargs, training_arguments_kwargs
+
+    pc = accelerator_kwargs(TP_CP, world_size=8)["parallelism_config"]
+    assert (pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.cp_size) == (1, 2, 2, 2)
+    hybrid = load_config(TP_CP, ["parallel.sharding=hybrid", "parallel.shard_size=2", "parallel.context_size=1"])
+    pc = accelerator_kwargs(hybrid, world_size=16)["parallelism_config"]
+    assert (pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.cp_size) == (4, 2, 2, 1)
+    with pytest.raises(Fp8distError, match="parallel.tensor_size=2 x parallel.context_size=2 does not divide the 6"):
+        accelerator_kwargs(TP_CP, world_size=6)
+    with pytest.raises(Fp8distError, match="parallel.tensor_size: Accelerate's ParallelismConfig needs the world size"):
+        accelerator_kwargs(TP_CP)
+    kwargs = training_arguments_kwargs(TP_CP, world_size=8)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, **kwargs)
+    assert (args.parallelism_config.tp_size, args.parallelism_config.cp_size) == (2, 2) and args.fsdp

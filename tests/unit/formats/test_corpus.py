@@ -22,22 +22,17 @@ from tests.conftest import ROOT
 CORPUS = ROOT / "tests" / "data" / "corpus"
 SOURCES = json.loads((CORPUS / "SOURCES.json").read_text())
 MEANING = json.loads((CORPUS / "MEANING.json").read_text())
-# Refused, and the keys the refusal must name (what changes the run and fp8dist cannot keep): parallelism other than
-# data parallel, adapters and quantised bases, QAT, partial fine-tuning, 8-bit optimizers under DeepSpeed, a batch
-# that depends on the world size, and YAML that is not one document (a duplicate key).
+# Refused, and the keys the refusal must name (what changes the run and fp8dist cannot keep): parallelism fp8dist
+# does not build (DeepSpeed's Ulysses sequence parallel, expert parallel), adapters and quantised bases, QAT, partial
+# fine-tuning, 8-bit optimizers under DeepSpeed, a batch that depends on the world size, and YAML that is not one
+# document (a duplicate key).
 REFUSED = {
-    "accelerate/accelerate__examples_torch_native_parallelism_configs_cp.yaml": ["parallelism_config.parallelism_config_cp_size"],
-    "accelerate/accelerate__examples_torch_native_parallelism_configs_tp_hsdp.yaml": ["parallelism_config.parallelism_config_tp_size"],
     "accelerate/accelerate__tests_test_configs_0_30_0_sagemaker.yaml": [""],
     "accelerate/trl__examples_accelerate_configs_alst_ulysses_4gpu.yaml": ["parallelism_config.parallelism_config_sp_size"],
-    "accelerate/trl__examples_accelerate_configs_context_parallel_2gpu.yaml": ["parallelism_config.parallelism_config_cp_size"],
-    "axolotl/axolotl__examples_alst_llama3-8b-deepspeed-alst.yaml": ["optimizer", "context_parallel_size"],
-    "axolotl/axolotl__examples_alst_llama3-8b-fsdp2-alst.yaml": ["context_parallel_size"],
+    "axolotl/axolotl__examples_alst_llama3-8b-deepspeed-alst.yaml": ["optimizer"],
     "axolotl/axolotl__examples_archived_dbrx_8bit-lora.yaml": ["load_in_8bit"],
     "axolotl/axolotl__examples_archived_dbrx_fft-ds-zero3.yaml": ["optimizer", "unfrozen_parameters"],
     "axolotl/axolotl__examples_archived_openllama-3b_lora.yml": ["load_in_8bit"],
-    "axolotl/axolotl__examples_distributed-parallel_llama-3_1-8b-hsdp-tp.yaml": ["tensor_parallel_size"],
-    "axolotl/axolotl__examples_distributed-parallel_qwen3-8b-fsdp-tp-cp.yaml": ["context_parallel_size", "tensor_parallel_size"],
     "axolotl/axolotl__examples_expert_parallel_qwen3_30ba3b_ep_fsdp_fft_4gpu.yaml": ["expert_parallel_size"],
     "axolotl/axolotl__examples_gpt-oss_gpt-oss-20b-fft-deepspeed-zero3.yaml": ["optimizer", "model_quantization_config", "model_quantization_config_kwargs"],
     "axolotl/axolotl__examples_gpt-oss_gpt-oss-20b-fft-fsdp2-offload.yaml": ["model_quantization_config", "model_quantization_config_kwargs"],
@@ -54,7 +49,7 @@ REFUSED = {
     "axolotl/axolotl__examples_mistral_bigstral_bigstral-ds-zero3.yaml": ["optimizer", "unfrozen_parameters"],
     "axolotl/axolotl__examples_mistral_mixtral_mixtral.yml": ["optimizer", "load_in_4bit", "adapter"],
     "axolotl/axolotl__examples_mistral_mixtral_mixtral_22.yml": ["optimizer", "unfrozen_parameters"],
-    "axolotl/axolotl__examples_nemotron-h_nano-30b-a3b-qlora-cp.yaml": ["optimizer", "context_parallel_size", "load_in_4bit", "quantize_moe_experts", "adapter"],
+    "axolotl/axolotl__examples_nemotron-h_nano-30b-a3b-qlora-cp.yaml": ["optimizer", "load_in_4bit", "quantize_moe_experts", "adapter"],
     "axolotl/axolotl__examples_qwen3_reward-model.yaml": ["optimizer"],
     "deepspeed/deepspeedexamples__compression_cifar_config_ds_config.json": ["train_batch_size"],
     "deepspeed/deepspeedexamples__inference_sglang_ds_offload_nvme_aio.json": ["train_batch_size"],
@@ -64,8 +59,6 @@ REFUSED = {
     "deepspeed/deepspeedexamples__training_gan_gan_deepspeed_config.json": ["train_batch_size"],
     "deepspeed/deepspeedexamples__training_imagenet_config_ds_fp16_z1_config.json": ["train_batch_size"],
     "deepspeed/deepspeedexamples__training_pipeline_parallelism_ds_config.json": ["train_batch_size"],
-    "deepspeed/deepspeedexamples__training_tensor_parallel_hf_integration_configs_ds_config.json": ["tensor_parallel"],
-    "deepspeed/llama-factory__examples_deepspeed_ds_z2_autotp_config.json": ["tensor_parallel"],
     "deepspeed/ms-amp__examples_ds_config.json": ["train_batch_size"],
     "deepspeed/ms-amp__examples_ds_config_msamp.json": ["train_batch_size"],
     "deepspeed/ms-amp__examples_ds_config_zero_msamp.json": ["train_batch_size"],
@@ -91,6 +84,9 @@ AXOLOTL_LOAD_DTYPE = {
     "axolotl/axolotl__examples_llama-3_3b-fp8-fsdp2.yaml": "bf16",  # no bf16 key: Axolotl's default auto
     "axolotl/axolotl__examples_qwen2_adamw-pretrain-fsdp2.yaml": "bf16",  # bf16: auto
     "axolotl/axolotl__examples_mistral_mps_lora-mps.yml": "bf16",  # bf16: auto
+    "axolotl/axolotl__examples_alst_llama3-8b-fsdp2-alst.yaml": "bf16",  # bf16: auto
+    "axolotl/axolotl__examples_distributed-parallel_llama-3_1-8b-hsdp-tp.yaml": "bf16",  # bf16: true
+    "axolotl/axolotl__examples_distributed-parallel_qwen3-8b-fsdp-tp-cp.yaml": "bf16",  # bf16: true
 }
 
 
@@ -118,6 +114,7 @@ def meaning_of(spec) -> dict:
            "activation_checkpointing": par.activation_checkpointing != "none",
            "micro_batch": spec.train.micro_batch_size, "grad_accum": spec.train.gradient_accumulation_steps,
            "fp8": spec.fp8.backend, "load_dtype": p.load_dtype, "master_weights": p.master_weights,
+           "tp": par.tensor_size, "cp": par.context_size,
            "adapter": None if spec.adapter.kind == "none" else {
                "kind": spec.adapter.kind, "r": spec.adapter.r, "alpha": spec.adapter.alpha,
                "dropout": spec.adapter.dropout, "target_modules": spec.adapter.target_modules}}
@@ -155,6 +152,10 @@ def differences(got: dict, want: dict) -> list[str]:
     for field in ("micro_batch", "grad_accum"):
         if isinstance(batch.get(field), int) and got[field] != batch[field]:
             out.append(f"{field} {got[field]} != {batch[field]}")
+    sizes = want.get("parallel_sizes") or {}  # the sizes the file sets: the others are 1
+    for axis in ("tp", "cp"):
+        if got[axis] != sizes.get(axis, 1):
+            out.append(f"{axis} {got[axis]} != {sizes.get(axis, 1)}")
     if (want.get("fp8") is None) != (got["fp8"] == "none"):
         out.append(f"fp8 {got['fp8']} != {want.get('fp8')}")
     for field in ("load_dtype", "master_weights"):  # written for TRL recipes (the source decides both)
@@ -212,6 +213,8 @@ def test_a_real_config_imports_with_its_meaning_or_is_refused_naming_the_key(rel
         assert spec == load_config({"adapter": yaml.safe_load(text)["adapter"]})
     if SOURCES[relative]["tool"] == "axolotl":
         assert spec.precision.load_dtype == AXOLOTL_LOAD_DTYPE[relative], text
+    if spec.parallel.tensor_size > 1 and spec.engine == "fsdp2":  # transformers' tp_plan: no sequence parallel
+        assert spec.parallel.sequence_parallel is False, text
     if spec.engine == "deepspeed" and spec.fp8.backend != "msamp":  # back to DeepSpeed: its own parser accepts it
         from deepspeed.runtime.config import DeepSpeedConfig
 

@@ -30,6 +30,8 @@ def nested(dotted: str, value):
 FSDP2 = {"fsdp_version": 2, "fsdp_config": {"reshard_after_forward": True}}
 AXOLOTL_CONTEXT = {"fp8_enable_fsdp_float8_all_gather": {"fp8": True, **FSDP2}, "fsdp_version": FSDP2,
                    "fsdp": FSDP2, "dp_replicate_size": {"dp_shard_size": 2}, "tf32": {"bf16": False},
+                   **{key: FSDP2 for key in ("tensor_parallel_size", "context_parallel_size",
+                                             "sequence_parallel_degree")},
                    "fp16": {"bf16": False},
                    **{key: {"adapter": "lora", "lora_target_linear": True} for key in (
                        "lora_r", "lora_alpha", "lora_dropout", "lora_fan_in_fan_out", "lora_model_dir", "lora_modules_to_save",
@@ -148,9 +150,10 @@ def test_a_key_no_table_knows_is_noted_as_unknown(kind, document, shown, tmp_pat
 def test_the_tables_refuse_what_the_issue_names():
     """The settings that turned imports into other runs are refused by the tables themselves."""
     for table, key in ((AXOLOTL_KEYS, "adapter"), (AXOLOTL_KEYS, "load_in_4bit"), (AXOLOTL_KEYS, "load_in_8bit"),
-                       (AXOLOTL_KEYS, "qat"), (AXOLOTL_KEYS, "tensor_parallel_size"),
-                       (AXOLOTL_KEYS, "context_parallel_size"), (AXOLOTL_KEYS, "sequence_parallel_degree"),
-                       (DEEPSPEED_KEYS, "tensor_parallel"), (DEEPSPEED_KEYS, "amp"),
+                       (AXOLOTL_KEYS, "qat"), (AXOLOTL_KEYS, "expert_parallel_size"),
+                       (DEEPSPEED_KEYS, "sequence_parallel_size"), (DEEPSPEED_KEYS, "tensor_parallel.tp.tp_size"),
+                       (DEEPSPEED_KEYS, "tensor_parallel.partition_config"), (DEEPSPEED_KEYS, "amp"),
+                       (TRL_KEYS, "parallelism_config"),
                        (TRL_KEYS, "load_in_4bit"), (TRL_KEYS, "load_in_8bit"), (TRL_KEYS, "use_dora"),
                        (TRL_KEYS, "use_rslora"), (TRL_KEYS, "lora_modules_to_save"), (TRL_KEYS, "tf32"),
                        (PEFT_KEYS, "use_rslora"), (PEFT_KEYS, "use_dora"), (PEFT_KEYS, "modules_to_save"),

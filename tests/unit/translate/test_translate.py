@@ -114,3 +114,33 @@ def test_fsdp2_low_bit_optimizer_states():
     assert plan.optimizer.cls == "torchao.optim.AdamWFp8"
     with pytest.raises(ConfigError, match="torch.optim keeps states"):
         load_config({"optimizer": {"state_dtype": "bf16"}})
+
+
+def test_tensor_size_is_deepspeeds_autotp_size():
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    base = {"engine": "deepspeed", "precision": {"preset": "bf16"}}
+    assert "tensor_parallel" not in to_deepspeed(load_config(base), "0.19.8")
+    ds = to_deepspeed(load_config({**base, "parallel": {"tensor_size": 4}}), "0.19.8")
+    assert ds["tensor_parallel"] == {"autotp_size": 4}
+    assert DeepSpeedConfig(ds).tensor_parallel_config.autotp_size == 4
+
+
+@pytest.mark.parametrize("tensor_size, extra, fragment", [
+    (1, {"tensor_parallel": {"autotp_size": 2}}, "its key is parallel.tensor_size"),
+    (2, {"tensor_parallel": {"autotp_size": 4}}, "which fp8dist generates from parallel.tensor_size"),
+    (1, {"sequence_parallel_size": 2}, "Ulysses sequence parallel, which fp8dist does not wire"),
+])
+def test_extra_cannot_split_the_model_behind_the_config(tensor_size, extra, fragment):
+    spec = load_config({"engine": "deepspeed", "parallel": {"tensor_size": tensor_size},
+                        "deepspeed": {"extra": extra}})
+    with pytest.raises(ConfigError) as info:
+        to_deepspeed(spec, "0.19.8")
+    assert fragment in str(info.value) and "deepspeed.extra." in str(info.value)
+
+
+def test_extra_keeps_autotp_settings_that_split_nothing():
+    spec = load_config({"engine": "deepspeed", "parallel": {"tensor_size": 2},
+                        "deepspeed": {"extra": {"tensor_parallel": {"tp_overlap_comm": True}, "sequence_parallel_size": 1}}})
+    ds = to_deepspeed(spec, "0.19.8")
+    assert ds["tensor_parallel"] == {"autotp_size": 2, "tp_overlap_comm": True} and ds["sequence_parallel_size"] == 1

@@ -1,0 +1,17 @@
+"""Models the tensor-parallel tests build by `package.module:factory` (fp8dist.runtime.models), shapes no built-in
+has: heads, KV heads, hidden, MLP and vocabulary sizes that split over tp 2 into shards of multiples of 16 (what
+torchao's float8 GEMMs need)."""
+from __future__ import annotations
+
+
+def unseen_qwen2():
+    """A 2-layer Qwen2 (q/k/v biases) of a shape no other test uses: 6 heads over 2 KV heads of 16, hidden 96,
+    MLP 160, vocabulary 320, untied embeddings."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from fp8dist.runtime.models import causal_lm_batch
+
+    config = Qwen2Config(vocab_size=320, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                         tie_word_embeddings=False)
+    return {"model": AutoModelForCausalLM.from_config(config), "make_batch": causal_lm_batch(config.vocab_size)}
