@@ -198,6 +198,7 @@ def worker(model_name: str, baseline: str, config: str, steps: int, data: str,
     for whatever the run draws (dropout)."""
     import torch
 
+    from fp8dist.config.parallel import parallel_dims
     from fp8dist.engines.registry import facts_for
     from fp8dist.runtime import loop, process_group
     from fp8dist.runtime.data import SYNTHETIC_BATCHES, BatchMaker, file_batches, token_stream
@@ -211,6 +212,10 @@ def worker(model_name: str, baseline: str, config: str, steps: int, data: str,
         # one group for both runs (DeepSpeed's init serves an FSDP2 config too)
         process_group.init(deepspeed=any(facts_for(spec).deepspeed_process_group for spec in specs.values()))
         rank, seed = process_group.rank(), specs["baseline"].train.seed  # the parent checked both train sections
+        # Ranks that split one model (tp, cp) read one batch: both runs take their batches by the data ranks of the
+        # run that splits most, so a tensor-parallel config and its baseline on as many ranks see the same batches.
+        batch_dims = max((parallel_dims(spec, process_group.world_size()) for spec in specs.values()),
+                         key=lambda dims: dims.tp * dims.cp)
         make_batch: BatchMaker | None = None
         pool: int | None = SYNTHETIC_BATCHES
         for name, spec in specs.items():
@@ -227,7 +232,8 @@ def worker(model_name: str, baseline: str, config: str, steps: int, data: str,
                     make_batch, pool = file_batches(ids), None  # fresh windows every step
                     if rank == 0:
                         emit(PROGRESS, "data", f"data: {len(ids)} tokens, {how}")
-            session = loop.start(spec, loaded, make_batch=make_batch, pool=pool)  # BATCH_KEYS agree: same batches
+            session = loop.start(spec, loaded, make_batch=make_batch, pool=pool,  # BATCH_KEYS agree: same batches
+                                 batch_dims=batch_dims)
             torch.manual_seed(seed)
             result[name] = _train(name, session, steps, rank)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which exits 2 with it

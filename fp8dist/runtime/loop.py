@@ -47,7 +47,7 @@ class Session:
     loaded: LoadedModel
     engine: Engine
     make_batch: BatchMaker
-    dims: ParallelDims  # the run's mesh axes: batches are per data-parallel rank
+    dims: ParallelDims  # the mesh axes whose data-parallel ranks pick the batches (the run's, unless start was told)
     pool: int | None = SYNTHETIC_BATCHES  # synthetic data cycles this many batches per rank; None: fresh ones
 
     def batches(self, index: int) -> list[dict]:
@@ -65,16 +65,18 @@ class Session:
 
 def start(spec: Spec, loaded: LoadedModel, *, plan: EnginePlan | None = None, audit: str | None = None,
           first_step_audit: FirstStepAudit | None = None, make_batch=None, pool: int | None = SYNTHETIC_BATCHES,
-          ) -> Session:
+          batch_dims: ParallelDims | None = None) -> Session:
     """The engine `spec.engine` names around `loaded` (the process group is up). `audit`: the first-step audit's
-    mode (default audit.first_step); `make_batch`/`pool`: the data (default: the model's synthetic batches)."""
+    mode (default audit.first_step); `make_batch`/`pool`: the data (default: the model's synthetic batches);
+    `batch_dims`: the dims whose data-parallel ranks pick each rank's batches (default the run's own; `fp8dist
+    compare` hands a tensor-parallel run's to its baseline, so both train on the same batches)."""
     facts, dims = facts_for(spec), parallel_dims(spec, process_group.world_size())
     if torch.cuda.is_available() and loaded.materialize is None and not facts.moves_model_to_device:
         loaded.model.to("cuda")  # a meta-built model is allocated on the device by the engine
     mesh = {"mesh": build_device_mesh(dims)} if facts.uses_device_mesh else {}
     engine = registry.setup(loaded.model, spec, optimizer=loaded.make_optimizer, audit=audit, plan=plan,
                             first_step_audit=first_step_audit, materialize=loaded.materialize, **mesh)
-    return Session(spec, loaded, engine, make_batch or loaded.make_batch, dims, pool)
+    return Session(spec, loaded, engine, make_batch or loaded.make_batch, batch_dims or dims, pool)
 
 
 @dataclass(frozen=True)

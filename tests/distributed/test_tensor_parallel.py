@@ -88,3 +88,40 @@ def test_a_tensor_parallel_checkpoint_resumes_bitwise_and_exports_a_plain_model(
     exported = case["exported"]
     assert exported["names_match"] and exported["equal"], exported
     assert exported["shapes"]["model.layers.0.self_attn.k_proj.weight"] == [32, 96]  # whole, not a tp shard
+
+
+@pytest.mark.parametrize("name", ["fp32", "tensorwise"])
+def test_the_estimate_matches_what_each_rank_holds(tensor_parallel, tmp_path, name):
+    """`fp8dist estimate` on the same model, config and mesh (4 ranks, tensor_size 2): per-rank weights and optimizer
+    states within 5% of what a rank of the real run holds, and the FP8 share the audit measured."""
+    import json
+
+    from tests.conftest import run_cli
+    from tests.tp_models import unseen_qwen2
+
+    unseen_qwen2()["model"].config.save_pretrained(tmp_path)
+    config = {"fp32": None, "tensorwise": ROOT / "configs" / "fsdp2-torchao-float8.yaml"}[name]
+    result = run_cli("estimate", tmp_path / "config.json", *(["--config", config] if config else ["precision.preset=fp32"]),
+                     "--world-size", 4, "parallel.tensor_size=2", "train.seq_len=32", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    estimate, measured = json.loads(result.stdout), tensor_parallel[name]
+    assert estimate["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
+    per_rank = estimate["per_rank_bytes"]
+    assert per_rank["weights"] == pytest.approx(measured["weight_bytes"], rel=0.05), (per_rank, measured)
+    assert per_rank["optimizer"] == pytest.approx(measured["state_bytes"], rel=0.05), (per_rank, measured)
+    assert estimate["fp8_coverage"]["fp8_share"] == pytest.approx(measured["fp8_share"], abs=1e-3)
+
+
+def test_compare_holds_a_tensor_parallel_config_against_its_one_dimensional_baseline():
+    """`fp8dist compare` with a tensor_size 2 config and a config without TP on the same 4 ranks: both runs read
+    their batches by the TP run's data ranks, so the gap is FP8's alone (tensorwise float8 vs bf16)."""
+    import json
+
+    from tests.conftest import run_cli
+
+    result = run_cli("compare", "--config", ROOT / "configs" / "fsdp2-tp-float8.yaml", "--baseline",
+                     ROOT / "configs" / "fsdp2-bf16.yaml", "--model", "tiny-qwen2", "--nproc", 4, "--steps", 3,
+                     "train.seq_len=32", "--format", "json", timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(result.stdout)
+    assert data["passed"] is True and data["max_relative_gap"] < 0.002, data

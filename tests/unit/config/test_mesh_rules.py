@@ -19,8 +19,6 @@ def _parallel(**values):
 @pytest.mark.parametrize("parallel, world, dims, names, shape", [
     ({"tensor_size": 2}, 8, ParallelDims(dp_shard=4, tp=2), ("dp_shard", "tp"), (4, 2)),
     ({"tensor_size": 2}, 2, ParallelDims(dp_shard=1, tp=2), ("dp_shard", "tp"), (1, 2)),
-    ({"tensor_size": 2, "context_size": 2}, 8, ParallelDims(dp_shard=2, cp=2, tp=2), ("dp_shard", "cp", "tp"),
-     (2, 2, 2)),
     ({"context_size": 4}, 8, ParallelDims(dp_shard=2, cp=4), ("dp_shard", "cp"), (2, 4)),
     ({"tensor_size": 2, "sharding": "hybrid", "shard_size": 2}, 8,
      ParallelDims(dp_replicate=2, dp_shard=2, tp=2, replicate_dim=True), ("dp_replicate", "dp_shard", "tp"), (2, 2, 2)),
@@ -34,9 +32,13 @@ def test_tensor_and_context_axes_come_first_and_the_data_axes_take_the_rest(para
     assert got.world_size == world and got.data_size == world // (got.tp * got.cp)
 
 
-def test_the_ranks_of_one_tp_and_cp_group_read_the_same_batch():
-    dims = parallel_dims(_parallel(tensor_size=2, context_size=2), 8)
-    assert [dims.data_rank(rank) for rank in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+@pytest.mark.parametrize("parallel, batches", [
+    ({"tensor_size": 2}, [0, 0, 1, 1, 2, 2, 3, 3]),
+    ({"context_size": 4}, [0, 0, 0, 0, 1, 1, 1, 1]),
+])
+def test_the_ranks_of_one_tp_or_cp_group_read_the_same_batch(parallel, batches):
+    dims = parallel_dims(load_config({"parallel": parallel}), 8)
+    assert [dims.data_rank(rank) for rank in range(8)] == batches
 
 
 @pytest.mark.parametrize("parallel, world, says, fix", [
@@ -44,8 +46,6 @@ def test_the_ranks_of_one_tp_and_cp_group_read_the_same_batch():
      "launch a multiple of 4 ranks, or lower parallel.tensor_size to a divisor of 6"),
     ({"context_size": 4}, 6, "parallel.context_size=4 does not divide the 6 ranks",
      "lower parallel.context_size to a divisor of 6"),
-    ({"tensor_size": 2, "context_size": 2}, 6,
-     "parallel.tensor_size=2 x parallel.context_size=2 does not divide the 6 ranks", "launch a multiple of 4 ranks"),
 ])
 def test_a_world_the_tp_and_cp_groups_do_not_fill_is_refused_naming_the_keys(parallel, world, says, fix):
     with pytest.raises(Fp8distError) as raised:
@@ -166,6 +166,8 @@ REFUSED = [
      {"engine": "deepspeed", "parallel": {"tensor_size": 2, "sequence_parallel": "auto"}}),
     ({"engine": "deepspeed", "parallel": {"context_size": 2}}, "parallel.context_size", "which fp8dist does not wire",
      {"engine": "fsdp2", "parallel": {"context_size": 2}}),
+    ({"parallel": {"tensor_size": 2, "context_size": 2}}, "parallel.context_size", "has not been run by fp8dist",
+     {"parallel": {"tensor_size": 2, "context_size": 1}}),
     ({"precision": {"preset": "te"}, "parallel": {"tensor_size": 2}}, "parallel.tensor_size",
      "Transformer Engine's own Linear", {"precision": {"preset": "torchao-float8"}, "parallel": {"tensor_size": 2}}),
     ({"engine": "deepspeed", "precision": {"preset": "msamp-o1"}, "parallel": {"tensor_size": 2}},
