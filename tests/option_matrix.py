@@ -510,6 +510,9 @@ AUDIT_ROWS = {  # what the audit shows for a key: the phases whose expected dtyp
     "deepspeed.grad_accum_dtype": "weight_gradients",
     "deepspeed.zero_stage": "preparation, master_weights",
     "parallel.offload": "weights / masters / optimizer where offloaded (their dtype does not change)",
+    "parallel.tensor_size": "tp_reduction, tp_all_gather (collectives attributed by mesh axis: "
+                            "communication_bytes_by_axis)",
+    "parallel.sequence_parallel": "tp_all_gather (fp8 for tensorwise float8, else the compute dtype)",
     "engine": "engine (recognised from the prepared objects), then every phase",
     "audit.first_step": "whether step 1 is audited, and what a mismatch does",
     **{f"audit.numerics.{key}": "numerics (with `--numerics` / `watch(..., numerics=True)`)" for key in (

@@ -115,24 +115,26 @@ def check_model_fits(dims: ParallelDims, config: Mapping[str, Any], seq_len: int
     sequence length by tp x 2 x cp where the sequence is split (torchtitan ParallelDims.seq_len_divisor: sequence
     parallel shards by tp, context parallel's load balancer cuts each cp shard in two). `config`: the model's
     config.json values; `source`: where they come from, for the message."""
-    problems = []
+    problems, fixes = [], []
     experts = next((config[key] for key in _EXPERT_COUNTS if isinstance(config.get(key), int)), 0)
     if dims.tp > 1 and experts > 1:
         problems.append(f"it has {experts} MoE experts, which fp8dist's tensor parallel does not split (routed experts "
                         "are expert parallel's: torchao's MoE tutorial recommends against TP on them)")
+        fixes.append("parallel.tensor_size=1 for this model")
     if dims.tp > 1:
         for key, what in _TP_DIVIDES:
             value = config.get(key)
             if isinstance(value, int) and value % dims.tp:
                 problems.append(f"{what} ({key}={value}) do not divide by parallel.tensor_size={dims.tp}")
-    divisor = dims.tp * (2 * dims.cp if dims.cp > 1 else 1) if sequence_split or dims.cp > 1 else 1
+        if len(problems) > len(fixes):
+            fixes.append("a parallel.tensor_size that divides every size named, or parallel.tensor_size=1")
+    factors = ([f"tp {dims.tp}"] if sequence_split and dims.tp > 1 else []) + (
+        [f"2 x cp {dims.cp}"] if dims.cp > 1 else [])
+    divisor = (dims.tp if sequence_split else 1) * (2 * dims.cp if dims.cp > 1 else 1)
     if divisor > 1 and seq_len % divisor:
-        problems.append(f"the sequence length (train.seq_len={seq_len}) does not divide by {divisor} (tp "
-                        f"{dims.tp}{f' x 2 x cp {dims.cp}' if dims.cp > 1 else ''}: each rank holds an equal slice "
-                        f"of the sequence)")
+        problems.append(f"the sequence length (train.seq_len={seq_len}) does not divide by {divisor} "
+                        f"({' x '.join(factors)}: each rank holds an equal slice of the sequence)")
+        fixes.append(f"train.seq_len={-(-seq_len // divisor) * divisor} (a multiple of {divisor})")
     if problems:
-        fix = ("parallel.tensor_size=1 for this model" if experts > 1 and dims.tp > 1 else
-               "choose a parallel.tensor_size that divides every size named (and a train.seq_len that divides by "
-               "it), or parallel.tensor_size=1")
         raise Fp8distError(f"{source}: the model does not split on this mesh: " + "; ".join(problems)
-                           + f"\n  fix: {fix}")
+                           + "\n  fix: " + "; ".join(dict.fromkeys(fixes)))

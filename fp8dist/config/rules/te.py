@@ -66,6 +66,6 @@ def check(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
                             "tensor parallel does not split (TE splits through its own tp_group / "
                             "sequence_parallel arguments at construction), and TE FP8 + FSDP2 + TP fails in "
                             "Accelerate too (huggingface/accelerate#3827)", spec.parallel.tensor_size,
-                            "set parallel.tensor_size=1, or precision.fp8.backend=torchao (tensorwise keeps FP8 "
-                            "all-gathers under tensor parallel)"))
+                            "set parallel.tensor_size=1 (on FSDP2, precision.fp8.backend=torchao keeps FP8 under "
+                            "tensor parallel)"))
     return issues

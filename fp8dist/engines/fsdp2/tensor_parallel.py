@@ -232,7 +232,8 @@ def _split_vocabulary(model, tp_mesh, sequence_parallel: bool) -> str:
         if sequence_parallel:
             styles[head_fqn] = PrepareModuleInput(input_layouts=(head_input,), desired_input_layouts=(Replicate(),),
                                                   use_local_output=True)
-        embed = base_model(model).get_input_embeddings()
+        base = base_model(model)
+        embed = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
         why = "tied" if embed is not None and embed.weight is head.weight else (
             f"vocabulary {head.weight.shape[0]} does not divide by tp {tp}")
         done = f"embedding and LM head whole on each tp rank ({why})"
@@ -263,7 +264,8 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
         total_squares = total_squares + squares
     total = total_squares.sqrt()
     coefficient = float(max_norm) / (float(total) + 1e-6)
-    if coefficient < 1.0:
+    if not coefficient >= 1.0:  # a non-finite norm scales by NaN, as torch's clip_grad_norm_ does
+        coefficient = min(coefficient, 1.0)
         for grad in grads:
             grad.mul_(coefficient)
     return total

@@ -98,7 +98,7 @@ def test_every_size_tp_does_not_divide_is_named_at_once():
     for named in ("attention heads (num_attention_heads=4)", "KV heads (num_key_value_heads=2)",
                   "hidden size (hidden_size=64)", "MLP size (intermediate_size=128)"):
         assert f"{named} do not divide by parallel.tensor_size=3" in text, text
-    assert "fix: choose a parallel.tensor_size that divides every size named" in text
+    assert "fix: a parallel.tensor_size that divides every size named" in text
 
 
 def test_only_what_does_not_divide_is_named():
@@ -114,8 +114,10 @@ def test_only_what_does_not_divide_is_named():
     (2, 2, 68, True, 8),
 ])
 def test_the_sequence_must_divide_where_it_is_split(tp, cp, seq_len, sequence_split, divisor):
-    with pytest.raises(Fp8distError, match=rf"train.seq_len={seq_len}\) does not divide by {divisor} "):
+    with pytest.raises(Fp8distError, match=rf"train.seq_len={seq_len}\) does not divide by {divisor} ") as raised:
         _fits(tp=tp, cp=cp, seq_len=seq_len, sequence_split=sequence_split)
+    fixed = -(-seq_len // divisor) * divisor  # the fix names the sequence length, not the tp degree
+    assert f"fix: train.seq_len={fixed} (a multiple of {divisor})" in str(raised.value), str(raised.value)
     _fits(tp=tp, cp=cp, seq_len=seq_len - seq_len % divisor, sequence_split=sequence_split)
 
 
