@@ -13,15 +13,12 @@ import json
 import math
 import os
 import sys
-import tempfile
 from typing import Any, Sequence
 
 from fp8dist.config.load import load_config
 from fp8dist.dtypes import torch_dtype
 from fp8dist.errors import ExitCode, Fp8distError
-from fp8dist.runtime.files import share
 from fp8dist.runtime.ranks import PROGRESS, emit
-
 
 
 # --- the parent ---------------------------------------------------------------------------------
@@ -39,6 +36,7 @@ def run_compare(args) -> int:
     specs = {"baseline": load_config(args.baseline, overrides=args.overrides),
              "config": load_config(args.config, overrides=args.overrides)}
     check_same_batches(specs["baseline"], specs["config"])
+    check_engine_order(specs["baseline"], specs["config"])
     check_model_name(args.model)
     for spec in specs.values():
         preflight(spec)
@@ -53,6 +51,8 @@ def run_compare(args) -> int:
     losses = _launch(args)
     result = verdict(losses, args.tolerance, args)
     if args.plot:
+        from fp8dist.commands.compare_plot import plot
+
         plot(result, args.plot)
         result["plot"] = args.plot
     render = {"json": as_json, "markdown": markdown, "table": table}[args.format]
@@ -72,6 +72,15 @@ def check_same_batches(baseline, config) -> None:
                            + ", ".join(differ) + "\n  fix: give both configs the same train section values")
 
 
+def check_engine_order(baseline, config) -> None:
+    """The baseline's engine is built first, in the same process: after DeepSpeed AutoTP, DeepSpeed 0.19.8 keeps its
+    groups in module globals (deepspeed/utils/groups.py) and a DeepSpeed engine without AutoTP cannot start next."""
+    autotp = [spec.engine == "deepspeed" and spec.parallel.tensor_size > 1 for spec in (baseline, config)]
+    if autotp == [True, False] and config.engine == "deepspeed":
+        raise Fp8distError("--baseline runs DeepSpeed AutoTP and --config DeepSpeed without it: the second engine "
+                           "cannot start after AutoTP in one process\n  fix: swap --config and --baseline")
+
+
 def _check_writable(path: str) -> None:
     import importlib.util
     from pathlib import Path
@@ -87,10 +96,9 @@ def _check_writable(path: str) -> None:
 def _launch(args) -> dict[str, list[float]]:
     from fp8dist.runtime.ranks import launch
 
-    return launch("fp8dist.commands.compare", [args.model, args.baseline, args.config, str(args.steps), args.data or "",
-                                               "\n".join(args.overrides)],
-                  args.nproc, args.timeout, "comparison", on_progress=lambda line: print(line, file=sys.stderr,
-                                                                                             flush=True))
+    argv = [args.model, args.baseline, args.config, str(args.steps), args.data or "", "\n".join(args.overrides)]
+    return launch("fp8dist.commands.compare", argv, args.nproc, args.timeout, "comparison",
+                  on_progress=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def verdict(losses: dict[str, list[float]], tolerance: float, args=None) -> dict[str, Any]:
@@ -121,7 +129,6 @@ def as_json(result: dict[str, Any]) -> str:
 def _gap_text(value) -> str:
     return "inf" if value is None else f"{value:.4%}"
 
-
 def table(result: dict[str, Any]) -> str:
     lines = [f"fp8dist compare: {result['config']} vs baseline {result['baseline']} on {result['model']}, "
              f"{result['steps']} steps, data: {result['data']}", "",
@@ -144,40 +151,6 @@ def markdown(result: dict[str, Any]) -> str:
                                              result["relative_gaps"]), 1):
         lines.append(f"| {i} | {base:.4f} | {got:.4f} | {_gap_text(gap)} |")
     return "\n".join(lines) + "\n"
-
-
-def plot(result: dict[str, Any], path: str) -> None:
-    """Both loss curves and the relative gap, written atomically as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = list(range(1, len(result["losses"]["baseline"]) + 1))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    top.plot(steps, result["losses"]["baseline"], label=f"baseline: {os.path.basename(result.get('baseline', ''))}")
-    top.plot(steps, result["losses"]["config"], label=f"config: {os.path.basename(result.get('config', ''))}",
-             linestyle="--")
-    top.set_ylabel("loss")
-    top.legend(fontsize=8)
-    gaps = [g if g is not None else float("nan") for g in result["relative_gaps"]]
-    bottom.plot(steps, gaps, color="tab:red")
-    bottom.axhline(result["tolerance"], color="gray", linestyle=":", label="tolerance")
-    bottom.set_ylabel("relative gap")
-    bottom.set_xlabel("step")
-    bottom.legend(fontsize=8)
-    fig.tight_layout()
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".plot.", suffix=".png", dir=directory)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png")
-        share(tmp)  # mkstemp's 0600: the plot gets the umask's mode, as open() would give it
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 # --- the worker (one torchrun job) ----------------------------------------------------------------
@@ -212,9 +185,8 @@ def worker(model_name: str, baseline: str, config: str, steps: int, data: str,
         # one group for both runs (DeepSpeed's init serves an FSDP2 config too)
         process_group.init(deepspeed=any(facts_for(spec).deepspeed_process_group for spec in specs.values()))
         rank, seed = process_group.rank(), specs["baseline"].train.seed  # the parent checked both train sections
-        # Ranks that split one model (tp, cp) read one batch: both runs take their batches by the data ranks of the
-        # run that splits most, so a tensor-parallel config and its baseline on as many ranks see the same batches.
-        batch_dims = max((parallel_dims(spec, process_group.world_size()) for spec in specs.values()),
+        # both runs read batches by the data ranks of the run that splits the model most (tp and cp peers: one)
+        batch_dims = max((parallel_dims(s, process_group.world_size()) for s in specs.values()),
                          key=lambda dims: dims.tp * dims.cp)
         make_batch: BatchMaker | None = None
         pool: int | None = SYNTHETIC_BATCHES
@@ -232,8 +204,7 @@ def worker(model_name: str, baseline: str, config: str, steps: int, data: str,
                     make_batch, pool = file_batches(ids), None  # fresh windows every step
                     if rank == 0:
                         emit(PROGRESS, "data", f"data: {len(ids)} tokens, {how}")
-            session = loop.start(spec, loaded, make_batch=make_batch, pool=pool,  # BATCH_KEYS agree: same batches
-                                 batch_dims=batch_dims)
+            session = loop.start(spec, loaded, make_batch=make_batch, pool=pool, batch_dims=batch_dims)
             torch.manual_seed(seed)
             result[name] = _train(name, session, steps, rank)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which exits 2 with it

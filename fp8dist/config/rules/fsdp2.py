@@ -17,11 +17,6 @@ def check(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
         issues.append(Issue("parallel.offload", "FSDP2 offloads parameters, gradients and the optimizer step together "
                             "(CPUOffloadPolicy); it cannot offload the optimizer alone", "optimizer",
                             "set parallel.offload=params, or run engine=deepspeed (ZeRO-Offload)"))
-    par = spec.parallel
-    if par.context_size > 1 and par.tensor_size > 1:
-        issues.append(Issue("parallel.context_size", "context parallel together with tensor parallel (torchtitan's "
-                            "FSDP x CP x TP) has not been run by fp8dist: each alone has", par.context_size,
-                            "set parallel.context_size=1 or parallel.tensor_size=1"))
     return issues
 
 

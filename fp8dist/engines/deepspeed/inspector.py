@@ -54,7 +54,10 @@ class DeepSpeedInspector(Inspector):
 
         groups = sys.modules.get("deepspeed.utils.groups")
         tp = getattr(groups, "_TENSOR_MODEL_PARALLEL_GROUP", None)
-        if groups is None or tp is None:
+        # The groups outlive the engine that built them (module globals): only a model AutoTP split uses them.
+        split_layer = getattr(sys.modules.get("deepspeed.module_inject.layers"), "TensorParallel_Layer", None)
+        if groups is None or tp is None or split_layer is None or not any(
+                isinstance(module, split_layer) for module in self.module.modules()):
             return {}
         return {frozenset(dist.get_process_group_ranks(groups.get_data_parallel_group())): "dp_shard",
                 frozenset(dist.get_process_group_ranks(tp)): "tp"}

@@ -168,8 +168,6 @@ REFUSED = [
      {"engine": "deepspeed", "parallel": {"tensor_size": 2, "sequence_parallel": "auto"}}),
     ({"engine": "deepspeed", "parallel": {"context_size": 2}}, "parallel.context_size", "which fp8dist does not wire",
      {"engine": "fsdp2", "parallel": {"context_size": 2}}),
-    ({"parallel": {"tensor_size": 2, "context_size": 2}}, "parallel.context_size", "has not been run by fp8dist",
-     {"parallel": {"tensor_size": 2, "context_size": 1}}),
     ({"precision": {"preset": "te"}, "parallel": {"tensor_size": 2}}, "parallel.tensor_size",
      "Transformer Engine's own Linear", {"precision": {"preset": "torchao-float8"}, "parallel": {"tensor_size": 2}}),
     ({"engine": "deepspeed", "precision": {"preset": "msamp-o1"}, "parallel": {"tensor_size": 2}},
@@ -186,6 +184,12 @@ def test_a_mesh_no_engine_or_backend_runs_is_refused_naming_the_key_and_a_fix_th
     assert issue.path == key and issue.fix, issue.render()
     assert f"{key}: " in str(raised.value) and "fix: " in str(raised.value)
     load_config(fixed)
+
+
+def test_fsdp2_tensor_and_context_parallel_together_load():
+    """torchtitan's FSDP x CP x TP: the config loads (a machine without CUDA refuses cp in preflight)."""
+    spec = load_config({"parallel": {"tensor_size": 2, "context_size": 2}})
+    assert (spec.parallel.tensor_size, spec.parallel.context_size) == (2, 2)
 
 
 def test_deepspeed_tensor_parallel_without_fp8_loads():
