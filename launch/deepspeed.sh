@@ -7,7 +7,9 @@ gpus=${1:-2}; [ $# -gt 0 ] && shift
 here=$(cd "$(dirname "$0")" && pwd)
 # One process checks config, machine and arguments first: a refusal is one message and exit 2, before deepspeed
 # starts a rank (each rank would print it, and the launcher add its own failure report).
-python "$here/train.py" --check --fp8dist-config "$config" "$@" >/dev/null
+# With a hostfile the world size is the hostfile's: the ranks check the mesh before loading any weight.
+world=(); [ -z "${HOSTFILE:-}" ] && world=(--world-size "$gpus")
+python "$here/train.py" --check "${world[@]}" --fp8dist-config "$config" "$@" >/dev/null
 if [ -n "${HOSTFILE:-}" ]; then
   exec deepspeed --hostfile "$HOSTFILE" "$here/train.py" --fp8dist-config "$config" "$@"
 fi

@@ -49,6 +49,10 @@ def parse_args(argv=None):
                         help="check the config, this machine and the arguments in this one process, then exit (0: "
                              "it can run; 2: why not): no rank is started (launch/torchrun.sh and deepspeed.sh run "
                              "it first, so a refusal is one message, not one per rank plus the launcher's report)")
+    parser.add_argument("--world-size", type=int, default=None, metavar="N",
+                        help="with --check: the ranks the run will have, so that the mesh (parallel.tensor_size, "
+                             "context_size, shard_size) is checked against them and the model (launch/torchrun.sh "
+                             "passes it)")
     fp8dist.add_config_arguments(parser)
     return parser.parse_args(argv)
 
@@ -63,6 +67,11 @@ def argument_problems(args) -> list[Fp8distError]:
         problems.append(Fp8distError(f"{flag} needs --checkpoint-dir DIR (where the checkpoints are)"))
     if args.steps is not None and args.steps < 1:
         problems.append(Fp8distError(f"--steps {args.steps}: must be at least 1"))
+    if args.world_size is not None and args.world_size < 1:
+        problems.append(Fp8distError(f"--world-size {args.world_size}: must be at least 1"))
+    elif args.world_size is not None and not args.check:
+        problems.append(Fp8distError(f"--world-size {args.world_size} goes with --check (a run's ranks come from its "
+                                     "launcher)"))
     return problems
 
 
@@ -79,7 +88,7 @@ def checked_spec(args):
         spec = fp8dist.spec_from_args(args)
     if spec is not None and (args.check or checks.errors):
         with checks.one():
-            loop.check_before_launch(spec, args.model, export_hf=args.export_hf)
+            loop.check_before_launch(spec, args.model, export_hf=args.export_hf, world_size=args.world_size)
     checks.raise_found()
     return spec
 

@@ -172,11 +172,12 @@ def lost_peer(exc: BaseException) -> bool:
         sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "gloo", "Timed out")))
 
 
-def check_before_launch(spec: Spec, model_name: str, *, export_hf: str | None = None) -> EnginePlan:
+def check_before_launch(spec: Spec, model_name: str, *, export_hf: str | None = None,
+                        world_size: int | None = None) -> EnginePlan:
     """What one process can refuse before any rank starts: the backend's library and hardware, the engine's own
     refusals, the export destination, the model name; every refusal at once (Problems). Returns the run's
     translation. (launch/train.py --check runs it alone, so the launch scripts refuse with one message before
-    torchrun or deepspeed starts a rank.)"""
+    torchrun or deepspeed starts a rank; they pass `world_size`, so the mesh is checked too.)"""
     checks, plan = Checks(), None
     with checks.one():
         plan = preflight(spec)
@@ -187,6 +188,9 @@ def check_before_launch(spec: Spec, model_name: str, *, export_hf: str | None = 
             check_destination(export_hf)
     with checks.one():
         check_efficient_loading(model_name, spec)
+    if world_size is not None:  # the mesh and the model's sizes on it (the ranks check again before loading)
+        with checks.one():
+            check_mesh_fits(spec, model_name, world_size)
     checks.raise_found()
     return plan
 

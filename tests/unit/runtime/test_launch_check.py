@@ -29,6 +29,26 @@ def test_a_launch_script_refuses_before_any_rank_starts(script):
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr and "rank" not in result.stdout
 
 
+@pytest.mark.parametrize("script, model, says", [
+    ("torchrun.sh", "tiny-mixtral", "it has 8 MoE experts, which fp8dist's tensor parallel does not split"),
+    ("deepspeed.sh", "tiny-llama", "parallel.tensor_size=3 does not divide the 2 ranks of this job"),
+])
+def test_a_launch_script_refuses_a_mesh_the_model_or_world_cannot_split(script, model, says):
+    """The scripts hand --check their world size: the mesh and the model's sizes are refused before any rank."""
+    size = 2 if model == "tiny-mixtral" else 3
+    config = "fsdp2-bf16.yaml" if script == "torchrun.sh" else "deepspeed-bf16-zero2.yaml"
+    result = run("bash", ROOT / "launch" / script, ROOT / "configs" / config, "2", "--model", model,
+                 "--fp8dist-set", f"parallel.tensor_size={size}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.count(says) == 1 and "fix: " in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+
+
+def test_world_size_goes_with_check_only():
+    result = run(sys.executable, ROOT / "launch" / "train.py", "--world-size", "2")
+    assert result.returncode == 2 and "--world-size 2 goes with --check" in result.stderr, result.stderr
+
+
 def test_check_refuses_bad_arguments_and_overrides():
     bad_set = run(sys.executable, ROOT / "launch" / "train.py", "--check", "--fp8dist-set", "train.steps=zero")
     assert bad_set.returncode == 2 and "train.steps" in bad_set.stderr and "Traceback" not in bad_set.stderr
