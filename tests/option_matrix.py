@@ -110,6 +110,12 @@ RUNS = [
     Run("fsdp2-moe-mxfp8-experts",
         {"precision": {"preset": "torchao-float8", "fp8": {"torchao": {**EMULATE, "experts": "mxfp8"}}}},
         {"experts": "fp8dist_mxfp8_emulated"}, model="tiny-mixtral"),
+    # Expert parallel on 2 ranks (efsdp 1 x ep 2): 4 of tiny-mixtral's 8 experts per rank, tokens dispatched by
+    # all-to-all. The EP=1 comparisons on 2 and 4 ranks are tests/distributed/test_expert_parallel.py.
+    Run("fsdp2-expert-parallel-mxfp8",
+        {"precision": {"preset": "torchao-float8", "fp8": {"torchao": {**EMULATE, "experts": "mxfp8"}}},
+         "parallel": {"expert_size": 2}},
+        {"experts": "fp8dist_mxfp8_emulated", "expert_parallel": 2}, model="tiny-mixtral"),
     Run("ds-zero3-moe-auto-experts",
         {**DS, "deepspeed": {"zero_stage": 3}, "precision": {"preset": "torchao-float8", "fp8": {"torchao": EMULATE}}},
         {"experts": "fp8dist_mxfp8_emulated", "zero_stage": 3}, model="tiny-mixtral"),
@@ -352,6 +358,14 @@ REFUSALS = [
                                       "parallel": {"tensor_size": 2}}, "only through Megatron-LM"),
     Refusal("adapter-tensor-parallel", {"adapter": {"kind": "lora"}, "parallel": {"tensor_size": 2}},
             "fp8dist splits plain nn.Linear layers only"),
+    Refusal("expert-parallel-tensor-parallel", {"parallel": {"expert_size": 2, "tensor_size": 2}},
+            "fp8dist's tensor parallel refuses MoE models"),
+    Refusal("expert-parallel-context-parallel", {"parallel": {"expert_size": 2, "context_size": 2}},
+            "fp8dist's EP borrows ranks from dp_shard only"),
+    Refusal("expert-parallel-hybrid", {"parallel": {"expert_size": 2, "sharding": "hybrid", "shard_size": 2}},
+            "the experts' (efsdp, ep) mesh is built over the shard ranks only"),
+    Refusal("expert-parallel-adapter", {"adapter": {"kind": "lora"}, "parallel": {"expert_size": 2}},
+            "expert parallel with LoRA adapters"),
     Refusal("adapter-msamp", {"adapter": {"kind": "lora"}, "precision": {"preset": "msamp-o2"}},
             "MS-AMP casts every Linear weight"),
     Refusal("adapter-te", merge(te(), {"adapter": {"kind": "lora"}}), "Transformer Engine under LoRA"),
@@ -514,6 +528,8 @@ AUDIT_ROWS = {  # what the audit shows for a key: the phases whose expected dtyp
     "parallel.tensor_size": "tp_reduction, tp_all_gather (collectives attributed by mesh axis: "
                             "communication_bytes_by_axis)",
     "parallel.sequence_parallel": "tp_all_gather (fp8 for tensorwise float8, else the compute dtype)",
+    "parallel.expert_size": "ep_all_to_all (the tokens' dispatch in the compute dtype, on the ep axis of "
+                            "communication_bytes_by_axis)",
     "engine": "engine (recognised from the prepared objects), then every phase",
     "audit.first_step": "whether step 1 is audited, and what a mismatch does",
     **{f"audit.numerics.{key}": "numerics (with `--numerics` / `watch(..., numerics=True)`)" for key in (

@@ -1,6 +1,6 @@
-"""Models the tensor-parallel tests build by `package.module:factory` (fp8dist.runtime.models), shapes no built-in
-has: heads, KV heads, hidden, MLP and vocabulary sizes that split over tp 2 into shards of multiples of 16 (what
-torchao's float8 GEMMs need)."""
+"""Models the tensor- and expert-parallel tests build by `package.module:factory` (fp8dist.runtime.models), shapes
+no built-in has: heads, KV heads, hidden, MLP and vocabulary sizes that split over tp 2 into shards of multiples of 16
+(what torchao's float8 GEMMs need); experts that split over ep 2 and 4 with sizes of multiples of 32 (MXFP8)."""
 from __future__ import annotations
 
 
@@ -14,4 +14,18 @@ def unseen_qwen2():
     config = Qwen2Config(vocab_size=320, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
                          num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
                          tie_word_embeddings=False)
+    return {"model": AutoModelForCausalLM.from_config(config), "make_batch": causal_lm_batch(config.vocab_size)}
+
+
+def unseen_qwen3_moe():
+    """A 2-layer Qwen3-MoE of a shape no other test uses: 4 experts of 96 x 64, top-2 (every expert's share of the
+    tokens differs), 6 heads over 2 KV heads of 16, vocabulary 288, untied embeddings."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from fp8dist.runtime.models import causal_lm_batch
+
+    config = Qwen3MoeConfig(vocab_size=288, hidden_size=96, intermediate_size=128, moe_intermediate_size=64,
+                            num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, num_hidden_layers=2,
+                            num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                            tie_word_embeddings=False)
     return {"model": AutoModelForCausalLM.from_config(config), "make_batch": causal_lm_batch(config.vocab_size)}

@@ -32,6 +32,8 @@ PHASES = {
     "tp_all_gather": "the activations all-gathered on the tensor-parallel axis (sequence parallel; tp > 1)",
     "tp_reduction": "the partial sums reduced on the tensor-parallel axis: row-wise Linears' outputs, column-wise "
                     "Linears' input gradients (tp > 1)",
+    "ep_all_to_all": "the tokens sent to their experts' ranks and back on the expert-parallel axis (all-to-all; "
+                     "expert_size > 1)",
     "frozen_weights": "an adapter run's frozen base as stored",
     "frozen_state": "gradients or optimizer states kept for the frozen base (expected: none)",
     "numerics": "with `--numerics` (`watch(..., numerics=True)`) only: every FP8 weight GEMM's operand casts (share "
@@ -92,6 +94,9 @@ def expected(spec: Spec, nproc: int = 1) -> dict[str, tuple[str, str]]:
             row[phase] = (cells[phase], f"table A, MS-AMP {spec.fp8.msamp.opt_level}")
     if spec.parallel.tensor_size > 1:
         row.update(_tensor_parallel_rows(spec, compute))
+    if spec.parallel.expert_size > 1:
+        row["ep_all_to_all"] = (compute, "expert parallel dispatches and combines tokens in the compute dtype (fp8dist "
+                                         "runs no low-precision dispatch: torchao's MXFP8 all-to-all is CUDA-only)")
     if spec.adapter.enabled:
         row["frozen_state"] = ("none", "adapter.kind=lora: the frozen base gets no gradient and no optimizer state")
     if nproc < 2:

@@ -146,9 +146,8 @@ class WeightGemmLedger:
     def _entering(self, name: str):
         def hook(module, args):
             for param in module.parameters(recurse=False):
-                mark = Mark(name, tuple(param.shape))
-                for part in _parts(param):
-                    self.marks[part] = mark
+                for part in _parts(param):  # each with its own shape: a DTensor's local tensor (an expert-parallel
+                    self.marks[part] = Mark(name, tuple(part.shape))  # rank's experts) meets GEMMs at its own
             self.running[name] += 1
         return hook
 

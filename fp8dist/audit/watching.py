@@ -297,6 +297,11 @@ class Watch:
         out["_comm_axes"] = wire.by_axis()
         if self.spec.parallel.tensor_size > 1:
             self._observe_tensor_parallel(wire)
+        if self.spec.parallel.expert_size > 1:
+            sent = wire.dtypes({"all_to_all"}, axes=("ep",))
+            carried = [dtype for dtype in sent if not dtype.startswith(("int", "uint"))]  # split counts are int64
+            out["ep_all_to_all"] = _obs("+".join(carried) or "none", "all-to-alls on the ep axis (the split counts "
+                                        f"left out): {wire.by_axis().get('ep', {}).get('all_to_all', {})}")
         if self.inspector.engine == "none":
             if wire.dtypes({"all_reduce"}):
                 # The loop handed over the bare module (HF Trainer does so under DDP): replicated training is

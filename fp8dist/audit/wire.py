@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8dist.backends.storage import storage
+from fp8dist.engines.mesh import axis_of
 
 # c10d op name -> kind. Reductions carry gradients; gathers carry weights.
 KINDS = {
@@ -42,7 +43,8 @@ REDUCTIONS = {"all_reduce", "reduce", "reduce_scatter"}
 # Gathers and reduce-scatters take (outputs, inputs); the others reduce or broadcast their first argument
 # in place (torch 2.13 c10d op schemas, torch/csrc/distributed/c10d/Ops.cpp).
 INPUT_SECOND = {"all_gather", "reduce_scatter", "all_to_all"}
-DATA_AXES = ("dp_replicate", "dp_shard", "dp_shard_cp", "world")  # where gradients reduce and FSDP gathers weights
+# where gradients reduce and FSDP gathers weights (`efsdp`: the experts' data axis under expert parallel)
+DATA_AXES = ("dp_replicate", "dp_shard", "dp_shard_cp", "efsdp", "world")
 WORLD = "world"
 
 
@@ -114,7 +116,7 @@ class WireRecorder(TorchDispatchMode):
             if kind is not None:
                 sent, group = _tensors(args[0]), _functional_group(args[-1])
         if kind is not None:
-            axis = self.axes.get(group, WORLD) if group is not None else WORLD
+            axis = axis_of(self.axes.get(group, WORLD), kind) if group is not None else WORLD
             for tensor in sent:
                 held = storage(tensor)
                 entry = self.calls[(axis, kind, held.format)]

@@ -39,34 +39,60 @@ def _grouped_linear(grouped_mm, tokens, weight, offsets, transposed: bool):
     return grouped_mm(tokens, weight_t, offsets)
 
 
+def _local(weight):
+    """An experts weight as this rank holds it: under expert parallel FSDP2 hands the forward a DTensor sharded over
+    the `ep` axis (the rank's own experts), which the grouped GEMMs take as a plain tensor."""
+    to_local = getattr(weight, "to_local", None)
+    return to_local() if to_local is not None else weight
+
+
 def experts_forward(grouped_mm, self, hidden_states, top_k_index, top_k_weights):
     """A transformers experts forward (hidden_states (tokens, hidden), top_k_index / top_k_weights (tokens, k)) with
-    both expert projections as one grouped GEMM each: rows sorted by expert, `offsets` ending each expert's rows."""
+    both expert projections as one grouped GEMM each: rows sorted by expert, `offsets` ending each expert's rows.
+    Under expert parallel (`self.fp8dist_token_dispatch`, fp8dist.engines.fsdp2.expert_parallel) the sorted rows go
+    to their experts' ranks and come back before the routing weights are applied, so routing and weighting stay
+    where the tokens live."""
     import torch
 
     if getattr(self, "_is_expert_parallel", False):
-        raise UnsupportedEnvironment("fp8dist's FP8 experts do not run under transformers' expert parallelism",
-                                     "set precision.fp8.torchao.experts=none, or train without expert parallelism")
+        raise UnsupportedEnvironment("fp8dist's experts do not run under transformers' own expert parallelism",
+                                     "use fp8dist's parallel.expert_size (engine=fsdp2) instead of transformers' "
+                                     "distributed_config")
     top_k = top_k_index.size(-1)
     expert_of_row = top_k_index.reshape(-1)
     order = torch.argsort(expert_of_row, stable=True)
     rows = hidden_states[order // top_k]
-    offsets = torch.cumsum(torch.bincount(expert_of_row, minlength=self.num_experts), 0, dtype=torch.int32)
-    sorted_experts = expert_of_row[order]
-    up = self.gate_up_proj if self.has_gate else self.up_proj
+    counts = torch.bincount(expert_of_row, minlength=self.num_experts)
+    dispatch = getattr(self, "fp8dist_token_dispatch", None)
+    if dispatch is not None:
+        rows, counts, route = dispatch.send(rows, counts)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    expert_of_sorted_row = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+    up = _local(self.gate_up_proj if self.has_gate else self.up_proj)
     out = _grouped_linear(grouped_mm, rows, up, offsets, self.is_transposed)
     if self.has_bias:
-        out = out + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[sorted_experts].to(out.dtype)
+        bias = _local(self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)
+        out = out + bias[expert_of_sorted_row].to(out.dtype)
     out = self._apply_gate(out) if self.has_gate else self.act_fn(out)
-    out = _grouped_linear(grouped_mm, out, self.down_proj, offsets, self.is_transposed)
+    out = _grouped_linear(grouped_mm, out, _local(self.down_proj), offsets, self.is_transposed)
     if self.has_bias:
-        out = out + self.down_proj_bias[sorted_experts].to(out.dtype)
+        out = out + _local(self.down_proj_bias)[expert_of_sorted_row].to(out.dtype)
     if self.has_post_expert_norm:
         out = self.post_expert_norm(out)
+    if dispatch is not None:
+        out = dispatch.receive(out, route)
     out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
     back = torch.empty_like(out)
     back[order] = out
     return back.view(-1, top_k, out.size(-1)).sum(dim=1).to(hidden_states.dtype)
+
+
+def _high_precision_grouped_mm(tokens, weight_t, offsets):
+    """The experts' GEMMs unquantized, through transformers' own dispatcher (transformers 5.24 integrations/moe.py
+    `_grouped_mm`: torch's grouped_mm where its kernel takes the shapes, else transformers' fallback)."""
+    from transformers.integrations.moe import _grouped_mm as transformers_grouped_mm
+
+    return transformers_grouped_mm(tokens, weight_t, offs=offsets)
 
 
 def _grouped_mm(mode: str, emulate: bool):
@@ -92,12 +118,20 @@ def _grouped_mm(mode: str, emulate: bool):
 
 
 def register(mode: str, emulate: bool) -> str:
-    """Register fp8dist's experts forward for `mode` with transformers; returns its implementation name."""
+    """Register fp8dist's experts forward for `mode` (mxfp8 | float8 | none: unquantized) with transformers; returns
+    its implementation name."""
     from transformers.integrations.moe import ExpertsInterface
 
-    name = IMPLEMENTATION.format(mode=mode + ("_emulated" if emulate else ""))
-    ExpertsInterface.register(name, partial(experts_forward, _grouped_mm(mode, emulate)))
+    name = IMPLEMENTATION.format(mode=mode + ("_emulated" if emulate and mode != "none" else ""))
+    grouped_mm = _high_precision_grouped_mm if mode == "none" else _grouped_mm(mode, emulate)
+    ExpertsInterface.register(name, partial(experts_forward, grouped_mm))
     return name
+
+
+def is_fp8dist_implementation(model) -> bool:
+    """Whether `model`'s experts already run fp8dist's forward (one of `register`'s names)."""
+    name = getattr(getattr(model, "config", None), "_experts_implementation", None) or ""
+    return name.startswith(IMPLEMENTATION.format(mode=""))
 
 
 def _sizes(module) -> tuple[int, ...]:

@@ -8,7 +8,11 @@ Axes, outermost first (the order of the DeviceMesh and of the rank numbering):
 - `dp_shard`: the ranks one copy is sharded over (FSDP2's shard dim; DeepSpeed's ZeRO partition group);
 - `cp`: context parallel (`parallel.context_size`): the sequence split inside attention;
 - `tp`: tensor parallel (`parallel.tensor_size`): each block's Linears split over its ranks; with sequence parallel
-  (`parallel.sequence_parallel`) the activations between them split along the sequence too.
+  (`parallel.sequence_parallel`) the activations between them split along the sequence too;
+- `ep`: expert parallel (`parallel.expert_size`): each MoE layer's experts split whole over its ranks. EP is not a
+  factor of the world size: it borrows its ranks from dp_shard (torchtitan parallel_dims.py, "EP borrows ranks from
+  FSDP and TP: efsdp = dp_shard * cp * tp / ep"; fp8dist borrows from dp_shard only), so the experts live on a mesh
+  of their own, (efsdp, ep), over the same ranks as dp_shard, and are FSDP-sharded over `efsdp`.
 A new axis gets its config key, its size rule in `parallel_dims`, and its mesh dim here.
 
 The data-parallel group is dp_replicate x dp_shard: the ranks that read different batches. Data loading,
@@ -33,14 +37,23 @@ class ParallelDims:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
+    """Expert parallel: borrowed from dp_shard, not a factor of `world_size` (see the module docstring)."""
     replicate_dim: bool = False
     """Keep the dp_replicate dim in the mesh at size 1 too: `parallel.sharding` hybrid and replicate name a 2-D
     (replicate, shard) layout, and FSDP2 runs HSDP on it as configured whatever the world size."""
 
     def __post_init__(self) -> None:
-        for axis in AXES:
+        for axis in AXES + ("ep",):
             if getattr(self, axis) < 1:
                 raise ValueError(f"ParallelDims.{axis} must be >= 1, got {getattr(self, axis)}")
+        if self.dp_shard % self.ep:
+            raise ValueError(f"ParallelDims.ep={self.ep} must divide dp_shard={self.dp_shard}")
+
+    @property
+    def efsdp(self) -> int:
+        """The expert-data axis: the ranks that hold the same experts and FSDP-shard them."""
+        return self.dp_shard // self.ep
 
     @property
     def world_size(self) -> int:
@@ -66,13 +79,18 @@ class ParallelDims:
         dims += [(axis, getattr(self, axis)) for axis in ("cp", "tp") if getattr(self, axis) > 1]
         return tuple(name for name, _ in dims), tuple(size for _, size in dims)
 
+    def expert_mesh_shape(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """(dim names, sizes) of the experts' DeviceMesh: dp_shard's ranks as (efsdp, ep), ep innermost (the ranks
+        of one ep group are neighbours, as in torchtitan's sparse mesh)."""
+        return ("efsdp", "ep"), (self.efsdp, self.ep)
+
 
 def parallel_dims(spec, world: int) -> ParallelDims:
     """The dims of `spec` on `world` ranks, or an Fp8distError naming the key when they do not fit (said when the
     ranks start, and by the launching commands before they do). tp and cp come first; the data axes are what is left
     of the world size (torchtitan's dp_shard = -1)."""
     par = spec.parallel
-    tp, cp = par.tensor_size, par.context_size
+    tp, cp, ep = par.tensor_size, par.context_size, par.expert_size
     if world % (tp * cp):
         keys = " x ".join(f"parallel.{key}={value}" for key, value in (("tensor_size", tp), ("context_size", cp))
                           if value > 1)
@@ -90,7 +108,11 @@ def parallel_dims(spec, world: int) -> ParallelDims:
         return ParallelDims(dp_replicate=data // size, dp_shard=size, cp=cp, tp=tp, replicate_dim=True)
     if par.sharding == "replicate":
         return ParallelDims(dp_replicate=data, dp_shard=1, cp=cp, tp=tp, replicate_dim=True)
-    return ParallelDims(dp_shard=data, cp=cp, tp=tp)
+    if data % ep:
+        raise Fp8distError(f"parallel.expert_size={ep} does not divide the {data} data-parallel ranks of this job: "
+                           f"expert parallel borrows its ranks from dp_shard, whole groups of {ep}\n  fix: launch a "
+                           f"multiple of {ep} ranks, or set parallel.expert_size to a divisor of {data}")
+    return ParallelDims(dp_shard=data, cp=cp, tp=tp, ep=ep)
 
 
 def sequence_parallel(spec) -> bool:
@@ -117,6 +139,10 @@ def check_model_fits(dims: ParallelDims, config: Mapping[str, Any], seq_len: int
     config.json values; `source`: where they come from, for the message."""
     problems, fixes = [], []
     experts = next((config[key] for key in _EXPERT_COUNTS if isinstance(config.get(key), int)), 0)
+    if dims.ep > 1 and experts % dims.ep:
+        problems.append(f"its {experts or 'no'} MoE experts do not split whole over parallel.expert_size={dims.ep}"
+                        if experts else f"it has no MoE experts for parallel.expert_size={dims.ep} to split")
+        fixes.append(f"a parallel.expert_size that divides {experts}" if experts else "parallel.expert_size=1")
     if dims.tp > 1 and experts > 1:
         problems.append(f"it has {experts} MoE experts, which fp8dist's tensor parallel does not split (routed experts "
                         "are expert parallel's: torchao's MoE tutorial recommends against TP on them)")

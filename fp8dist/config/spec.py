@@ -195,6 +195,7 @@ class ParallelSpec:
     tensor_size: int
     sequence_parallel: Any  # "auto" | bool
     context_size: int
+    expert_size: int
     offload: str  # none | optimizer | params
     activation_checkpointing: str  # none | full | selective
     cpu_ram_efficient_loading: bool

@@ -79,13 +79,13 @@ class Inspector:
 
     def mesh_axes(self) -> dict[frozenset[int], str]:
         """The ranks of each group this run communicates on -> its mesh axis: every named dim of the meshes its
-        DTensor parameters live on (FSDP2's data axes, tensor parallel's `tp`)."""
-        from fp8dist.engines.mesh import axis_ranks
+        DTensor parameters live on (FSDP2's data axes, tensor parallel's `tp`, expert parallel's `efsdp` and `ep`)."""
+        from fp8dist.engines.mesh import axis_ranks, merge_axes
 
         axes: dict[frozenset[int], str] = {}
         meshes = {id(p.device_mesh): p.device_mesh for p in self.module.parameters() if hasattr(p, "device_mesh")}
         for mesh in meshes.values():
-            axes.update(axis_ranks(mesh))
+            merge_axes(axes, axis_ranks(mesh))
         return axes
 
     @contextlib.contextmanager

@@ -42,6 +42,32 @@ def _mesh(spec: Spec) -> list[Issue]:
                             "lora.Linear holds the base Linear), and fp8dist splits plain nn.Linear layers only",
                             par.tensor_size, "set parallel.tensor_size=1 with an adapter (FSDP2 shards the frozen "
                             "base over every rank)"))
+    if par.expert_size > 1:
+        issues += _expert_parallel(spec)
+    return issues
+
+
+def _expert_parallel(spec: Spec) -> list[Issue]:
+    """What expert parallel is not combined with (yet): each refused with its reason, none silently dropped."""
+    par, issues = spec.parallel, []
+    for key, size, why in (
+            ("tensor_size", par.tensor_size, "fp8dist's tensor parallel refuses MoE models (routed experts are split "
+             "by expert parallel; torchao's MoE tutorial recommends against TP on them), and the dense layers' TP with "
+             "an (efsdp, ep) expert mesh has not been run"),
+            ("context_size", par.context_size, "expert parallel over the context-parallel ranks (torchtitan's "
+             "efsdp = dp_shard x cp / ep) is not wired: fp8dist's EP borrows ranks from dp_shard only")):
+        if size > 1:
+            issues.append(Issue("parallel.expert_size", f"expert parallel with parallel.{key}={size}: {why}",
+                                par.expert_size, f"set parallel.{key}=1, or parallel.expert_size=1"))
+    if par.sharding in ("hybrid", "replicate"):
+        issues.append(Issue("parallel.expert_size", f"expert parallel with parallel.sharding={par.sharding}: the "
+                            "experts' (efsdp, ep) mesh is built over the shard ranks only, and a replicate axis would "
+                            "need its gradient all-reduce over the expert copies too (not wired)", par.expert_size,
+                            "set parallel.sharding=full (or auto), or parallel.expert_size=1"))
+    if spec.adapter.enabled:
+        issues.append(Issue("parallel.expert_size", "expert parallel with LoRA adapters: PEFT wraps Linears, the "
+                            "experts are 3-D parameters, and an adapter run over an expert mesh has not been run",
+                            par.expert_size, "set parallel.expert_size=1 with an adapter"))
     return issues
 
 

@@ -27,8 +27,9 @@ from fp8dist.engines.base import Engine, FirstStepAudit, forward_loss
 from fp8dist.engines.blocks import wrap_units
 from fp8dist.engines.fsdp2.checkpointing import Checkpointing
 import fp8dist.engines.fsdp2.context_parallel as context_parallel
+import fp8dist.engines.fsdp2.expert_parallel as expert_parallel
 import fp8dist.engines.fsdp2.tensor_parallel as tensor_parallel
-from fp8dist.engines.mesh import build_device_mesh, data_mesh, device_type
+from fp8dist.engines.mesh import build_device_mesh, build_expert_mesh, data_mesh, device_type
 from fp8dist.engines.inspector import Inspector
 from fp8dist.engines.loss_scaling import DynamicLossScaler, StepOutcome
 from fp8dist.engines.optim import build_optimizer, trainable_parameters
@@ -45,11 +46,13 @@ class FSDP2Run(Engine):
     def __init__(self, model, optimizer, backend, plan: FSDP2Plan, spec: Spec, decisions: list, wrapped: list[str],
                  scaler: DynamicLossScaler | None, *, audit: str | None = None,
                  first_step_audit: FirstStepAudit | None = None,
-                 tensor_parallel_plan: tensor_parallel.TensorParallelPlan | None = None, cp_mesh=None):
+                 tensor_parallel_plan: tensor_parallel.TensorParallelPlan | None = None, cp_mesh=None,
+                 expert_parallel_plan: expert_parallel.ExpertParallelPlan | None = None):
         super().__init__(spec, backend, decisions, audit=audit, first_step_audit=first_step_audit)
         self.model, self.optimizer, self.plan, self.wrapped = model, optimizer, plan, wrapped
         self.tensor_parallel = tensor_parallel_plan  # None: no tp axis
         self.cp_mesh = cp_mesh  # None: no cp axis (fp8dist/engines/fsdp2/context_parallel.py)
+        self.expert_parallel = expert_parallel_plan  # None: no ep axis
         self.scaler = scaler  # fp16 compute only
         self.clip = spec.train.gradient_clipping
         self.last_step: StepOutcome | None = None  # how the fp16 loss scale moved on the last step
@@ -85,8 +88,8 @@ class FSDP2Run(Engine):
                 self.optimizer.zero_grad(set_to_none=True)
                 return False
             self.scaler.unscale_(params)
-        if self.clip > 0 and self.tensor_parallel is not None:
-            tensor_parallel.clip_grad_norm_(params, self.clip)  # gradients on (dp, tp) and on dp meshes
+        if self.clip > 0 and (self.tensor_parallel is not None or self.expert_parallel is not None):
+            tensor_parallel.clip_grad_norm_(params, self.clip)  # gradients on (dp, tp) or (efsdp, ep) and dp meshes
         elif self.clip > 0:
             torch.nn.utils.clip_grad_norm_(params, self.clip)
         self.optimizer.step()
@@ -144,7 +147,8 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
         for param in model.parameters():
             if param.requires_grad and param.is_floating_point() and param.dtype != master:
                 param.data = param.data.to(master)
-    mesh = mesh or build_device_mesh(parallel_dims(spec, dist.get_world_size()))
+    dims = parallel_dims(spec, dist.get_world_size())
+    mesh = mesh or build_device_mesh(dims)
     tp_plan = None
     if "tp" in (mesh.mesh_dim_names or ()):
         _check_tensor_parallel_model(model, spec, mesh["tp"].size())
@@ -164,6 +168,11 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
         say("tensor-parallel", tp_plan.summary())
     if backend.converts_after_tensor_parallel:
         decisions = backend.convert_module(model)
+    expert_mesh, ep_plan = build_expert_mesh(dims), None
+    if expert_mesh is not None:  # after the conversions, which choose the experts' implementation
+        _check_expert_parallel_model(model, spec)
+        ep_plan = expert_parallel.apply(model, expert_mesh)
+        say("expert-parallel", ep_plan.summary())
     advise_small_gemms(spec, model)
     units = activation_checkpointing.apply(model, wrap_units(model, spec), plan.activation_checkpointing, backend)
     if plan.compile:
@@ -180,6 +189,9 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
     root_policy = MixedPrecisionPolicy(**policy, output_dtype=_dtype(mp.output_dtype))
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan.offload_policy else OffloadPolicy()
     reshard = plan.sharding.reshard_after_forward
+    if expert_mesh is not None:  # the experts first: their blocks' fully_shard then leaves them alone
+        expert_parallel.shard(model, expert_mesh, dims.dp_shard, mp_policy=block_policy,
+                              reshard_after_forward=reshard, offload_policy=offload)
     for _, unit in units:
         fully_shard(unit, mesh=shard_mesh, mp_policy=block_policy, reshard_after_forward=reshard, offload_policy=offload)
     fully_shard(model, mesh=shard_mesh, mp_policy=root_policy, offload_policy=offload,
@@ -203,7 +215,7 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
     model.fp8dist_decisions = decisions  # for an inspector that recognises the model (fp8dist.audit.watch)
     return FSDP2Run(model, optimizer, backend, plan, spec, decisions, [name for name, _ in units], scaler,
                     audit=audit, first_step_audit=first_step_audit, tensor_parallel_plan=tp_plan,
-                    cp_mesh=mesh["cp"] if "cp" in (mesh.mesh_dim_names or ()) else None)
+                    cp_mesh=mesh["cp"] if "cp" in (mesh.mesh_dim_names or ()) else None, expert_parallel_plan=ep_plan)
 
 
 def _check_tensor_parallel_model(model, spec: Spec, tp: int) -> None:
@@ -219,6 +231,14 @@ def _check_tensor_parallel_model(model, spec: Spec, tp: int) -> None:
         raise Fp8distError(f"{type(model).__name__} has MoE experts: fp8dist's tensor parallel splits dense "
                            "Linears and does not split experts (torchtitan recommends expert parallel for routed "
                            "experts)\n  fix: parallel.tensor_size=1 for MoE models")
+
+
+def _check_expert_parallel_model(model, spec: Spec) -> None:
+    """The size checks for a factory model (not seen before the ranks started): its experts split whole over ep."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        check_model_fits(parallel_dims(spec, dist.get_world_size()), config.to_dict(), spec.train.seq_len,
+                         sequence_split=sequence_parallel(spec), source=type(model).__name__)
 
 
 def setup(model, spec: Spec, **kwargs) -> FSDP2Run:

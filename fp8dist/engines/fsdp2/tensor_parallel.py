@@ -243,7 +243,7 @@ def _split_vocabulary(model, tp_mesh, sequence_parallel: bool) -> str:
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over gradients that live on different meshes (tensor-parallel Linears on
-    (dp, tp), the rest on dp), where torch's foreach norm refuses the mix ("mixed torch.Tensor and DTensor";
+    (dp, tp), expert-parallel experts on (efsdp, ep), the rest on dp), where torch's foreach norm refuses the mix ("mixed torch.Tensor and DTensor";
     transformers #36296). Each gradient's local sum of squares is summed over the mesh dims it is sharded on (one
     all-reduce per group of gradients that share a mesh and placements, per sharded dim); replicated dims hold
     copies and are not summed."""
@@ -259,8 +259,8 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
         if key is not None:
             mesh, placements = key
             for dim, placement in enumerate(placements):
-                if placement.is_shard():
-                    dist.all_reduce(squares, group=mesh.get_group(dim))
+                if not placement.is_replicate():  # Shard, and FSDP2's _StridedShard over a sharded dim 0 (expert
+                    dist.all_reduce(squares, group=mesh.get_group(dim))  # parallel's): not a Shard subclass
         total_squares = total_squares + squares
     total = total_squares.sqrt()
     coefficient = float(max_norm) / (float(total) + 1e-6)

@@ -120,6 +120,7 @@ def run_fsdp2(case, spec, loaded) -> dict:
         "loaded_from_files": loaded_from_files, "experts": experts_implementation(run.model),
         "skipped_steps": skipped, "skipped_by_rank": all_skipped,
         "sequence_parallel": run.tensor_parallel.sequence_parallel if run.tensor_parallel else None, "loss_scales": scales, **audit_facts(run.audit_report),
+        "expert_parallel": run.expert_parallel.size if run.expert_parallel else None,
         **adapter_facts(run.model, run.optimizer),
     }
 

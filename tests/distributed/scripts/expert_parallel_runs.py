@@ -1,0 +1,154 @@
+"""Expert-parallel cases in one job (one launch, one process group):
+
+    torchrun --nproc_per_node 2 tests/distributed/scripts/expert_parallel_runs.py 2 [CASE ...]
+    torchrun --nproc_per_node 4 tests/distributed/scripts/expert_parallel_runs.py 4 [CASE ...]
+
+Each case trains one MoE model with one precision at parallel.expert_size 1 and at the EP sizes of the world, on the
+same ranks from the same weights and batches, STEPS steps through fp8dist's run loop (the first inside
+`fp8dist.audit.watch`), after one forward and backward of the first step's batches whose gradient norm it measures. Rank 0 prints a `case`
+result line (fp8dist.runtime.ranks.emit) with, per EP size: the losses, the audit's verdict and rows, the bytes per
+mesh axis, every rank's weight-GEMM FLOPs and FP8 share, the expert bytes each rank holds (sharded, and gathered
+while an experts module runs), the gradient norms and, for MXFP8 experts, rank 0's expert GEMM SQNRs
+(`watch(..., numerics=True)`).
+`checkpoint` (2 ranks) saves at step 2 under EP 2, resumes a fresh run from it and exports a Hugging Face model.
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fp8dist.audit import watch
+from fp8dist.backends.experts import experts_modules
+from fp8dist.config.load import load_config
+from fp8dist.engines.fsdp2.tensor_parallel import clip_grad_norm_
+from fp8dist.runtime import loop, process_group
+from fp8dist.runtime.loading import load_for_run
+from fp8dist.runtime.process_group import leave
+from tests.conftest import ROOT
+from tests.distributed.case_runner import run_cases
+
+STEPS = 4
+MODELS = {"mixtral": "tiny-mixtral", "qwen3_moe": "tests.tp_models:unseen_qwen3_moe"}
+PRECISIONS = {
+    "fp32": {"precision": {"preset": "fp32"}},
+    "bf16": {"precision": {"preset": "bf16"}},
+    "mxfp8": ROOT / "configs" / "fsdp2-moe-mxfp8.yaml",
+}
+COMMON = ["train.seq_len=32", f"train.steps={STEPS}", "audit.first_step=off"]
+# (model, precision) -> the EP sizes each world runs it at besides 1
+CASES = {2: {("mixtral", "fp32"): (2,), ("mixtral", "bf16"): (2,), ("mixtral", "mxfp8"): (2,),
+             ("qwen3_moe", "fp32"): (2,), ("qwen3_moe", "mxfp8"): (2,)},
+         4: {("qwen3_moe", "fp32"): (2, 4), ("mixtral", "mxfp8"): (2, 4)}}
+
+
+def spec_for(precision: str, expert_size: int):
+    return load_config(PRECISIONS[precision], overrides=[*COMMON, f"parallel.expert_size={expert_size}"])
+
+
+def local_bytes(tensors) -> int:
+    """What this rank holds of these tensors (a DTensor's local shard)."""
+    held = 0
+    for tensor in tensors:
+        local = getattr(tensor, "_local_tensor", tensor)
+        held += local.numel() * local.element_size()
+    return held
+
+
+def every_rank(value):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def train(model: str, precision: str, expert_size: int) -> dict:
+    spec = spec_for(precision, expert_size)
+    session = loop.start(spec, load_for_run(MODELS[model], spec))
+    engine, losses = session.engine, []
+    gathered: list[int] = []  # the expert bytes one experts module holds while it runs (FSDP2 has gathered them)
+    hooks = [module.register_forward_pre_hook(lambda m, args: gathered.append(local_bytes(m.parameters())))
+             for _, module in experts_modules(engine.model)]
+    engine.accumulate(session.batches(0))  # the first step's gradients, from the weights both runs start from
+    expert_ids = {id(p) for _, module in experts_modules(engine.model) for p in module.parameters()}
+    norm = float(clip_grad_norm_([p for p in engine.model.parameters() if p.requires_grad], float("inf")))
+    expert_norm = float(clip_grad_norm_([p for p in engine.model.parameters() if id(p) in expert_ids], float("inf")))
+    engine.optimizer.zero_grad(set_to_none=True)
+    with watch(engine.model, engine.optimizer, spec, on_mismatch="ignore", numerics=precision == "mxfp8") as audit:
+        losses.append(session.step(0)[0])
+    losses += [session.step(index)[0] for index in range(1, STEPS)]
+    for hook in hooks:
+        hook.remove()
+    report = audit.report
+    flops = report["gemm_flops"]
+    expert_params = [p for _, module in experts_modules(engine.model) for p in module.parameters()]
+    return {"losses": losses, "passed": audit.passed, "grad_norm": norm, "expert_grad_norm": expert_norm,
+            "observed": {c["phase"]: c["observed"] for c in report["checks"]},
+            "expected": {c["phase"]: c["expected"] for c in report["checks"]},
+            "failing": [c["phase"] for c in report["checks"] if not c["ok"]],
+            "by_axis": report["communication_bytes_by_axis"],
+            "flops": every_rank((flops["fp8_share"], flops["weight_gemm_flops"])),
+            "expert_bytes": every_rank(local_bytes(expert_params)), "gathered_expert_bytes": max(gathered),
+            "weight_bytes": local_bytes(engine.model.parameters()),
+            "expert_parallel": engine.expert_parallel.summary() if engine.expert_parallel else None,
+            "expert_sqnr_db": {f"{g['module']}:{g['gemm']}": g["sqnr_db"] for g in report.get("numerics", {}).get(
+                "gemms", []) if ".experts." in g["module"]}}
+
+
+def compare(model: str, precision: str, sizes: tuple[int, ...]) -> dict:
+    return {str(size): train(model, precision, size) for size in (1, *sizes)}
+
+
+def checkpoint() -> dict:
+    """Save at steps 2 and 4 while training under EP 2; a fresh run resumes from step 2 and must step 3 and 4 bitwise
+    the same; the step-4 checkpoint exports a plain Hugging Face model whose tensors are the gathered weights."""
+    spec = spec_for("mxfp8", 2)
+    shared = [tempfile.mkdtemp(prefix="fp8dist-ep-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    first, second = Path(shared[0]) / "first", Path(shared[0]) / "second"
+    quiet = lambda *_: None  # noqa: E731 - the loop's progress lines are not this test's business
+    lost: list[float] = []
+    session = loop.start(spec, load_for_run(MODELS["mixtral"], spec))
+    loop.train(session, loop.Plan(steps=4, checkpoint_dir=str(first), save_every=2, model_name=MODELS["mixtral"]),
+               on_step=lambda index, loss, note: lost.append(loss), say=quiet)
+    full = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to(torch.bfloat16)
+            for name, p in session.engine.model.named_parameters()}
+    if dist.get_rank() == 0:
+        second.mkdir()
+        shutil.copytree(first / "step-00000002", second / "step-00000002")
+    dist.barrier()
+    resumed: list[float] = []
+    session = loop.start(spec, load_for_run(MODELS["mixtral"], spec))
+    loop.train(session, loop.Plan(steps=4, checkpoint_dir=str(second), resume=True, model_name=MODELS["mixtral"]),
+               on_step=lambda index, loss, note: resumed.append(loss), say=quiet)
+    out: dict = {"losses": lost, "resumed": resumed}
+    dist.barrier()
+    if dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM
+
+        exported = Path(shared[0]) / "export"
+        loop.export(first / "step-00000004", False, str(exported), say=quiet)
+        model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
+        mine = dict(model.named_parameters())
+        out["exported"] = {"names_match": sorted(mine) == sorted(full),
+                           "equal": all(torch.equal(mine[name].detach(), full[name]) for name in full if name in mine),
+                           "experts_shape": list(mine["model.layers.0.mlp.experts.gate_up_proj"].shape)}
+        shutil.rmtree(shared[0], ignore_errors=True)
+    return out
+
+
+def main(world: int, only: list[str]) -> int:
+    process_group.init(240)
+    cases = {f"{model}-{precision}": (lambda m=model, p=precision, s=sizes: compare(m, p, s))
+             for (model, precision), sizes in CASES[world].items()}
+    if world == 2:
+        cases["checkpoint"] = checkpoint
+    run_cases(cases, only)
+    return 0
+
+
+if __name__ == "__main__":
+    leave(main(int(sys.argv[1]), sys.argv[2:]))
