@@ -68,6 +68,9 @@ BENCHMARKS = {
     "tensor_parallel": Benchmark("tensor_parallel.py", ("--layers", "4", "--pairs", "6"), (
         "tp_allgather_bytes_fp8_vs_bf16_per_block", "tp_allgather_bytes_fp8_vs_bf16_whole_model",
         "tp_axis_bytes_fp8_vs_bf16", "tp_step_time_fp8dist_vs_hand", "tp_step_time_noise_floor_hand_vs_hand")),
+    "expert_parallel": Benchmark("expert_parallel.py", ("--pairs", "4"), (
+        "ep_gathered_expert_bytes_ep2_vs_ep1", "ep_expert_bytes_at_rest_ep2_vs_ep1", "ep_all_to_all_bytes_per_step",
+        "ep_gather_and_reduce_bytes_ep2_vs_ep1", "ep_step_time_ep2_vs_ep1", "ep_step_time_noise_floor")),
     "gpu_throughput": Benchmark("gpu_throughput.py", ("--steps", "5", "--warmup", "2"), (
         "gpu_tokens_per_s_float8_tensorwise_vs_bf16", "gpu_tokens_per_s_float8_rowwise_vs_bf16",
         "gpu_tokens_per_s_te_Float8CurrentScaling_vs_bf16")),
