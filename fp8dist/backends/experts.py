@@ -12,6 +12,7 @@ are `nn.Linear`-like modules outside the experts and stay in high precision.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 from fp8dist.backends.module_filter import Decision
 from fp8dist.errors import UnsupportedEnvironment
@@ -20,7 +21,7 @@ from fp8dist.facts.torchao import TORCHAO_EXPERTS_DIM_MULTIPLE
 IMPLEMENTATION = "fp8dist_{mode}"
 
 
-def experts_modules(model) -> list[tuple[str, object]]:
+def experts_modules(model) -> list[tuple[str, Any]]:
     """(name, module) of every transformers experts module: one whose forward is chosen by
     `config._experts_implementation` (the `use_experts_implementation` decorator sets `_apply_gate` and
     `is_transposed` on it) and that holds 3-D parameters."""
@@ -30,6 +31,13 @@ def experts_modules(model) -> list[tuple[str, object]]:
                 p.dim() == 3 for p in module.parameters(recurse=False)):
             found.append((name, module))
     return found
+
+
+def expert_parameters(module) -> list[tuple[str, Any]]:
+    """(name, parameter) of an experts module's per-expert parameters, the experts their leading dim: the 3-D weights
+    and the (experts, out) biases (what expert parallel splits by expert)."""
+    return [(name, param) for name, param in module.named_parameters(recurse=False)
+            if param.dim() >= 2 and param.size(0) == module.num_experts]
 
 
 def _grouped_linear(grouped_mm, tokens, weight, offsets, transposed: bool):

@@ -52,7 +52,10 @@ def _coverage_note(result: Estimate) -> str:
 
 
 def _mesh(result: Estimate) -> str:
-    return " x ".join(f"{axis} {size}" for axis, size in result.mesh.items())
+    """The mesh's axes and sizes; under expert parallel the experts' own mesh over the dp_shard ranks too."""
+    mesh = " x ".join(f"{axis} {size}" for axis, size in result.mesh.items())
+    experts = result.expert_parallel
+    return mesh + (f", experts efsdp {experts.efsdp} x ep {experts.ep}" if experts.ep > 1 else "")
 
 
 def _divided_note(result: Estimate) -> str:
@@ -66,11 +69,20 @@ def _divided_note(result: Estimate) -> str:
         note = (f"divided by mesh {_mesh(result)}: the {split.split_parameters / 1e6:,.2f}M parameters tensor "
                 f"parallel splits ({split.plan}; {vocabulary} the vocabulary) by tp {tp} x the ranks each store "
                 f"is sharded on, the rest by those alone ({shards})")
+    experts = result.expert_parallel
+    if experts.ep > 1:
+        note += (f"; the {experts.expert_parameters / 1e6:,.2f}M expert parameters ({experts.moe_layers} MoE "
+                 f"layers) split whole over ep {experts.ep}, then sharded over efsdp {experts.efsdp}: per rank the "
+                 f"same share as without expert parallel, gathered a block at a time over efsdp (E / ep experts)")
     sequence = [f"the sequence by cp {cp}"] if cp > 1 else []
     if tp > 1:
         sequence.append(f"inside attention and MLP by tp {tp} (heads and columns; their input whole)")
     if split.sequence_parallel:
         sequence.append(f"the rest of each block by tp {tp} (sequence parallel)")
+    if experts.ep > 1:
+        sequence.append(f"the experts' rows as without expert parallel (balanced routing: each rank receives its "
+                        f"tokens x top_k rows), plus {human(experts.dispatch_kept)} of the dispatch's regroup "
+                        "indices")
     return note + ("; activations: " + ", ".join(sequence) if sequence else "")
 
 
@@ -81,7 +93,9 @@ def _notes(result: Estimate) -> list[str]:
              f"{human(act.selective_checkpointing)} selective, {human(act.full_checkpointing)} full "
              f"(counted: {act.mode})",
              f"transient in backward: {human(transient.unsharded_units)} of gathered weights, "
-             f"{human(transient.logits_gradient)} of logits gradient",
+             f"{human(transient.logits_gradient)} of logits gradient" + (
+                 f", {human(transient.all_to_all)} of all-to-all buffers (one MoE layer's send and receive, "
+                 "tokens x top_k x hidden each)" if result.expert_parallel.ep > 1 else ""),
              f"fp8 extras: {result.fp8_extras_counted}"]
     if result.frozen_parameters:
         notes.insert(0, f"adapter: {result.trainable_parameters / 1e6:,.2f}M trainable parameters carry masters, "

@@ -130,6 +130,11 @@ _TP_DIVIDES = (("num_attention_heads", "attention heads"), ("num_key_value_heads
 _EXPERT_COUNTS = ("num_local_experts", "num_experts")  # Mixtral; Qwen2/3-MoE (transformers 5 configuration files)
 
 
+def expert_count(config: Mapping[str, Any]) -> int:
+    """The routed experts per MoE layer of a Hugging Face config.json (0: a dense model)."""
+    return next((config[key] for key in _EXPERT_COUNTS if isinstance(config.get(key), int)), 0)
+
+
 def check_model_fits(dims: ParallelDims, config: Mapping[str, Any], seq_len: int, *, sequence_split: bool,
                      source: str) -> None:
     """Refuse, before any weight is loaded, a mesh the model cannot be split on: heads, KV heads, hidden and MLP
@@ -138,8 +143,8 @@ def check_model_fits(dims: ParallelDims, config: Mapping[str, Any], seq_len: int
     parallel shards by tp, context parallel's load balancer cuts each cp shard in two). `config`: the model's
     config.json values; `source`: where they come from, for the message."""
     problems, fixes = [], []
-    experts = next((config[key] for key in _EXPERT_COUNTS if isinstance(config.get(key), int)), 0)
-    if dims.ep > 1 and experts % dims.ep:
+    experts = expert_count(config)
+    if dims.ep > 1 and (not experts or experts % dims.ep):
         problems.append(f"its {experts or 'no'} MoE experts do not split whole over parallel.expert_size={dims.ep}"
                         if experts else f"it has no MoE experts for parallel.expert_size={dims.ep} to split")
         fixes.append(f"a parallel.expert_size that divides {experts}" if experts else "parallel.expert_size=1")

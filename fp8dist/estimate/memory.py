@@ -12,16 +12,18 @@ from fp8dist.dtypes import get as dtype_info
 from fp8dist.engines.registry import facts_for
 from fp8dist.errors import Fp8distError
 from fp8dist.estimate.coverage import fp8_coverage, fp8_extra_bytes
+from fp8dist.estimate.expert_parallel import expert_split
 from fp8dist.estimate.model import MetaModel, activation_bytes, adapted_counts, blocks, build_meta_model
-from fp8dist.estimate.result import (ActivationBytes, CheckpointingMode, Estimate, Phase, ShardedStore, Store,
-                                     STORES, TensorParallelCounted, TransientBytes)
+from fp8dist.estimate.result import (ActivationBytes, CheckpointingMode, Estimate, ExpertParallelCounted, Phase,
+                                     ShardedStore, Store, STORES, TensorParallelCounted, TransientBytes)
 from fp8dist.estimate.tensor_parallel import tensor_split
 
 
 # The engine's facts, asked here only (engines/<name>/facts.py, through the registry).
 def shard_counts(spec: Spec, world: int) -> dict[ShardedStore, int]:
     """Over how many data-parallel ranks each store is divided (1: every rank holds all of it); a parameter tensor
-    parallel splits is divided by tp on top (tensor_parallel.py)."""
+    parallel splits is divided by tp on top (tensor_parallel.py); an expert parameter is divided by these alone, its
+    ep x efsdp ranks being the dp_shard ranks (expert_parallel.py)."""
     return facts_for(spec).shard_counts(spec, parallel_dims(spec, world))
 
 
@@ -49,19 +51,21 @@ def masters_note(spec: Spec, per_param: dict[ShardedStore, float]) -> str | None
     return f"the sharded {cell} parameters are the master weights (counted under weights; no copy beside them)"
 
 
-def transient_bytes(meta: MetaModel, spec: Spec, shards: dict[ShardedStore, int],
-                    local: dict[str, int]) -> TransientBytes:
+def transient_bytes(meta: MetaModel, spec: Spec, shards: dict[ShardedStore, int], gathered: dict[str, int],
+                    all_to_all: int = 0) -> TransientBytes:
     """Bytes that exist only for a moment of the step, on top of the stores: the gathered weights of the wrap units
     in flight when weights are sharded (the unit computing and the one prefetched: FSDP2's default prefetch of
-    one, torch 2.13 _fully_shard/_fsdp_state.py; ZeRO-3 prefetches likewise), gathered over the data axes only, so
-    a unit's tensor-parallel shards (`local`: parameter fqn -> a tp rank's elements); and the gradient of the
-    logits of the rank's `seq_len / cp` tokens, which a causal LM's loss upcasts to fp32 (transformers 5
-    loss/loss_utils.py ForCausalLMLoss) and which reaches the bf16 lm_head output as a compute-dtype copy (the
-    whole vocabulary: a split LM head gathers its logits)."""
+    one, torch 2.13 _fully_shard/_fsdp_state.py; ZeRO-3 prefetches likewise), gathered over the data axes only:
+    a unit's tensor-parallel shards, and its E / ep experts under expert parallel, which gathers them over efsdp
+    (`gathered`: parameter fqn -> the elements a rank gathers, expert_parallel.ExpertSplit.gathered_numels); and
+    the gradient of the logits of the rank's `seq_len / cp` tokens, which a causal LM's loss upcasts to fp32
+    (transformers 5 loss/loss_utils.py ForCausalLMLoss) and which reaches the bf16 lm_head output as a
+    compute-dtype copy (the whole vocabulary: a split LM head gathers its logits); under expert parallel, the
+    all-to-all buffers of the MoE layer in flight (`all_to_all`, measured: MeasuredActivations.all_to_all)."""
     compute = int(dtype_info(spec.precision.compute_dtype).bits) // 8  # compute dtypes are whole bytes
     units = 0
     if shards["weights"] > 1:
-        sizes = sorted((sum(local[f"{name}.{param}"] for param, _ in block.named_parameters())
+        sizes = sorted((sum(gathered[f"{name}.{param}"] for param, _ in block.named_parameters())
                         for name, block in blocks(meta.model, spec)), reverse=True)
         units = sum(sizes[:2]) * compute
     logits = 0
@@ -69,7 +73,7 @@ def transient_bytes(meta: MetaModel, spec: Spec, shards: dict[ShardedStore, int]
     if meta.causal_lm and vocab:
         tokens = spec.train.micro_batch_size * (spec.train.seq_len // spec.parallel.context_size)
         logits = tokens * vocab * (4 + compute)
-    return TransientBytes(unsharded_units=units, logits_gradient=logits)
+    return TransientBytes(unsharded_units=units, logits_gradient=logits, all_to_all=all_to_all)
 
 
 def phases(device: dict[Store, int], transient: TransientBytes) -> dict[Phase, int]:
@@ -77,7 +81,7 @@ def phases(device: dict[Store, int], transient: TransientBytes) -> dict[Phase, i
     for those in host memory)."""
     model = device["weights"] + device["master_weights"] + device["buffers"]
     backward = (model + device["gradients"] + device["activations"] + device["fp8_extras"]
-                + transient.unsharded_units + transient.logits_gradient)
+                + transient.unsharded_units + transient.logits_gradient + transient.all_to_all)
     return {"model": model, "gradients": model + device["gradients"], "backward_pass": backward,
             "optimizer_step": model + device["gradients"] + device["optimizer"],
             "later_backward_pass": backward + device["optimizer"]}
@@ -96,6 +100,7 @@ def estimate(name: str, spec: Spec, world: int) -> Estimate:
     trainable, frozen = adapted_counts(meta, spec)
     split = tensor_split(meta.model, spec)
     local = split.local_numels(meta.model)  # a tp rank's elements of each parameter
+    experts = expert_split(meta.model, spec)
     params = list(meta.model.named_parameters())
     trainable_local = sum(local[fqn] for fqn, param in params if param.requires_grad)
     frozen_local = sum(local[fqn] for fqn, param in params if not param.requires_grad)
@@ -106,7 +111,7 @@ def estimate(name: str, spec: Spec, world: int) -> Estimate:
                                   for store in per_param}
     per_rank["weights"] += math.ceil(frozen_local * frozen_bytes_per_param(spec) / shards["weights"])
     mode = cast(CheckpointingMode, spec.parallel.activation_checkpointing)
-    measured = activation_bytes(meta, spec, split)
+    measured = activation_bytes(meta, spec, split, experts)
     coverage = fp8_coverage(meta, spec)
     extras, extras_how = fp8_extra_bytes(meta, spec, split)
     # Buffers (RoPE tables, BERT's position ids) stay whole on every rank, in their own dtype.
@@ -115,16 +120,21 @@ def estimate(name: str, spec: Spec, world: int) -> Estimate:
     per_rank["activations"] = measured.per_rank(mode)
     host = offloaded(spec)
     device: dict[Store, int] = {store: 0 if store in host else per_rank[store] for store in STORES}
-    transient = transient_bytes(meta, spec, shards, local)
+    transient = transient_bytes(meta, spec, shards, experts.gathered_numels(local), measured.all_to_all)
     tensor_parallel = TensorParallelCounted(
         plan=split.plan, split_parameters=sum(param.numel() for fqn, param in params if local[fqn] < param.numel()),
         vocabulary_split=split.vocabulary is not None, sequence_parallel=split.tp > 1 and sequence_parallel(spec))
+    expert_parallel = ExpertParallelCounted(
+        ep=dims.ep, efsdp=dims.efsdp, expert_parameters=sum(param.numel() for fqn, param in params
+                                                           if fqn in experts.parameters),
+        moe_layers=len(experts.modules), dispatch_kept=measured.dispatch_kept)
     return Estimate(
         model=name, shape_only=meta.shape_only, world_size=world, mesh={axis: getattr(dims, axis) for axis in AXES},
         trainable_parameters=trainable, frozen_parameters=frozen, frozen_bytes_per_param=frozen_bytes_per_param(spec),
         engine=spec.engine, config=spec.source, preset=spec.precision.preset,
         micro_batch_size=spec.train.micro_batch_size, seq_len=spec.train.seq_len, bytes_per_param=per_param,
         master_weights_note=masters_note(spec, per_param), shards=shards, tensor_parallel=tensor_parallel,
+        expert_parallel=expert_parallel,
         per_rank_bytes={store: per_rank[store] for store in STORES}, offloaded_to_host=tuple(sorted(host)),
         activations_bytes=ActivationBytes(none=measured.per_rank("none"), full_checkpointing=measured.per_rank("full"),
                                           selective_checkpointing=measured.per_rank("selective"), mode=mode),

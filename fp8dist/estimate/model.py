@@ -13,6 +13,7 @@ from fp8dist.config.spec import Spec
 from fp8dist.dtypes import torch_dtype
 from fp8dist.engines.base import forward_loss
 from fp8dist.errors import Fp8distError
+from fp8dist.estimate.expert_parallel import ExpertSplit, expert_split
 from fp8dist.estimate.result import CheckpointingMode
 from fp8dist.estimate.shapes import SHAPES
 from fp8dist.estimate.tensor_parallel import TensorSplit, local_linears, tensor_split
@@ -36,9 +37,13 @@ class MetaModel:
 @dataclass(frozen=True)
 class MeasuredActivations:
     """What `activation_bytes` measured: the bytes kept until backward per checkpointing mode, and the largest
-    block's own bytes (`none`), which checkpointing recomputes in backward one block at a time."""
+    block's own bytes (`none`), which checkpointing recomputes in backward one block at a time. Under expert parallel:
+    of the `none` bytes, those the dispatch keeps (`dispatch_kept`: recomputed with their block under
+    checkpointing), and the largest MoE layer's all-to-all buffers, in flight one layer at a time (`all_to_all`)."""
     kept: Mapping[CheckpointingMode, int]
     recomputed_block: int
+    dispatch_kept: int = 0
+    all_to_all: int = 0
 
     def per_rank(self, mode: CheckpointingMode) -> int:
         """The bytes a rank holds at once in `mode`: what is kept, plus one block recomputed when checkpointing."""
@@ -116,7 +121,8 @@ def blocks(model: torch.nn.Module, spec: Spec) -> list[tuple[str, torch.nn.Modul
     return wrap_units(model, spec)
 
 
-def activation_bytes(meta: MetaModel, spec: Spec, split: TensorSplit | None = None) -> MeasuredActivations:
+def activation_bytes(meta: MetaModel, spec: Spec, split: TensorSplit | None = None,
+                     experts: ExpertSplit | None = None) -> MeasuredActivations:
     """Bytes one rank keeps for backward in one micro-batch forward, per activation-checkpointing mode, measured on
     the meta device in the compute dtype. `none`: what autograd saves; a tensor saved by several ops (the input of
     q/k/v_proj) or through several views counts once, at the size of its base; attention is counted as flash
@@ -131,7 +137,11 @@ def activation_bytes(meta: MetaModel, spec: Spec, split: TensorSplit | None = No
     MLP (norms, block inputs) and the final norm along the sequence, by tp (Korthikanti et al. 2022,
     arXiv:2205.05198, Table 2: per layer sbh(10/t + 24/t + 5as/ht) with sequence parallel against
     sbh(10 + 24/t + 5as/ht) without); a region's input is gathered whole (torch's PrepareModuleInput) and counted
-    whole. The LM head's input, the logits and the loss stay whole: the logits are gathered on every rank."""
+    whole. The LM head's input, the logits and the loss stay whole: the logits are gathered on every rank. Expert
+    parallel (`experts`: what it splits, default the config's): each experts module's dispatch keeps its regroup
+    indices in its block (expert_parallel.ExpertSplit.kept_bytes, from the rows the module is called with; not ops
+    the selective policy keeps, so recomputed with the block under checkpointing); its all-to-all buffers are in
+    flight, not kept, and only the largest layer's are returned."""
     import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -140,6 +150,7 @@ def activation_bytes(meta: MetaModel, spec: Spec, split: TensorSplit | None = No
 
     model, t = meta.model, spec.train
     split = split or tensor_split(model, spec)
+    experts = experts or expert_split(model, spec)
     # what is kept while `on_sequence_shard` is a rank's sequence shard: divided by tp under sequence parallel
     sequence_shards = split.tp if sequence_parallel(spec) else 1
     units = [module for _, module in blocks(model, spec)]
@@ -204,11 +215,28 @@ def activation_bytes(meta: MetaModel, spec: Spec, split: TensorSplit | None = No
     def sequence_shard(value: bool):
         return lambda *_: on_sequence_shard.__setitem__(0, value)
 
+    dispatch_kept, all_to_all = [0], [0]
+
+    def dispatch(_module, args, kwargs, _output):
+        """An experts module's dispatch: its (tokens, hidden) input sent as tokens x top_k rows."""
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        rows = kwargs.get("top_k_index", args[1] if len(args) > 1 else None).numel()
+        size = experts.kept_bytes(rows)
+        dispatch_kept[0] += size
+        if current[0] is None:
+            outside[0] += size
+        else:
+            per_block[current[0]] += size
+        all_to_all[0] = max(all_to_all[0], experts.in_flight_bytes(rows, hidden.shape[-1], hidden.element_size()))
+
     handles = [unit.register_forward_pre_hook(enter(i), with_kwargs=True) for i, unit in enumerate(units)]
     handles += [unit.register_forward_hook(leave) for unit in units]
     for fqn in split.regions:  # attention and MLP hold the whole sequence, gathered
         handles += [model.get_submodule(fqn).register_forward_pre_hook(sequence_shard(False)),
                     model.get_submodule(fqn).register_forward_hook(sequence_shard(True))]
+    if experts.ep > 1:
+        handles += [model.get_submodule(fqn).register_forward_hook(dispatch, with_kwargs=True)
+                    for fqn in experts.modules]
     if split.final_norm is not None:
         final_norm = model.get_submodule(split.final_norm)
         handles += [final_norm.register_forward_pre_hook(sequence_shard(True)),
@@ -229,4 +257,4 @@ def activation_bytes(meta: MetaModel, spec: Spec, split: TensorSplit | None = No
     kept: dict[CheckpointingMode, int] = {
         "none": outside[0] + sum(per_block), "full": outside[0] + sum(block_inputs),
         "selective": outside[0] + sum(block_inputs) + sum(selective)}
-    return MeasuredActivations(kept, max(per_block) if per_block else 0)
+    return MeasuredActivations(kept, max(per_block) if per_block else 0, dispatch_kept[0], all_to_all[0])

@@ -37,6 +37,7 @@ class TransientBytes:
     """Bytes that exist only for a moment of backward, on top of the stores."""
     unsharded_units: int  # the gathered weights of the wrap units in flight (weights sharded)
     logits_gradient: int  # the gradient of a causal LM's logits: fp32 from the loss, plus a compute-dtype copy
+    all_to_all: int = 0  # expert parallel: the send and receive buffers of one MoE layer's all-to-all
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,18 @@ class TensorParallelCounted:
     split_parameters: int  # elements of the parameters split over tp: their stores are divided by tp x the shards
     vocabulary_split: bool  # embedding and LM head among them
     sequence_parallel: bool  # what the blocks keep outside attention and MLP divided by tp too
+
+
+@dataclass(frozen=True)
+class ExpertParallelCounted:
+    """The experts' mesh and what the estimate counted for it (fp8dist/estimate/expert_parallel.py): the experts'
+    sharded stores are divided as every parameter's (E / (ep x efsdp) = E / dp_shard), their gathered weights by ep;
+    the dispatch's buffers are in transient_bytes.all_to_all."""
+    ep: int  # the ranks a MoE layer's experts are split whole over (1: no expert parallel)
+    efsdp: int  # the ranks that FSDP-shard the same experts (dp_shard / ep): a block's experts are gathered over these
+    expert_parameters: int  # elements of the MoE experts' parameters, all experts of all layers
+    moe_layers: int  # the experts modules
+    dispatch_kept: int  # what the dispatch keeps for backward in one micro batch, no checkpointing (0: ep 1)
 
 
 @dataclass(frozen=True)
@@ -90,6 +103,7 @@ class Estimate:
     master_weights_note: str | None  # why master_weights holds no bytes of its own (None: it does)
     shards: Mapping[ShardedStore, int]  # the ranks each store is sharded on: the data axes (FSDP2: x cp)
     tensor_parallel: TensorParallelCounted  # the parameters whose stores are divided by tp on top
+    expert_parallel: ExpertParallelCounted  # the experts' (efsdp, ep) mesh
     per_rank_bytes: Mapping[Store, int]
     offloaded_to_host: tuple[Store, ...]
     activations_bytes: ActivationBytes
@@ -126,6 +140,7 @@ class Estimate:
             "micro_batch_size": self.micro_batch_size, "seq_len": self.seq_len,
             "bytes_per_param": dict(self.bytes_per_param), "master_weights_note": self.master_weights_note,
             "shards": dict(self.shards), "tensor_parallel": asdict(self.tensor_parallel),
+            "expert_parallel": asdict(self.expert_parallel),
             "per_rank_bytes": dict(self.per_rank_bytes),
             "offloaded_to_host": list(self.offloaded_to_host), "host_bytes": self.host_bytes,
             "activations_bytes": asdict(self.activations_bytes), "phases_bytes": dict(self.phases_bytes),

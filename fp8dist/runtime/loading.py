@@ -18,12 +18,14 @@ through GatheredParameters from rank 0's read; the config object is kept alive w
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
+from fp8dist.config.parallel import expert_count
 from fp8dist.errors import Fp8distError
 import fp8dist.dtypes as dtypes
 from fp8dist.dtypes import torch_dtype
@@ -210,7 +212,8 @@ def load_zero3(path: Path, spec, ds_config: dict[str, Any]) -> LoadedModel:
 
 
 def check_efficient_loading(name: str, spec) -> None:
-    """RAM-efficient loading reads files: MODEL must be a local Hugging Face directory (said before launch)."""
+    """RAM-efficient loading reads files: MODEL must be a local Hugging Face directory, of a dense model (said
+    before launch)."""
     check_model_name(name)
     if spec.parallel.cpu_ram_efficient_loading and not Path(name).is_dir():
         hub = name not in BUILTIN and ":" not in name
@@ -219,6 +222,14 @@ def check_efficient_loading(name: str, spec) -> None:
         raise Fp8distError(f"parallel.cpu_ram_efficient_loading reads a local Hugging Face model directory; MODEL "
                            f"{name!r} is {what}\n  fix: {get} and name DIR as the model where you named {name!r}, "
                            "or set parallel.cpu_ram_efficient_loading=false")
+    if spec.parallel.cpu_ram_efficient_loading and (config := Path(name) / "config.json").is_file():
+        experts = expert_count(json.loads(config.read_text()))
+        if experts > 1:
+            raise Fp8distError(f"parallel.cpu_ram_efficient_loading: {name} is a Mixture-of-Experts model ({experts} "
+                               "experts), whose files hold one tensor per expert (transformers 5 converts its 3-D "
+                               "experts to and from that layout, transformers/conversion_mapping.py), which "
+                               "shard-on-read does not read\n  fix: parallel.cpu_ram_efficient_loading=false for this "
+                               "model (transformers loads and converts the experts)")
 
 
 def load_for_run(name: str, spec, plan: EnginePlan | None = None) -> LoadedModel:

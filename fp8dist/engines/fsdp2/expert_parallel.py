@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from fp8dist.backends.experts import experts_modules, is_fp8dist_implementation, register
+from fp8dist.backends.experts import expert_parameters, experts_modules, is_fp8dist_implementation, register
 from fp8dist.errors import Fp8distError
 
 
@@ -89,7 +89,7 @@ def apply(model: torch.nn.Module, expert_mesh) -> ExpertParallelPlan:
             raise Fp8distError(f"parallel.expert_size={ep.size()}: {type(model).__name__} is not a transformers "
                                "PreTrainedModel, whose experts implementation fp8dist can switch to its dispatching "
                                "forward\n  fix: parallel.expert_size=1")
-        model.set_experts_implementation(register("none", emulate=False))
+        getattr(model, "set_experts_implementation")(register("none", emulate=False))
     counts = set()
     for name, module in found:
         experts = module.num_experts
@@ -97,13 +97,12 @@ def apply(model: torch.nn.Module, expert_mesh) -> ExpertParallelPlan:
             raise Fp8distError(f"{name}: {experts} experts do not split whole over parallel.expert_size="
                                f"{ep.size()}\n  fix: a parallel.expert_size that divides {experts}")
         counts.add(experts)
-        for param_name, param in list(module.named_parameters(recurse=False)):
-            if param.dim() >= 2 and param.size(0) == experts:  # 3-D weights and (experts, out) biases
-                sharded = distribute_tensor(param.data, ep, [Shard(0)])
-                module.register_parameter(param_name, torch.nn.Parameter(sharded, requires_grad=param.requires_grad))
+        for param_name, param in expert_parameters(module):
+            sharded = distribute_tensor(param.data, ep, [Shard(0)])
+            module.register_parameter(param_name, torch.nn.Parameter(sharded, requires_grad=param.requires_grad))
         module.fp8dist_token_dispatch = TokenDispatch(ep.get_group(), ep.size())
-    return ExpertParallelPlan(tuple(name for name, _ in found), max(counts), ep.size(),
-                              model.config._experts_implementation)
+    implementation = str(getattr(model, "config")._experts_implementation)
+    return ExpertParallelPlan(tuple(name for name, _ in found), max(counts), ep.size(), implementation)
 
 
 def shard(model: torch.nn.Module, expert_mesh, data_size: int, **fully_shard_kwargs) -> None:

@@ -13,16 +13,16 @@ from fp8dist.config.load import load_config
 from fp8dist.errors import Fp8distError
 from fp8dist.estimate.memory import estimate, phases
 from fp8dist.estimate.model import MeasuredActivations
-from fp8dist.estimate.result import (PHASES, STORES, ActivationBytes, Estimate, Fp8Coverage, LeftOut,
-                                     TensorParallelCounted, TransientBytes)
+from fp8dist.estimate.result import (PHASES, STORES, ActivationBytes, Estimate, ExpertParallelCounted, Fp8Coverage,
+                                     LeftOut, TensorParallelCounted, TransientBytes)
 from tests.conftest import ROOT
 
 # The documented keys of `fp8dist estimate --format json`, in order (README: "Estimate memory before a run").
 JSON_KEYS = ["model", "shape_only", "parameters", "world_size", "mesh", "trainable_parameters", "frozen_parameters",
              "frozen_bytes_per_param", "engine", "config", "preset", "micro_batch_size", "seq_len", "bytes_per_param",
-             "master_weights_note", "shards", "tensor_parallel", "per_rank_bytes", "offloaded_to_host", "host_bytes",
-             "activations_bytes", "phases_bytes", "highest_phase", "peak_bytes", "fp8_extras_counted",
-             "transient_bytes", "fp8_coverage"]
+             "master_weights_note", "shards", "tensor_parallel", "expert_parallel", "per_rank_bytes",
+             "offloaded_to_host", "host_bytes", "activations_bytes", "phases_bytes", "highest_phase", "peak_bytes",
+             "fp8_extras_counted", "transient_bytes", "fp8_coverage"]
 
 
 def _estimate(**changes) -> Estimate:
@@ -36,6 +36,7 @@ def _estimate(**changes) -> Estimate:
         master_weights_note=None, shards={"weights": 1, "master_weights": 2, "gradients": 2, "optimizer": 2},
         tensor_parallel=TensorParallelCounted(plan="LlamaConfig.base_model_tp_plan", split_parameters=8,
                                               vocabulary_split=False, sequence_parallel=True),
+        expert_parallel=ExpertParallelCounted(ep=1, efsdp=2, expert_parameters=0, moe_layers=0, dispatch_kept=0),
         per_rank_bytes=per_rank, offloaded_to_host=("master_weights", "optimizer"),
         activations_bytes=ActivationBytes(none=64, full_checkpointing=16, selective_checkpointing=32, mode="none"),
         phases_bytes={"model": 3, "gradients": 7, "backward_pass": 30, "optimizer_step": 15,
@@ -63,6 +64,8 @@ def test_the_json_document_keeps_its_keys_and_derives_the_totals():
     assert document["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
     assert document["tensor_parallel"] == {"plan": "LlamaConfig.base_model_tp_plan", "split_parameters": 8,
                                            "vocabulary_split": False, "sequence_parallel": True}
+    assert document["expert_parallel"] == {"ep": 1, "efsdp": 2, "expert_parameters": 0, "moe_layers": 0,
+                                           "dispatch_kept": 0}
 
 
 def test_the_peak_is_the_highest_phase_wherever_it_is():
@@ -81,15 +84,15 @@ def test_each_phase_holds_the_stores_alive_in_it():
     """Cumulative phases (the Model Memory Usage tool's columns, then backward from step 2 on): which stores and
     transient bytes each holds, read back from sums of distinct powers of two."""
     device = {store: 2 ** i for i, store in enumerate(STORES)}
-    transient = TransientBytes(unsharded_units=2 ** 7, logits_gradient=2 ** 8)
-    names = [*STORES, "unsharded_units", "logits_gradient"]
+    transient = TransientBytes(unsharded_units=2 ** 7, logits_gradient=2 ** 8, all_to_all=2 ** 9)
+    names = [*STORES, "unsharded_units", "logits_gradient", "all_to_all"]
 
     def alive(total: int) -> set[str]:
         return {name for i, name in enumerate(names) if total >> i & 1}
 
     counted = {phase: alive(n) for phase, n in phases(device, transient).items()}
     model = {"weights", "master_weights", "buffers"}
-    backward = model | {"gradients", "activations", "fp8_extras", "unsharded_units", "logits_gradient"}
+    backward = model | {"gradients", "activations", "fp8_extras", "unsharded_units", "logits_gradient", "all_to_all"}
     assert counted == {"model": model, "gradients": model | {"gradients"}, "backward_pass": backward,
                        "optimizer_step": model | {"gradients", "optimizer"},
                        "later_backward_pass": backward | {"optimizer"}}

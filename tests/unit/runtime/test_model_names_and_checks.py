@@ -30,6 +30,19 @@ def test_the_ram_efficient_loading_refusal_names_no_flag_the_command_lacks():
     assert "--model" not in str(caught.value) and "name DIR as the model where you named 'tiny-llama'" in str(caught.value)
 
 
+def test_ram_efficient_loading_refuses_a_moe_directory_before_launch(tmp_path):
+    """transformers 5 saves 3-D experts as one tensor per expert, which shard-on-read cannot read: said before any
+    rank starts, for MoE directories only."""
+    import json
+
+    spec = load_config({"parallel": {"cpu_ram_efficient_loading": True}})
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 8}))
+    with pytest.raises(Fp8distError, match=r"(?s)Mixture-of-Experts model \(8 experts\).*cpu_ram_efficient_loading=false"):
+        check_efficient_loading(str(tmp_path), spec)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    check_efficient_loading(str(tmp_path), spec)
+
+
 def test_the_audit_checks_report_every_problem_at_once():
     spec = load_config({"parallel": {"sharding": "hybrid", "shard_size": 3, "cpu_ram_efficient_loading": True}})
     with pytest.raises(Problems) as caught:
