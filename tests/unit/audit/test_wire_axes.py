@@ -14,7 +14,7 @@ from fp8dist.audit.expected import expected
 from fp8dist.audit.wire import WORLD, WireRecorder
 from fp8dist.config.load import load_config
 from fp8dist.config.parallel import ParallelDims
-from fp8dist.engines.mesh import axis_ranks, build_device_mesh
+from fp8dist.engines.mesh import axis_of, axis_ranks, build_device_mesh, merge_axes
 
 TP_ALONE = {frozenset({0}): "tp"}
 FLOAT8 = {"preset": "torchao-float8"}  # tensorwise
@@ -132,3 +132,34 @@ def test_each_axis_of_a_2d_mesh_is_told_apart_and_a_rank_counts_what_it_sends(me
     }
     assert recorder.dtypes({"reduce_scatter", "all_reduce"}) == ["fp32"]  # the data axes and the world
     assert recorder.dtypes({"all_gather"}) == []
+
+
+# ---- expert parallel: the ep axis ----
+
+@pytest.mark.parametrize("precision, dispatched", [({}, "bf16"), ({"preset": "fp32"}, "fp32"),
+                                                   ({"preset": "torchao-float8", "fp8": {"torchao": {
+                                                       "experts": "mxfp8"}}}, "bf16")])
+def test_the_dispatch_is_expected_in_the_compute_dtype(precision, dispatched):
+    row = expected(load_config({"precision": precision, "parallel": {"expert_size": 2}}), nproc=2)
+    assert row["ep_all_to_all"][0] == dispatched
+    assert "ep_all_to_all" not in expected(load_config({"precision": precision}), nproc=2)
+
+
+def test_an_ep_group_that_is_the_data_groups_ranks_keeps_both_names():
+    """Expert parallel over every dp_shard rank: ep's group holds dp_shard's ranks. The all-to-alls are the
+    dispatch's (ep); FSDP's gathers and reductions on the same ranks stay the data axis's."""
+    axes = {frozenset({0, 1}): "dp_shard"}
+    merge_axes(axes, {frozenset({0}): "efsdp", frozenset({0, 1}): "ep"})
+    merge_axes(axes, {frozenset({0, 1}): "dp_shard"})  # a second mesh of the same layout changes nothing
+    assert axes == {frozenset({0, 1}): "dp_shard|ep", frozenset({0}): "efsdp"}
+    assert axis_of(axes[frozenset({0, 1})], "all_to_all") == "ep"
+    assert {axis_of(axes[frozenset({0, 1})], kind) for kind in ("all_gather", "reduce_scatter")} == {"dp_shard"}
+    assert axis_of("tp", "all_to_all") == "tp"  # one name: whatever the kind
+
+
+def test_the_recorder_puts_an_all_to_all_on_ep_where_ep_shares_the_data_ranks(one_rank):
+    with WireRecorder(axes={frozenset({0}): "dp_shard|ep"}) as recorder:
+        dist.all_to_all_single(torch.empty(4), torch.ones(4))
+        dist.all_reduce(torch.ones(4))
+    assert recorder.by_axis() == {"ep": {"all_to_all": {"fp32": {"calls": 1, "bytes": 16}}},
+                                  "dp_shard": {"all_reduce": {"fp32": {"calls": 1, "bytes": 16}}}}
