@@ -364,6 +364,16 @@ REFUSALS = [
             "fp8dist's EP borrows ranks from dp_shard only"),
     Refusal("expert-parallel-hybrid", {"parallel": {"expert_size": 2, "sharding": "hybrid", "shard_size": 2}},
             "the experts' (efsdp, ep) mesh is built over the shard ranks only"),
+    Refusal("ds-expert-parallel-fp8-experts", {**DS, "precision": {"preset": "torchao-float8", "fp8": {"torchao": {
+        **EMULATE, "experts": "mxfp8"}}}, "parallel": {"expert_size": 2}}, "would be silently dropped"),
+    Refusal("ds-expert-parallel-zero3-quantized-gradients", {**DS, "parallel": {"expert_size": 2, "sharding": "full"},
+            "deepspeed": {"extra": {"zero_optimization": {"zero_quantized_gradients": True}}}},
+            "_validate_zero3_moe_compatibility"),
+    Refusal("ds-expert-parallel-zero3-nvme", {**DS, "parallel": {"expert_size": 2, "sharding": "full"},
+            "deepspeed": {"offload_optimizer": "nvme", "nvme_path": "/nvme"}}, "does not support NVMe optimizer swapping"),
+    # DeepSpeed 0.19.8's AutoEP next to transformers 5.24 raises inside deepspeed.initialize: refused before launch
+    Refusal("ds-expert-parallel-autoep-registry", {**DS, "parallel": {"expert_size": 2}}, "which takes no default",
+            "environment", "deepspeed_autoep"),
     Refusal("expert-parallel-adapter", {"adapter": {"kind": "lora"}, "parallel": {"expert_size": 2}},
             "expert parallel with LoRA adapters"),
     Refusal("adapter-msamp", {"adapter": {"kind": "lora"}, "precision": {"preset": "msamp-o2"}},

@@ -20,6 +20,12 @@ DS_AMP_REMOVED = (0, 19, 8)
 # ZeRO stage 3 is supported for both inference and training"; 0.17.0-0.19.3 assert zero_optimization_stage() <= 2).
 DS_AUTOTP_TRAINING = (0, 16, 4)
 DS_AUTOTP_ZERO3 = (0, 19, 4)
+# AutoEP (`expert_parallel.enabled` / `autoep_size`: each detected MoE layer swapped for DeepSpeed's own
+# AutoEPMoELayer, its experts split over autoep_size ranks): 0.19.2 (#7938; module_inject/auto_ep_config.py
+# parse_autoep_config), at ZeRO 0-2 only (0.19.2 runtime/engine.py asserts "MoE not supported with Stage 3"); with
+# ZeRO-3 from 0.19.3 (#8060; runtime/engine.py _validate_zero3_moe_compatibility).
+DS_AUTOEP = (0, 19, 2)
+DS_AUTOEP_ZERO3 = (0, 19, 3)
 # gradient_clipping default became 1.0 in 0.19.3 (#8068; runtime/constants.py GRADIENT_CLIPPING_DEFAULT); 0.0 before.
 DS_CLIPPING_DEFAULT_CHANGED = (0, 19, 3)
 
@@ -46,3 +52,13 @@ def deepspeed_autotp(ds: Version, zero_stage: int) -> tuple[bool, str]:
         return False, (f"DeepSpeed {fmt(ds)} asserts ZeRO stage <= 2 with AutoTP (ZeRO-3 from "
                        f"{fmt(DS_AUTOTP_ZERO3)})")
     return True, f"DeepSpeed {fmt(ds)} trains with AutoTP at ZeRO-{zero_stage}"
+
+
+def deepspeed_autoep(ds: Version, zero_stage: int) -> tuple[bool, str]:
+    """Whether DeepSpeed `ds` trains with AutoEP (expert parallel) at this ZeRO stage."""
+    if ds < DS_AUTOEP:
+        return False, f"DeepSpeed {fmt(ds)} has no AutoEP expert parallel (added in {fmt(DS_AUTOEP)})"
+    if zero_stage == 3 and ds < DS_AUTOEP_ZERO3:
+        return False, (f"DeepSpeed {fmt(ds)} asserts that MoE layers are not supported with ZeRO stage 3 (AutoEP "
+                       f"with ZeRO-3 from {fmt(DS_AUTOEP_ZERO3)})")
+    return True, f"DeepSpeed {fmt(ds)} trains with AutoEP at ZeRO-{zero_stage}"

@@ -193,12 +193,12 @@ def config_values(name: str) -> dict | None:
 
 
 def check_mesh_fits(spec, name: str, world: int) -> None:
-    """Refuse, before any weight is loaded, a tensor / context parallel mesh MODEL does not split on
+    """Refuse, before any weight is loaded, a tensor / context / expert parallel mesh MODEL does not split on
     (fp8dist.config.parallel.check_model_fits); a factory model is checked when the engine sees it."""
     from fp8dist.config.parallel import check_model_fits, parallel_dims, sequence_parallel
 
     dims = parallel_dims(spec, world)
-    if dims.tp == 1 and dims.cp == 1:
+    if dims.tp == 1 and dims.cp == 1 and dims.ep == 1:
         return
     values = config_values(name)
     if values is not None:

@@ -6,20 +6,22 @@ Rules (DeepSpeed 0.19.8 sources: deepspeed/runtime/config.py, deepspeed/runtime/
 - never `"auto"` inside a typed section (DeepSpeedConfigModel drops it silently);
 - `gradient_clipping` always explicit (default changed 0.0 -> 1.0 in 0.19.3, #8068);
 - the `msamp` section only for DeepSpeed versions MS-AMP supports (facts.msamp.MSAMP_DEEPSPEED_WINDOWS);
-- tensor parallel as AutoTP, `tensor_parallel.autotp_size`, and no split of the model through `deepspeed.extra`.
+- tensor parallel as AutoTP, `tensor_parallel.autotp_size`; expert parallel as AutoEP, `expert_parallel.enabled` /
+  `autoep_size`; no split of the model through `deepspeed.extra`.
 """
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 import fp8dist.dtypes as dtypes
 from fp8dist.config.spec import Spec
 from fp8dist.config.vocabulary import deepspeed_extras
 from fp8dist.errors import ConfigError, Issue
 from fp8dist.facts import versions
-from fp8dist.facts.deepspeed import (DS_AMP_REMOVED, DS_AUTOCAST_WITH_BF16, DS_AUTOTP_ZERO3, DS_BF16_MASTER, NEWEST_KNOWN_DEEPSPEED,
-                                     deepspeed_autotp, deepspeed_has_bf16_master, deepspeed_has_torch_autocast)
+from fp8dist.facts.deepspeed import (DS_AMP_REMOVED, DS_AUTOCAST_WITH_BF16, DS_AUTOEP, DS_AUTOEP_ZERO3, DS_AUTOTP_ZERO3,
+                                     DS_BF16_MASTER, NEWEST_KNOWN_DEEPSPEED, deepspeed_autoep, deepspeed_autotp,
+                                     deepspeed_has_bf16_master, deepspeed_has_torch_autocast)
 from fp8dist.facts.msamp import MSAMP_RELEASE, MSAMP_RELEASE_DEEPSPEED, installed_msamp, msamp_supports_deepspeed
 from fp8dist.facts.versions import Version, fmt, parse_version
 
@@ -80,6 +82,8 @@ def _generated(spec: Spec, version, origin) -> tuple[dict[str, Any], list[Issue]
             issues.append(Issue("parallel.tensor_size", f"{reason} ({origin})", spec.parallel.tensor_size,
                                 f"pip install 'deepspeed>={fmt(DS_AUTOTP_ZERO3)}', or parallel.sharding=grad_op "
                                 "(ZeRO-2), or parallel.tensor_size=1"))
+    if spec.parallel.expert_size > 1:
+        config["expert_parallel"] = _expert_parallel_section(spec, version, origin, issues)
     if spec.deepspeed.grad_accum_dtype:
         config["data_types"] = {"grad_accum_dtype": spec.deepspeed.grad_accum_dtype}
     if spec.optimizer.name not in ("adam", "adamw") and spec.deepspeed.zero_stage > 0:
@@ -117,6 +121,8 @@ GENERATED_FROM = {
     "zero_optimization.offload_optimizer.nvme_path": "deepspeed.nvme_path",
     "zero_optimization.offload_param.nvme_path": "deepspeed.nvme_path",
     "tensor_parallel.autotp_size": "parallel.tensor_size",
+    "expert_parallel.enabled": "parallel.expert_size (> 1 turns AutoEP on)",
+    "expert_parallel.autoep_size": "parallel.expert_size",
     "data_types.grad_accum_dtype": "deepspeed.grad_accum_dtype",
     "zero_allow_untested_optimizer": "optimizer.name",
     "zero_force_ds_cpu_optimizer": "optimizer.name (with deepspeed.offload_optimizer)",
@@ -128,10 +134,16 @@ GENERATED_FROM = {
 
 # deepspeed.extra keys that would split the model behind the config's back (fp8dist's runtime builds its mesh, the
 # data-parallel ranks and its checks from `parallel`), even where the translation does not write them: the fp8dist key
-# that says the same, or None where fp8dist has none. A value of 1 (0 for autotp_size, DeepSpeed's default) splits
-# nothing and merges.
-LAYOUT_KEYS: dict[str, str | None] = {"tensor_parallel.autotp_size": "parallel.tensor_size",
-                                      "sequence_parallel_size": None}
+# that says the same (None where fp8dist has none), and which values split nothing and merge: 1, and DeepSpeed's
+# default 0 for autotp_size; AutoEP off for expert_parallel.enabled (DeepSpeed reads it as a truth value), since an
+# enabled AutoEP swaps the MoE layers for its own even at autoep_size 1 (deepspeed 0.19.8
+# module_inject/auto_ep_config.py validate_autoep_config: "AutoEP replacement remains enabled").
+LAYOUT_KEYS: dict[str, tuple[str | None, Callable[[Any], bool]]] = {
+    "tensor_parallel.autotp_size": ("parallel.tensor_size", lambda value: value in (0, 1)),
+    "sequence_parallel_size": (None, lambda value: value in (0, 1)),
+    "expert_parallel.enabled": ("parallel.expert_size", lambda value: not value),
+    "expert_parallel.autoep_size": ("parallel.expert_size", lambda value: value == 1),
+}
 
 
 def generated_from(dotted: str) -> str | None:
@@ -148,7 +160,8 @@ _HOW = ("run `deepspeed launch/train.py --fp8dist-config CONFIG`, or call fp8dis
 def left_to_runtime(spec: Spec) -> list[str]:
     """What the config asks for that the DeepSpeed JSON cannot carry, because fp8dist's runtime applies it around
     deepspeed.initialize (fp8dist/engines/deepspeed/engine.py): one line each, with how to get it. A user who hands
-    the JSON alone to their own DeepSpeed script trains without these."""
+    the JSON alone to their own DeepSpeed script trains without these. Also what the JSON leaves DeepSpeed to find in
+    the model, which the config does not name (the MoE layers AutoEP splits)."""
     out = []
     if spec.fp8.backend in ("torchao", "te"):
         what = "float8 conversion of the Linears (torchao)" if spec.fp8.backend == "torchao" else \
@@ -164,6 +177,15 @@ def left_to_runtime(spec: Spec) -> list[str]:
                    "(fp8dist.load_model does it; the JSON cannot); " + _HOW)
     if spec.compile:
         out.append(f"compile: fp8dist's runtime calls engine.compile() after deepspeed.initialize; {_HOW}")
+    given = spec.deepspeed.extra.get("expert_parallel")
+    if spec.parallel.expert_size > 1 and not (isinstance(given, dict) and any(given.get(key) for key in
+                                                                              _AUTOEP_LAYER_KEYS)):
+        out.append(f"parallel.expert_size={spec.parallel.expert_size}: the JSON's expert_parallel section names no "
+                   "preset_model, since the config names no model: DeepSpeed's AutoEP takes the preset of the model's "
+                   "config.model_type (mixtral, qwen3_moe, qwen3_5_moe, deepseek_v2, deepseek_v3, minimax_m3), else "
+                   "tries every preset, and leaves the MoE layers no preset matches unsplit (deepspeed 0.19.8 "
+                   "module_inject/auto_ep_presets/registry.py resolve_preset_candidates); for another model set "
+                   "deepspeed.extra.expert_parallel.preset_model (or moe_layer_pattern and its patterns)")
     if spec.adapter.enabled:
         out.append(f"adapter.kind={spec.adapter.kind}: DeepSpeed has no adapter setting; fp8dist's loading applies PEFT's "
                    "LoRA and its engine gives the optimizer the adapters only, so the JSON alone trains the full "
@@ -219,6 +241,28 @@ def _zero_section(spec: Spec) -> dict[str, Any]:
     return zero
 
 
+def _expert_parallel_section(spec: Spec, version, origin, issues) -> dict[str, Any]:
+    """AutoEP (deepspeed 0.19.8 module_inject/auto_ep_config.py parse_autoep_config; runtime/engine.py
+    _configure_expert_parallel swaps each MoE layer it detects for its AutoEPMoELayer, experts split over autoep_size
+    ranks). No `preset_model`: the config names no model, and AutoEP picks the preset from the model's
+    config.model_type (left_to_runtime says so; deepspeed.extra.expert_parallel.preset_model sets it)."""
+    size = spec.parallel.expert_size
+    ok, reason = deepspeed_autoep(version, spec.deepspeed.zero_stage)
+    if not ok:
+        zero3 = spec.deepspeed.zero_stage == 3 and version >= DS_AUTOEP
+        issues.append(Issue("parallel.expert_size", f"{reason} ({origin})", size,
+                            f"pip install 'deepspeed>={fmt(DS_AUTOEP_ZERO3 if zero3 else DS_AUTOEP)}', or "
+                            + ("parallel.sharding=grad_op (ZeRO-2), or " if zero3 else "")
+                            + "engine=fsdp2, or parallel.expert_size=1"))
+    return {"enabled": True, "autoep_size": size}
+
+
+# The expert_parallel keys that tell AutoEP which layers are the MoE layers (deepspeed 0.19.8
+# module_inject/auto_ep_presets/registry.py resolve_preset_candidates: preset_model, else the preset of the model's
+# config.model_type, else moe_layer_pattern, else every preset tried).
+_AUTOEP_LAYER_KEYS = ("preset_model", "moe_layer_pattern")
+
+
 def _msamp_section(spec: Spec, version, origin, issues) -> dict[str, Any]:
     level = spec.fp8.msamp.opt_level
     ok, reason = msamp_supports_deepspeed(version, installed_msamp())
@@ -261,8 +305,8 @@ def _merged_with_extra(config: dict[str, Any], extra: dict[str, Any], version) -
                                 f"set {source.split(' ')[0]} instead, or drop {dotted} from deepspeed.extra" if source
                                 else "set it through the fp8dist key that produces it, or drop it from extra"))
             continue
-        if dotted in LAYOUT_KEYS and value not in (0, 1):
-            key = LAYOUT_KEYS[dotted]
+        if dotted in LAYOUT_KEYS and not LAYOUT_KEYS[dotted][1](value):
+            key = LAYOUT_KEYS[dotted][0]
             issues.append(Issue(f"deepspeed.extra.{dotted}", "splits the model over ranks fp8dist's mesh does not "
                                 "know of" + (f" (its key is {key})" if key else " (DeepSpeed's Ulysses sequence "
                                 "parallel, which fp8dist does not wire)"), value,

@@ -165,10 +165,19 @@ class ShardingPlan(PlanSection):
 
     tensor_size: int = 1
     context_size: int = 1
+    expert_size: int = 1
 
     @property
     def mesh(self) -> str:
-        """The DeviceMesh, in words (the run builds it: fp8dist.config.parallel.ParallelDims.mesh_shape)."""
+        """The DeviceMesh, in words (the run builds it: fp8dist.config.parallel.ParallelDims.mesh_shape), and with
+        expert parallel the experts' own mesh over the same ranks (ParallelDims.expert_mesh_shape)."""
+        dense = self._dense_mesh
+        if self.expert_size == 1:
+            return dense
+        return f"{dense}; experts 2-D (efsdp = world / {self.expert_size}, ep = {self.expert_size})"
+
+    @property
+    def _dense_mesh(self) -> str:
         inner = [f"{axis} = {size}" for axis, size in (("cp", self.context_size), ("tp", self.tensor_size))
                  if size > 1]
         data = " / ".join(["world"] + [str(size) for size in (self.context_size, self.tensor_size) if size > 1])
@@ -353,7 +362,8 @@ def fsdp2_layout(spec: Spec) -> ShardingPlan:
     elif strategy == "replicate":
         shard_size = 1
     return ShardingPlan(strategy=strategy, shard_size=shard_size, reshard_after_forward=strategy != "grad_op",
-                        tensor_size=spec.parallel.tensor_size, context_size=spec.parallel.context_size)
+                        tensor_size=spec.parallel.tensor_size, context_size=spec.parallel.context_size,
+                        expert_size=spec.parallel.expert_size)
 
 
 def tensor_parallel_section(spec: Spec) -> TensorParallelSection | None:

@@ -99,3 +99,20 @@ def test_checkpoints_resume_bitwise_and_export_gathers_the_experts(runs):
     exported = case["exported"]
     assert exported["names_match"] and exported["equal"], exported
     assert exported["experts_shape"] == [8, 128, 64], exported  # all 8 experts, gathered from both ep ranks
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16"])
+def test_the_estimate_matches_what_each_rank_holds(runs, preset):
+    """`fp8dist estimate` on the 2-rank EP mesh: each rank's weights within 5% of the measured bytes, and the experts
+    one MoE layer gathers (E / ep of them, in the compute dtype) exactly what the rank held while it ran."""
+    from fp8dist.config.load import load_config
+    from fp8dist.estimate.memory import estimate
+
+    case = runs[2][f"mixtral-{preset}"]["2"]
+    spec = load_config({"precision": {"preset": preset}}, overrides=["train.seq_len=32", "parallel.expert_size=2"])
+    result = estimate("tiny-mixtral", spec, 2)
+    assert result.per_rank_bytes["weights"] == pytest.approx(case["weight_bytes"], rel=0.05)
+    split = result.expert_parallel
+    assert (split.ep, split.efsdp, split.moe_layers) == (2, 1, 2)
+    gathered = split.expert_parameters // split.moe_layers // split.ep * (4 if preset == "fp32" else 2)
+    assert gathered == case["gathered_expert_bytes"]

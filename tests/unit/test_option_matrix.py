@@ -60,6 +60,10 @@ def has_capability(name: str) -> bool:
         from deepspeed.ops.op_builder import AsyncIOBuilder
 
         return bool(AsyncIOBuilder().is_compatible(verbose=False))
+    if name == "deepspeed_autoep":
+        from fp8dist.engines.deepspeed.engine import autoep_registry_clash
+
+        return autoep_registry_clash() is None
     raise ValueError(f"unknown capability {name!r}")
 
 

@@ -10,7 +10,7 @@ from fp8dist.errors import Issue
 
 def check(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
     return [*_loss_scaling(spec, explicit), *_precision(spec), *_offload(spec), *_optimizer(spec),
-            *_parallel(spec)]
+            *_parallel(spec), *_expert_parallel(spec)]
 
 
 def _loss_scaling(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
@@ -143,4 +143,46 @@ def _parallel(spec: Spec) -> list[Issue]:
     if par.sharding == "hybrid" and spec.fp8.backend == "msamp":
         issues.append(Issue("parallel.sharding", "hybrid is ZeRO-3 + hpZ on DeepSpeed, and MS-AMP does not run "
                             "ZeRO-3 (Azure/MS-AMP#182)", "hybrid", "set parallel.sharding=grad_op"))
+    return issues
+
+
+def _expert_parallel(spec: Spec) -> list[Issue]:
+    """parallel.expert_size > 1 on DeepSpeed is AutoEP (`expert_parallel.autoep_size`): refused where its swap of the
+    MoE layers would drop FP8 experts, and where DeepSpeed refuses AutoEP at ZeRO-3. Tensor parallel and hybrid
+    sharding next to expert parallel are refused for every engine (fp8dist.config.rules.common); the DeepSpeed
+    release that has AutoEP is translate's to check (facts.deepspeed.deepspeed_autoep)."""
+    par, ds = spec.parallel, spec.deepspeed
+    issues: list[Issue] = []
+    if par.expert_size == 1:
+        return issues
+    ao = spec.fp8.torchao
+    if spec.fp8.backend == "torchao" and ao.experts != "none":
+        converted = "are converted" if ao.experts != "auto" else "are converted wherever the GPU runs FP8 grouped GEMMs"
+        issues.append(Issue("parallel.expert_size", "DeepSpeed's expert parallel (AutoEP) replaces each MoE layer "
+                            "it detects with its own AutoEPMoELayer and grouped-GEMM experts (deepspeed 0.19.8 "
+                            "module_inject/auto_ep_layer.py, runtime/engine.py _configure_expert_parallel), so the "
+                            f"FP8 experts of precision.fp8.torchao.experts={ao.experts}, which {converted}, would "
+                            "be silently dropped", par.expert_size,
+                            "set precision.fp8.torchao.experts=none (the experts in the compute dtype under AutoEP), "
+                            "or use engine=fsdp2 (its expert parallel keeps FP8 experts), or parallel.expert_size=1"))
+    if ds.zero_stage == 3:
+        # AutoEP with ZeRO-3: deepspeed 0.19.8 runtime/engine.py _validate_zero3_moe_compatibility (at initialize)
+        # and _save_moe_checkpoint (at every checkpoint save)
+        zero = ds.extra.get("zero_optimization")
+        zero = zero if isinstance(zero, dict) else {}
+        hpz = zero.get("zero_hpz_partition_size")
+        turned_on = {"zero_quantized_gradients": bool(zero.get("zero_quantized_gradients")),
+                     "zero_hpz_partition_size": isinstance(hpz, int) and hpz > 1}
+        for key in (key for key, on in turned_on.items() if on):
+            issues.append(Issue(f"deepspeed.extra.zero_optimization.{key}", "DeepSpeed asserts that AutoEP with ZeRO "
+                                f"stage 3 does not support {key} (deepspeed 0.19.8 runtime/engine.py "
+                                "_validate_zero3_moe_compatibility)", zero[key],
+                                f"remove {key} from deepspeed.extra, or set parallel.sharding=grad_op (ZeRO-2), or "
+                                "parallel.expert_size=1"))
+        if ds.offload_optimizer == "nvme":
+            issues.append(Issue("deepspeed.offload_optimizer", "DeepSpeed cannot save a checkpoint of AutoEP at ZeRO "
+                                "stage 3 with the optimizer swapped to NVMe (deepspeed 0.19.8 runtime/engine.py "
+                                "_save_moe_checkpoint: \"does not support NVMe optimizer swapping yet\")", "nvme",
+                                "set deepspeed.offload_optimizer=cpu, or parallel.sharding=grad_op (ZeRO-2), or "
+                                "parallel.expert_size=1"))
     return issues

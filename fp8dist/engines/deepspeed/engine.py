@@ -11,6 +11,7 @@ the engine interface of fp8dist.engines.base) rides on the DeepSpeedEngine as `e
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from typing import TYPE_CHECKING, Any, cast
 
@@ -25,6 +26,7 @@ from fp8dist.engines.deepspeed.inspector import DeepSpeedInspector
 from fp8dist.engines.optim import (build_optimizer, offloads_optimizer, rebind_optimizer, rebind_parameters,
                                    trainable_parameters)
 from fp8dist.errors import Fp8distError, UnsupportedEnvironment
+from fp8dist.facts import versions
 from fp8dist.machine import device_info
 from fp8dist.translate.deepspeed import to_deepspeed
 
@@ -149,8 +151,17 @@ def train_step(engine, batches: list[dict]) -> float:
 
 def check_environment(spec: Spec, config: dict) -> None:
     """What DeepSpeed itself would reject here, said before any process group or model work:
-    a 16-bit mode the accelerator lacks, nvme offload without the async_io op."""
+    a 16-bit mode the accelerator lacks, nvme offload without the async_io op, AutoEP with a transformers it
+    cannot run with."""
     accelerator = _accelerator()
+    if config.get("expert_parallel", {}).get("enabled"):
+        clash = autoep_registry_clash()
+        if clash:
+            raise UnsupportedEnvironment(
+                f"parallel.expert_size={spec.parallel.expert_size} runs DeepSpeed's AutoEP, which stops inside "
+                f"deepspeed.initialize on every rank with the libraries installed here: {clash}",
+                "use engine=fsdp2 (fp8dist's own expert parallel), or parallel.expert_size=1, or install a "
+                "transformers whose _CanRecordRegistry.get takes a default (as dict.get does)")
     if config.get("fp16", {}).get("enabled") and not accelerator.is_fp16_supported():
         raise UnsupportedEnvironment(
             f"precision.mixed_precision=fp16 with master_weights={spec.precision.master_weights} maps to DeepSpeed's "
@@ -171,6 +182,36 @@ def check_environment(spec: Spec, config: dict) -> None:
             raise UnsupportedEnvironment("nvme offload needs DeepSpeed's async_io op, which cannot be built here "
                                          "(libaio is missing)",
                                          "install libaio-dev (apt) on the training nodes, or offload to cpu")
+
+
+def autoep_registry_clash() -> str | None:
+    """Why DeepSpeed's AutoEP cannot swap MoE layers next to the installed transformers, or None where it can.
+
+    After swapping a MoE layer, AutoEP points transformers' router-logit recorders at its own router and restores
+    transformers' output-capture registry, reading each entry as `registry.get(key, _MISSING_REGISTRY_ENTRY)`
+    (deepspeed 0.19.8 module_inject/auto_ep_presets/base.py _install_instance_transformers_output_recorders).
+    transformers 5.24's registry overrides dict.get with a one-argument get(model) (utils/output_capturing.py
+    _CanRecordRegistry), so that call raises TypeError. Probed on the installed libraries, not by version: DeepSpeed's
+    side by the default it passes (the module's _MISSING_REGISTRY_ENTRY), transformers' by the signature of its get.
+    Imports DeepSpeed and transformers."""
+    try:
+        from deepspeed.module_inject.auto_ep_presets import base as autoep_presets
+        from transformers.utils import output_capturing
+    except ImportError:  # a DeepSpeed without AutoEP (translate refuses it) or no transformers: nothing to clash
+        return None
+    registry = getattr(output_capturing, "_CAN_RECORD_REGISTRY", None)
+    # AutoEP skips a registry that is not a dict (base.py _retarget_transformers_output_recorders_for_modules)
+    if not hasattr(autoep_presets, "_MISSING_REGISTRY_ENTRY") or not isinstance(registry, dict):
+        return None
+    try:
+        inspect.signature(registry.get).bind("key", autoep_presets._MISSING_REGISTRY_ENTRY)
+        return None
+    except TypeError:
+        return (f"DeepSpeed {versions.installed_version('deepspeed')} (deepspeed/module_inject/auto_ep_presets/"
+                "base.py) reads transformers' output-capture registry as registry.get(key, default), and transformers "
+                f"{versions.installed_version('transformers')} (transformers/utils/output_capturing.py) registers "
+                f"{type(registry).__qualname__}.get{inspect.signature(registry.get)}, which takes no default: "
+                "TypeError")
 
 
 def _accelerator():

@@ -216,6 +216,13 @@ def _parallelism_plan(spec: Spec, sharding: str, mode: str, issues: list[Issue],
                               "afterwards (accelerate 1.15 accelerator.py prepare: _prepare_tp, then _prepare_ao / "
                               "_prepare_te)", tp, "run FP8 with tensor parallel on fp8dist's own FSDP2 runtime, or set "
                               "parallel.tensor_size=1 for Accelerate"))
+    if par.expert_size > 1:
+        issues.append(Refusal("parallel.expert_size", "Accelerate has no expert parallel: its ParallelismConfig's axes "
+                              "are dp_replicate, dp_shard, tp, cp and sp (accelerate 1.15 parallelism_config.py), so "
+                              "every rank would hold every expert, FSDP2-sharded like the dense weights",
+                              par.expert_size, "set parallel.expert_size=1 for Accelerate (the same numerics, the "
+                              "experts sharded instead of split), or run fp8dist's own FSDP2 runtime",
+                              nearest={"parallel.expert_size": 1}))
     split = tp * cp
     shard = cast(int, par.shard_size)  # read with hybrid only, which the config's rules refuse without it
     if sharding == "hybrid" and mode == "file":
@@ -323,6 +330,9 @@ def _deepspeed_plan(spec: Spec, mode: str, deepspeed_version: str | None, issues
     if par.tensor_size > 1:
         notes.append(f"tensor parallel: DeepSpeed AutoTP by the config's tensor_parallel.autotp_size "
                      f"({par.tensor_size}), which Accelerate reads (accelerate 1.15 accelerator.py _prepare_deepspeed)")
+    if par.expert_size > 1:
+        notes.append(f"expert parallel: DeepSpeed AutoEP by the config's expert_parallel section (autoep_size "
+                     f"{par.expert_size}), which Accelerate hands to deepspeed.initialize unchanged")
     if spec.deepspeed.zero_stage == 3 and not par.cpu_ram_efficient_loading:
         notes.append("zero3_init_flag false: Accelerate would otherwise build a ZeRO-3 model inside "
                      "deepspeed.zero.Init (fp8dist does that only with parallel.cpu_ram_efficient_loading)")

@@ -12,7 +12,9 @@ Axolotl trains through transformers' Trainer and Accelerate, so its precision is
 - neither: DDP, which fp8dist runs as FSDP2 with nothing sharded;
 - tensor_parallel_size / context_parallel_size (sequence_parallel_degree, its deprecated name) split the model and
   the sequence (axolotl-ai-cloud/axolotl@067b021: transformers' tp_plan, or AutoTP under DeepSpeed; ring-flash-attn),
-  the data-parallel sizes being what is left of the world size, as fp8dist's mesh has them.
+  the data-parallel sizes being what is left of the world size, as fp8dist's mesh has them;
+- expert_parallel_size splits each MoE layer's experts over that many ranks (its plugin, DeepEP), each of them reading
+  its own batch: fp8dist's parallel.expert_size.
 Every key is in KEYS with its class (fp8dist/formats/keys.py: kept, no effect, refused); docs/import.md prints it.
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ from fp8dist.formats.accelerate.sections import fsdp_settings, note_accelerate_r
 from fp8dist.formats.common import (HF_OPTIMIZERS, Imported, ImportProblem, Notes, WrongShape, hf_optimizer, integer,
                                    mapping, parallel_size, read_beside, stepped_dtype, truthy, yaml11_number)
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
-from fp8dist.formats.keys import Table, disabled, kept, no_effect, one_or_unset, refused
+from fp8dist.formats.keys import Table, disabled, kept, no_effect, refused
 
 # Axolotl also takes `adamw` (its config's OptimizerNames, axolotl utils/schemas/enums.py) for torch's AdamW
 _OPTIMIZERS = {**HF_OPTIMIZERS, "adamw": ("adamw", None)}
@@ -40,8 +42,9 @@ _SCHEDULE = "fp8dist builds no learning-rate schedule; your script's scheduler i
 _TF32 = ("with fp32 compute it turns every matmul into TF32 (10-bit mantissa; axolotl utils/config normalize_config), "
          "which fp8dist does not do")
 _WITH_ADAPTER = "read only with `adapter: lora`"
-_EXPERT_PARALLEL = ("MoE experts split over ranks: fp8dist has no expert parallelism (its layouts: data parallel, "
-                    "tensor parallel, context parallel)")
+# Axolotl's expert parallel (axolotl-ai-cloud/axolotl@067b021 src/axolotl/integrations/expert_parallel: its plugin's
+# DeepEP dispatch and combine; args.py ExpertParallelArgs)
+_DEEPEP = "DeepEP's {what}; fp8dist sends the tokens to their experts with torch's all-to-all"
 _ADAPTER = ("trains another kind of adapter than LoRA on a 16/32-bit base (qlora: a 4-bit bitsandbytes base; "
             "llama-adapter, ...), which fp8dist's `adapter` section does not run")
 # What Axolotl uses for a left-out key (axolotl src/axolotl/utils/schemas/training.py HyperparametersConfig:
@@ -126,8 +129,17 @@ KEYS = Table("Axolotl", {
                             example=200),
     "fp32_norms": refused("keeps norm layers in fp32 under FSDP2 (a per-module policy)", "remove it: fp8dist gives "
                           "every FSDP2 unit the same MixedPrecisionPolicy", unless=disabled, otherwise="off"),
-    "expert_parallel_size": refused(_EXPERT_PARALLEL, "set it to 1", unless=one_or_unset, otherwise="1: no expert "
-                                    "parallelism", example=2),
+    "expert_parallel_size": kept("parallel.expert_size (each MoE layer's experts split over this many ranks, every "
+                                 "rank reading its own batch)", example=2),
+    "expert_parallel_token_capacity": refused("drops the lowest-weight (token, expert) assignments past this many "
+                                              "tokens per expert (integrations/expert_parallel/experts_fn.py "
+                                              "_apply_expert_capacity): a routing fp8dist does not run",
+                                              "remove it (every token reaches its experts in fp8dist)", example=1024),
+    "expert_parallel_backend": no_effect(_DEEPEP.format(what="kernels (deep_ep, the only choice)"), example="deep_ep"),
+    "expert_parallel_num_nvl_bytes": no_effect(_DEEPEP.format(what="NVLink buffer size"), example=268435456),
+    "expert_parallel_num_rdma_bytes": no_effect(_DEEPEP.format(what="RDMA buffer size"), example=0),
+    "expert_parallel_fallback_on_unsupported": no_effect(_DEEPEP.format(what="absence: Axolotl then runs the experts "
+                                                                              "unsplit, or stops"), example=True),
     "lora_r": kept("adapter.r", example=16),
     "lora_alpha": kept("adapter.alpha", example=32),
     "lora_dropout": kept("adapter.dropout", example=0.05),
@@ -405,8 +417,8 @@ def _data_parallel_sizes(cfg: dict[str, Any], parallel: dict[str, Any], notes: N
         notes.resolved("dp_shard_size", "parallel.sharding (every data-parallel rank)", "Axolotl shards over "
                        "dp_shard_size ranks and replicates over any left (utils/distributed.py "
                        "_get_parallel_config_kwargs): the same run on dp_shard_size x tensor_parallel_size x "
-                       "context_parallel_size ranks; for more, write parallel.sharding: hybrid, shard_size: "
-                       f"{shard_n}")
+                       "context_parallel_size x expert_parallel_size ranks; for more, write parallel.sharding: hybrid, "
+                       f"shard_size: {shard_n}")
 
 
 def _model_parallel_sizes(cfg: dict[str, Any], out: dict[str, Any], ds: Mapping[str, Any], notes: Notes,
@@ -429,6 +441,7 @@ def _model_parallel_sizes(cfg: dict[str, Any], out: dict[str, Any], ds: Mapping[
                       "deprecated name only where context_parallel_size is unset)")
     cp = parallel_size(value, key)
     parallel = out.setdefault("parallel", {})
+    _expert_parallel_size(cfg, parallel, notes, issues)
     if tp > 1 and out["engine"] == "deepspeed":
         # AutoTP: Axolotl writes tensor_parallel.autotp_size into a JSON without a tensor_parallel section (and
         # leaves a JSON that has one as it is: utils/schemas/validation.py check_tensor_parallel_size_update_ds_json)
@@ -460,6 +473,27 @@ def _model_parallel_sizes(cfg: dict[str, Any], out: dict[str, Any], ds: Mapping[
                        "and refuses to start where no GPU attention kernel can shard the sequence")
     if not parallel:
         del out["parallel"]
+
+
+def _expert_parallel_size(cfg: dict[str, Any], parallel: dict[str, Any], notes: Notes, issues: list[Issue]) -> None:
+    """expert_parallel_size -> parallel.expert_size. Axolotl's EP is a data-parallel axis: each ep rank reads its own
+    batch, the dense weights are sharded over ep x dp_shard and the experts split over ep, sharded over dp_shard
+    (axolotl-ai-cloud/axolotl@067b021 monkeypatch/accelerate/parallelism_config.py: ep in dp_dim_names and
+    dp_shard_cp_dim_names; utils/distributed.py _get_parallel_config_kwargs divides the world by it): fp8dist's
+    expert_size borrowed from the data-parallel ranks, with the experts sharded over efsdp = dp_shard / expert_size.
+    A DeepSpeed JSON that sets AutoEP with another size is refused."""
+    size = parallel_size(cfg.pop("expert_parallel_size", None), "expert_parallel_size")
+    if size == 1:
+        return
+    if parallel.get("expert_size", size) != size:
+        issues.append(Issue("expert_parallel_size", f"the DeepSpeed JSON's expert_parallel section splits the experts "
+                            f"by autoep_size {parallel['expert_size']}, next to Axolotl's own expert parallel", size,
+                            "write the same size in both, or remove one of them"))
+        return
+    parallel["expert_size"] = size
+    notes.resolved("expert_parallel_size", f"parallel.expert_size={size}", "Axolotl's expert parallel reads a batch on "
+                   "every rank and splits each MoE layer's experts over this many of them, sharded over the others "
+                   "(its plugin sends the tokens with DeepEP, fp8dist with torch's all-to-all)")
 
 
 def _compile(cfg: dict[str, Any], out: dict[str, Any]) -> None:

@@ -2,7 +2,8 @@
 
 Precision sections (bf16 / fp16 / torch_autocast, communication_data_type, data_types, msamp) become
 `precision`; zero_optimization's stage and offload the `parallel` vocabulary (fp8dist/config/vocabulary.py), and
-tensor_parallel.autotp_size (AutoTP) parallel.tensor_size;
+tensor_parallel.autotp_size (AutoTP) parallel.tensor_size, expert_parallel (AutoEP) enabled with autoep_size
+parallel.expert_size;
 batch and clipping keys `train`; the optimizer section `optimizer`; every other DeepSpeed key goes to
 `deepspeed.extra` unchanged. `"auto"` is what only Accelerate / the HF Trainer fill in, from the launch (DeepSpeed
 alone would drop it inside a typed section, DeepSpeedConfigModel, or crash on a top-level scalar): it is resolved
@@ -29,7 +30,7 @@ SHARDING_OF_STAGE = {stage: name for name, stage in ZERO_STAGE.items() if name !
 OFFLOAD_OF_DEVICES = {devices: name for name, devices in DEEPSPEED_OFFLOAD.items()}
 _EXTRA = "deepspeed.extra: DeepSpeed reads it as written"
 _NOT_BUILT = ("a parallel layout fp8dist does not build on DeepSpeed (it runs ZeRO data parallel, with AutoTP tensor "
-              "parallel from parallel.tensor_size)")
+              "parallel from parallel.tensor_size and AutoEP expert parallel from parallel.expert_size)")
 # DeepSpeed's Ulysses: runtime/config.py divides the data-parallel world by it; deepspeed/sequence/layer.py
 # DistributedAttention exchanges the attention heads all-to-all.
 _ULYSSES = ("DeepSpeed's Ulysses sequence parallel (each sequence split over this many ranks, attention heads "
@@ -39,6 +40,9 @@ _AUTOTP_RULES = ("custom AutoTP partition rules (which weights split, and how); 
                  "own rules for the model (its HF tp_plan, else AutoTP's parser: runtime/engine.py "
                  "_apply_autotp_partitioning), which its checks of heads and sizes assume")
 _AUTOTP_TRAINING = "not read by AutoTP training (runtime/engine.py _apply_autotp_partitioning)"
+_AUTOEP_LAYERS = f"{_EXTRA} (which layers AutoEP swaps and how it reads them: module_inject/auto_ep_presets)"
+_AUTOEP_ROUTING = f"{_EXTRA} (AutoEP's routing where it overrides the model's: module_inject/auto_ep_layer.py)"
+_AUTOEP_KERNELS = f"{_EXTRA} (AutoEP's kernels and checks for the same computation)"
 _QUANTIZED = ("quantises {what}, a precision fp8dist's config does not describe (its audit would expect the "
               "unquantised dtypes)")
 # What DeepSpeed 0.19.8 uses when a config leaves a key out (or writes "auto" inside a typed section, which
@@ -94,8 +98,41 @@ KEYS = Table("DeepSpeed", {
                         unless=disabled, otherwise="empty", example={"stages": 2}),
     "sequence_parallel_size": refused(_ULYSSES, "set it to 1 (for context parallel: parallel.context_size with "
                                       "engine fsdp2)", unless=one_or_unset, otherwise="1", example=2),
-    "expert_parallel": refused(_NOT_BUILT, "remove expert_parallel", unless=disabled, otherwise="empty",
-                               example={"enabled": True}),
+    # expert_parallel: deepspeed 0.19.8 module_inject/auto_ep_config.py parse_autoep_config (a plain dict: unknown keys
+    # are ignored, `enabled` is read as a truth value)
+    "expert_parallel": kept("parallel.expert_size from enabled with autoep_size (AutoEP); its other keys by their "
+                            "rules", example={"enabled": True, "autoep_size": 2}),
+    "expert_parallel.enabled": kept("parallel.expert_size (AutoEP on; off, or on at autoep_size 1, the section is "
+                                    "noted)"),
+    "expert_parallel.autoep_size": kept("parallel.expert_size", example=2),
+    **{f"expert_parallel.{key}": kept(_AUTOEP_LAYERS, example="x") for key in (
+        "preset_model", "moe_layer_pattern", "expert_pattern", "router_pattern", "expert_w1", "expert_w2", "expert_w3",
+        "num_experts_attr", "top_k_attr", "shared_experts_pattern", "shared_experts_gate_pattern")},
+    "expert_parallel.has_shared_experts": kept(_AUTOEP_LAYERS),
+    **{f"expert_parallel.{key}": kept(_AUTOEP_ROUTING, example=example) for key, example in (
+        ("route_norm", True), ("route_scale", 1.0), ("score_apply", "post"), ("score_func", "softmax"), ("top_k", 2),
+        ("routed_scaling_factor", 1.0), ("num_expert_groups", 1), ("num_limited_groups", 1),
+        ("expert_activation", "silu"))},
+    **{f"expert_parallel.{key}": kept(_AUTOEP_KERNELS, example=example) for key, example in (
+        ("use_grouped_mm", True), ("disable_triton_grouped_mm", True), ("gate_up_impl", "fused"),
+        ("combine_impl", "weighted_sum"), ("validate_folding_routing", True), ("async_split_plan", True))},
+    **{f"expert_parallel.{key}": no_effect("read by DeepEP's dispatch only (comm_backend deepep, which fp8dist "
+                                           "refuses: module_inject/auto_ep_comm.py)", example=example)
+       for key, example in (("comm_num_sm", 12), ("comm_qp_margin", 4), ("comm_max_tokens_per_rank", 4096),
+                            ("row_weighting_impl", "eager"))},
+    "expert_parallel.expert_tensor_parallel_size": refused(
+        "splits each expert's weights over this many ranks too: a layout DeepSpeed 0.19.8 does not run yet "
+        "(module_inject/auto_ep_folding.py validate_folding_global) and fp8dist's mesh has no axis for",
+        "set it to 1, or remove it", unless=one_or_unset, otherwise="1: each expert whole on its rank", example=2),
+    "expert_parallel.load_balance_coeff": refused(
+        "auxiliary-loss-free load balancing: a bias on each expert's routing score, updated from its load, so the "
+        "routing changes as it trains; DeepSpeed 0.19.8 refuses it too (module_inject/auto_ep_presets/base.py "
+        "_raise_unsupported_load_balance_coeff)", "remove it (or write null)", example=0.001),
+    "expert_parallel.comm_backend": refused(
+        "sends the tokens with DeepEP (the deep_ep library, bfloat16 rows only: module_inject/auto_ep_comm.py), which "
+        "fp8dist neither checks before launch nor has run", "set it to \"comm\" (DeepSpeed's all-to-all), or remove it",
+        unless=lambda value: value == "comm", otherwise="\"comm\": DeepSpeed's own all-to-all, its default",
+        example="deepep"),
     "compression_training": refused(_QUANTIZED.format(what="or prunes the model during training"),
                                     "remove compression_training", unless=disabled, otherwise="empty",
                                     example={"weight_quantization": {}}),
@@ -233,6 +270,7 @@ class _Importer:
         self._precision()
         self._zero()
         self._tensor_parallel()
+        self._expert_parallel()
         self._train()
         self._optimizer()
         for key, value in self.config.items():  # the rest: DeepSpeed's own keys go to extra, the others by the rule
@@ -512,6 +550,36 @@ class _Importer:
             self._keep(f"tensor_parallel.{written}", value)
         else:
             KEYS.settle(f"tensor_parallel.{key}", value, self.notes, self.issues, shown=shown)
+
+    # -- expert parallel (AutoEP) ------------------------------------------------------------------------------
+    def _expert_parallel(self) -> None:
+        """expert_parallel enabled with autoep_size > 1 -> parallel.expert_size; the section's other keys by their
+        rules (expert_parallel.KEY in KEYS). DeepSpeed reads `enabled` as a truth value (parse_autoep_config), and
+        an enabled AutoEP swaps the MoE layers for its own even at autoep_size 1, where nothing is split: fp8dist then
+        keeps the model's layers, said in a note, as it says a section that is off."""
+        if "expert_parallel" not in self.config:
+            return
+        section = mapping(self.config.pop("expert_parallel"), self.key("expert_parallel"))
+        if not section.get("enabled"):
+            if section:
+                self.notes.dropped(self.key("expert_parallel"), section, "not enabled: DeepSpeed runs no AutoEP")
+            return
+        size = parallel_size(section.get("autoep_size"), self.key("expert_parallel.autoep_size"))
+        if size == 1:
+            self.notes.dropped(self.key("expert_parallel"), section, "autoep_size 1 splits no experts; DeepSpeed would "
+                               "still swap each MoE layer for its AutoEPMoELayer (the same routing and experts), "
+                               "fp8dist keeps the model's own")
+            return
+        set_path(self.doc, "parallel.expert_size", size)
+        for key, value in section.items():
+            if key in ("enabled", "autoep_size"):
+                continue
+            rule = KEYS.rule(f"expert_parallel.{key}")
+            if rule is not None and rule.cls is KeyClass.KEPT:
+                self._keep(f"expert_parallel.{key}", value)
+            else:
+                KEYS.settle(f"expert_parallel.{key}", value, self.notes, self.issues,
+                            shown=self.key(f"expert_parallel.{key}"))
 
     # -- batch, clipping, optimizer -------------------------------------------------------------------------
     def _launch_value(self, key: str, value: Any, flag_field: str | None, known: Any, fallback: Any, why: str) -> Any:

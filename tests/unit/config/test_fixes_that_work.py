@@ -97,6 +97,7 @@ def test_every_generated_deepspeed_key_names_the_fp8dist_key_it_comes_from():
     specs = [load_config(path) for path in CONFIGS]
     specs += [load_config({"engine": "deepspeed", **extra}) for extra in (
         {"parallel": {"sharding": "hybrid", "shard_size": 2}},
+        {"parallel": {"expert_size": 2}},
         {"precision": {"mixed_precision": "fp16", "master_weights": "fp16"}, "parallel": {"offload": "optimizer"}},
         {"precision": {"mixed_precision": "bf16", "master_weights": "bf16"}, "optimizer": {"state_dtype": "bf16"}},
         {"precision": {"master_weights": "none", "reduce_dtype": "bf16"}},

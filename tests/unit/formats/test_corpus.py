@@ -23,7 +23,7 @@ CORPUS = ROOT / "tests" / "data" / "corpus"
 SOURCES = json.loads((CORPUS / "SOURCES.json").read_text())
 MEANING = json.loads((CORPUS / "MEANING.json").read_text())
 # Refused, and the keys the refusal must name (what changes the run and fp8dist cannot keep): parallelism fp8dist
-# does not build (DeepSpeed's Ulysses sequence parallel, expert parallel), adapters and quantised bases, QAT, partial
+# does not build (DeepSpeed's Ulysses sequence parallel), adapters and quantised bases, QAT, partial
 # fine-tuning, 8-bit optimizers under DeepSpeed, a batch that depends on the world size, and YAML that is not one
 # document (a duplicate key).
 REFUSED = {
@@ -33,7 +33,6 @@ REFUSED = {
     "axolotl/axolotl__examples_archived_dbrx_8bit-lora.yaml": ["load_in_8bit"],
     "axolotl/axolotl__examples_archived_dbrx_fft-ds-zero3.yaml": ["optimizer", "unfrozen_parameters"],
     "axolotl/axolotl__examples_archived_openllama-3b_lora.yml": ["load_in_8bit"],
-    "axolotl/axolotl__examples_expert_parallel_qwen3_30ba3b_ep_fsdp_fft_4gpu.yaml": ["expert_parallel_size"],
     "axolotl/axolotl__examples_gpt-oss_gpt-oss-20b-fft-deepspeed-zero3.yaml": ["optimizer", "model_quantization_config", "model_quantization_config_kwargs"],
     "axolotl/axolotl__examples_gpt-oss_gpt-oss-20b-fft-fsdp2-offload.yaml": ["model_quantization_config", "model_quantization_config_kwargs"],
     "axolotl/axolotl__examples_jamba_qlora_deepspeed.yaml": ["optimizer", "load_in_4bit", "adapter"],
@@ -87,6 +86,7 @@ AXOLOTL_LOAD_DTYPE = {
     "axolotl/axolotl__examples_alst_llama3-8b-fsdp2-alst.yaml": "bf16",  # bf16: auto
     "axolotl/axolotl__examples_distributed-parallel_llama-3_1-8b-hsdp-tp.yaml": "bf16",  # bf16: true
     "axolotl/axolotl__examples_distributed-parallel_qwen3-8b-fsdp-tp-cp.yaml": "bf16",  # bf16: true
+    "axolotl/axolotl__examples_expert_parallel_qwen3_30ba3b_ep_fsdp_fft_4gpu.yaml": "bf16",  # bf16: true
 }
 
 
@@ -114,7 +114,7 @@ def meaning_of(spec) -> dict:
            "activation_checkpointing": par.activation_checkpointing != "none",
            "micro_batch": spec.train.micro_batch_size, "grad_accum": spec.train.gradient_accumulation_steps,
            "fp8": spec.fp8.backend, "load_dtype": p.load_dtype, "master_weights": p.master_weights,
-           "tp": par.tensor_size, "cp": par.context_size,
+           "tp": par.tensor_size, "cp": par.context_size, "ep": par.expert_size,
            "adapter": None if spec.adapter.kind == "none" else {
                "kind": spec.adapter.kind, "r": spec.adapter.r, "alpha": spec.adapter.alpha,
                "dropout": spec.adapter.dropout, "target_modules": spec.adapter.target_modules}}
@@ -153,7 +153,7 @@ def differences(got: dict, want: dict) -> list[str]:
         if isinstance(batch.get(field), int) and got[field] != batch[field]:
             out.append(f"{field} {got[field]} != {batch[field]}")
     sizes = want.get("parallel_sizes") or {}  # the sizes the file sets: the others are 1
-    for axis in ("tp", "cp"):
+    for axis in ("tp", "cp", "ep"):
         if got[axis] != sizes.get(axis, 1):
             out.append(f"{axis} {got[axis]} != {sizes.get(axis, 1)}")
     if (want.get("fp8") is None) != (got["fp8"] == "none"):

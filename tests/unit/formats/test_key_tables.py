@@ -31,7 +31,7 @@ FSDP2 = {"fsdp_version": 2, "fsdp_config": {"reshard_after_forward": True}}
 AXOLOTL_CONTEXT = {"fp8_enable_fsdp_float8_all_gather": {"fp8": True, **FSDP2}, "fsdp_version": FSDP2,
                    "fsdp": FSDP2, "dp_replicate_size": {"dp_shard_size": 2}, "tf32": {"bf16": False},
                    **{key: FSDP2 for key in ("tensor_parallel_size", "context_parallel_size",
-                                             "sequence_parallel_degree")},
+                                             "sequence_parallel_degree", "expert_parallel_size")},
                    "fp16": {"bf16": False},
                    **{key: {"adapter": "lora", "lora_target_linear": True} for key in (
                        "lora_r", "lora_alpha", "lora_dropout", "lora_fan_in_fan_out", "lora_model_dir", "lora_modules_to_save",
@@ -92,6 +92,8 @@ def deepspeed(key: str, rule, tmp_path) -> dict:
         del doc["bf16"]
     if key == "zero_optimization.offload_param":
         doc["zero_optimization"]["stage"] = 3
+    if key.startswith("expert_parallel."):  # the section's keys act with AutoEP on and splitting
+        doc["expert_parallel"] = {"enabled": True, "autoep_size": 2}
     part = nested(key, rule.example)
     for head, value in part.items():
         if isinstance(value, dict) and isinstance(doc.get(head), dict):
@@ -150,8 +152,10 @@ def test_a_key_no_table_knows_is_noted_as_unknown(kind, document, shown, tmp_pat
 def test_the_tables_refuse_what_the_issue_names():
     """The settings that turned imports into other runs are refused by the tables themselves."""
     for table, key in ((AXOLOTL_KEYS, "adapter"), (AXOLOTL_KEYS, "load_in_4bit"), (AXOLOTL_KEYS, "load_in_8bit"),
-                       (AXOLOTL_KEYS, "qat"), (AXOLOTL_KEYS, "expert_parallel_size"),
-                       (DEEPSPEED_KEYS, "sequence_parallel_size"), (DEEPSPEED_KEYS, "tensor_parallel.tp.tp_size"),
+                       (AXOLOTL_KEYS, "qat"), (AXOLOTL_KEYS, "expert_parallel_token_capacity"),
+                       (DEEPSPEED_KEYS, "sequence_parallel_size"),
+                       (DEEPSPEED_KEYS, "expert_parallel.expert_tensor_parallel_size"),
+                       (DEEPSPEED_KEYS, "expert_parallel.load_balance_coeff"), (DEEPSPEED_KEYS, "tensor_parallel.tp.tp_size"),
                        (DEEPSPEED_KEYS, "tensor_parallel.partition_config"), (DEEPSPEED_KEYS, "amp"),
                        (TRL_KEYS, "parallelism_config"),
                        (TRL_KEYS, "load_in_4bit"), (TRL_KEYS, "load_in_8bit"), (TRL_KEYS, "use_dora"),

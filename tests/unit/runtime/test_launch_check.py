@@ -44,6 +44,16 @@ def test_a_launch_script_refuses_a_mesh_the_model_or_world_cannot_split(script, 
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
 
 
+@pytest.mark.parametrize("model, world, says", [
+    ("tiny-llama", "2", "it has no MoE experts for parallel.expert_size=2 to split"),
+    ("tiny-mixtral", "3", "parallel.expert_size=2 does not divide the 3 data-parallel ranks of this job"),
+])
+def test_check_refuses_an_expert_mesh_the_model_or_world_cannot_split(model, world, says):
+    result = run(sys.executable, ROOT / "launch" / "train.py", "--check", "--world-size", world, "--model", model,
+                 "--fp8dist-config", ROOT / "configs" / "fsdp2-moe-ep-mxfp8.yaml")
+    assert result.returncode == 2 and says in result.stderr and "fix: " in result.stderr, result.stderr
+
+
 def test_world_size_goes_with_check_only():
     result = run(sys.executable, ROOT / "launch" / "train.py", "--world-size", "2")
     assert result.returncode == 2 and "--world-size 2 goes with --check" in result.stderr, result.stderr
