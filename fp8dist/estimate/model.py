@@ -173,6 +173,17 @@ def activation_bytes(meta: MetaModel, spec: Spec, split: TensorSplit | None = No
                     selective[index] += rank_bytes(tensor.numel() * tensor.element_size())
             return out
 
+    class MetaGroupedMm(TorchDispatchMode):
+        """The experts' grouped GEMMs in any dtype: torch 2.13's meta kernel of aten._grouped_mm takes bf16 only
+        ("Expected inputs of BF16 type", the CUDA kernel's rule), while the CPU and the run's dtype may be fp32. The
+        output's shape is all a meta forward needs: tokens (rows, K) x experts (E, K, N) -> (rows, N)."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16 and args[0].dim() == 2 \
+                    and args[1].dim() == 3:
+                return args[0].new_empty(args[0].shape[0], args[1].shape[-1])
+            return func(*args, **(kwargs or {}))
+
     class FlashAttention(TorchFunctionMode):
         """Attention as flash attention keeps it for backward (q, k, v, output, logsumexp): the meta device runs
         the math SDPA, which saves fp32 copies and S x S scores no GPU run keeps. torch's CPU flash kernel has a
@@ -245,7 +256,7 @@ def activation_bytes(meta: MetaModel, spec: Spec, split: TensorSplit | None = No
     batch = {"input_ids": ids, **({"labels": ids} if meta.causal_lm else {})}
     try:
         with local_linears(model, split), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
-                FlashAttention(), SelectiveKeeps():
+                FlashAttention(), MetaGroupedMm(), SelectiveKeeps():
             params = {id(p) for p in model.parameters()}  # the rank's shards, in place while measuring
             forward_loss(model, batch)
     except Exception as exc:  # noqa: BLE001 - an op without a meta kernel, a model that needs other inputs
