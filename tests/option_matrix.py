@@ -364,6 +364,12 @@ REFUSALS = [
             "fp8dist's EP borrows ranks from dp_shard only"),
     Refusal("expert-parallel-hybrid", {"parallel": {"expert_size": 2, "sharding": "hybrid", "shard_size": 2}},
             "the experts' (efsdp, ep) mesh is built over the shard ranks only"),
+    Refusal("expert-parallel-offload", {"parallel": {"expert_size": 2, "offload": "params"}},
+            "CPUOffloadPolicy over the experts' (efsdp, ep) DTensors"),
+    Refusal("expert-parallel-compile", {"compile": True, "parallel": {"expert_size": 2}},
+            "torch.compile of blocks whose experts dispatch tokens"),
+    Refusal("ds-expert-parallel-hybrid", {**DS, "parallel": {"expert_size": 2, "sharding": "hybrid", "shard_size": 2}},
+            "AutoEP with ZeRO stage 3 does not support hpZ"),
     Refusal("ds-expert-parallel-fp8-experts", {**DS, "precision": {"preset": "torchao-float8", "fp8": {"torchao": {
         **EMULATE, "experts": "mxfp8"}}}, "parallel": {"expert_size": 2}}, "would be silently dropped"),
     Refusal("ds-expert-parallel-zero3-quantized-gradients", {**DS, "parallel": {"expert_size": 2, "sharding": "full"},

@@ -29,3 +29,17 @@ def unseen_qwen3_moe():
                             num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
                             tie_word_embeddings=False)
     return {"model": AutoModelForCausalLM.from_config(config), "make_batch": causal_lm_batch(config.vocab_size)}
+
+
+def unseen_gpt_oss():
+    """A 2-layer gpt-oss: experts stored transposed, (experts, hidden, 2 x intermediate), with per-expert biases (the
+    experts layout no other test model has); 4 experts of 64 x 64, top-2, full attention in both layers."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    from fp8dist.runtime.models import causal_lm_batch
+
+    config = GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_experts_per_tok=2, max_position_embeddings=128, tie_word_embeddings=False,
+                          layer_types=["full_attention", "full_attention"])
+    return {"model": AutoModelForCausalLM.from_config(config), "make_batch": causal_lm_batch(config.vocab_size)}

@@ -6,6 +6,7 @@ derivation below reproduces every row of those tables from the preset and engine
 """
 from __future__ import annotations
 
+from fp8dist.facts.torchao import TORCHAO_MXFP8_DISPATCH
 from fp8dist.dtypes import FAMILY_BYTES
 from fp8dist.config.parallel import sequence_parallel
 from fp8dist.config.schema import read_schema_file
@@ -94,9 +95,9 @@ def expected(spec: Spec, nproc: int = 1) -> dict[str, tuple[str, str]]:
             row[phase] = (cells[phase], f"table A, MS-AMP {spec.fp8.msamp.opt_level}")
     if spec.parallel.tensor_size > 1:
         row.update(_tensor_parallel_rows(spec, compute))
-    if spec.parallel.expert_size > 1:
-        row["ep_all_to_all"] = (compute, "expert parallel dispatches and combines tokens in the compute dtype (fp8dist "
-                                         "runs no low-precision dispatch: torchao's MXFP8 all-to-all is CUDA-only)")
+    if spec.parallel.expert_size > 1 and spec.engine == "fsdp2":  # DeepSpeed AutoEP's groups are its own
+        row["ep_all_to_all"] = (compute, "fp8dist's expert parallel dispatches and combines tokens in the compute "
+                                         f"dtype (no low-precision dispatch: {TORCHAO_MXFP8_DISPATCH})")
     if spec.adapter.enabled:
         row["frozen_state"] = ("none", "adapter.kind=lora: the frozen base gets no gradient and no optimizer state")
     if nproc < 2:

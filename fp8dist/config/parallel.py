@@ -127,12 +127,16 @@ def sequence_parallel(spec) -> bool:
 # What each mesh axis must divide in a Hugging Face config (the names transformers 5 uses across decoder models).
 _TP_DIVIDES = (("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads"),
                ("hidden_size", "hidden size"), ("intermediate_size", "MLP size"))
-_EXPERT_COUNTS = ("num_local_experts", "num_experts")  # Mixtral; Qwen2/3-MoE (transformers 5 configuration files)
+# Mixtral; Qwen2/3-MoE, OLMoE; DeepSeek-V2/V3, GLM4-MoE (transformers 5 configuration files)
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 def expert_count(config: Mapping[str, Any]) -> int:
-    """The routed experts per MoE layer of a Hugging Face config.json (0: a dense model)."""
-    return next((config[key] for key in _EXPERT_COUNTS if isinstance(config.get(key), int)), 0)
+    """The routed experts per MoE layer of a Hugging Face config.json (0: a dense model); a composite model's (Llama 4,
+    Qwen3-VL-MoE) from its `text_config`."""
+    count = next((config[key] for key in _EXPERT_COUNTS if isinstance(config.get(key), int)), 0)
+    text = config.get("text_config")
+    return count or (expert_count(text) if isinstance(text, Mapping) else 0)
 
 
 def check_model_fits(dims: ParallelDims, config: Mapping[str, Any], seq_len: int, *, sequence_split: bool,

@@ -63,6 +63,11 @@ def expert_split(model: torch.nn.Module, spec: Spec) -> ExpertSplit:
     config/parallel.py check_model_fits's refusal; a model with no experts module for ep > 1 to split is refused
     here (its config may name experts that transformers does not build as an experts module)."""
     ep = spec.parallel.expert_size
+    if ep > 1 and spec.engine != "fsdp2":
+        raise Fp8distError(f"parallel.expert_size={ep} with engine={spec.engine}: the estimate models fp8dist's FSDP2 "
+                           "expert parallel (its expert mesh and token dispatch); DeepSpeed's AutoEP keeps its own "
+                           "layer and layout, which it does not model\n  fix: engine=fsdp2 to estimate expert "
+                           "parallel, or parallel.expert_size=1")
     modules, parameters = [], set()
     for name, module in experts_modules(model):
         modules.append(name)

@@ -26,6 +26,9 @@ DS_AUTOTP_ZERO3 = (0, 19, 4)
 # ZeRO-3 from 0.19.3 (#8060; runtime/engine.py _validate_zero3_moe_compatibility).
 DS_AUTOEP = (0, 19, 2)
 DS_AUTOEP_ZERO3 = (0, 19, 3)
+# The models AutoEP has presets for (deepspeed 0.19.8 module_inject/auto_ep_presets/registry.py PRESET_MODELS): it
+# takes the preset of the model's config.model_type, else tries each (resolve_preset_candidates).
+DS_AUTOEP_PRESETS = ("mixtral", "qwen3_moe", "qwen3_5_moe", "deepseek_v2", "deepseek_v3", "minimax_m3")
 # gradient_clipping default became 1.0 in 0.19.3 (#8068; runtime/constants.py GRADIENT_CLIPPING_DEFAULT); 0.0 before.
 DS_CLIPPING_DEFAULT_CHANGED = (0, 19, 3)
 

@@ -40,6 +40,12 @@ TORCHAO_EXPERTS_MIN_CAPABILITY: dict[str, Capability] = {"mxfp8": BLOCKWISE_MIN_
 # instead of failing inside a rank on an import.
 TORCHAO_PROTOTYPE_VERIFIED = (0, 18, 0)
 TORCHAO_EXPERTS_EMULATED = {"mxfp8"}
+# Expert-parallel token dispatch in MXFP8 (forward; bf16 in backward): torchao 0.18
+# prototype/moe_training/ep/a2a_dispatch.py a2a_dispatch_mxfp8_fwd_hp_bwd quantizes with the Triton kernel
+# mx_formats/kernels.py triton_to_mxfp8_dim0 (GPU only), and the tutorial
+# docs/source/eager_tutorials/mxfp8_expert_parallel_training.rst needs the wgrad_with_hp recipe for it.
+TORCHAO_MXFP8_DISPATCH = ("torchao's MXFP8 all-to-all, prototype/moe_training/ep/a2a_dispatch.py, quantizes with a "
+                          "Triton GPU kernel (torchao 0.18)")
 TORCHAO_EXPERTS_DIM_MULTIPLE = {"mxfp8": TORCHAO_MX_BLOCK, "float8": 16}
 
 

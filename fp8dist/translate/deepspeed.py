@@ -19,8 +19,8 @@ from fp8dist.config.spec import Spec
 from fp8dist.config.vocabulary import deepspeed_extras
 from fp8dist.errors import ConfigError, Issue
 from fp8dist.facts import versions
-from fp8dist.facts.deepspeed import (DS_AMP_REMOVED, DS_AUTOCAST_WITH_BF16, DS_AUTOEP, DS_AUTOEP_ZERO3, DS_AUTOTP_ZERO3,
-                                     DS_BF16_MASTER, NEWEST_KNOWN_DEEPSPEED, deepspeed_autoep, deepspeed_autotp,
+from fp8dist.facts.deepspeed import (DS_AMP_REMOVED, DS_AUTOCAST_WITH_BF16, DS_AUTOEP, DS_AUTOEP_PRESETS,
+                                     DS_AUTOEP_ZERO3, DS_AUTOTP_ZERO3, DS_BF16_MASTER, NEWEST_KNOWN_DEEPSPEED, deepspeed_autoep, deepspeed_autotp,
                                      deepspeed_has_bf16_master, deepspeed_has_torch_autocast)
 from fp8dist.facts.msamp import MSAMP_RELEASE, MSAMP_RELEASE_DEEPSPEED, installed_msamp, msamp_supports_deepspeed
 from fp8dist.facts.versions import Version, fmt, parse_version
@@ -182,7 +182,7 @@ def left_to_runtime(spec: Spec) -> list[str]:
                                                                               _AUTOEP_LAYER_KEYS)):
         out.append(f"parallel.expert_size={spec.parallel.expert_size}: the JSON's expert_parallel section names no "
                    "preset_model, since the config names no model: DeepSpeed's AutoEP takes the preset of the model's "
-                   "config.model_type (mixtral, qwen3_moe, qwen3_5_moe, deepseek_v2, deepseek_v3, minimax_m3), else "
+                   f"config.model_type ({', '.join(DS_AUTOEP_PRESETS)}), else "
                    "tries every preset, and leaves the MoE layers no preset matches unsplit (deepspeed 0.19.8 "
                    "module_inject/auto_ep_presets/registry.py resolve_preset_candidates); for another model set "
                    "deepspeed.extra.expert_parallel.preset_model (or moe_layer_pattern and its patterns)")

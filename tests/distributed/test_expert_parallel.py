@@ -1,6 +1,8 @@
 """FSDP2 expert parallel against the same configs at expert_size 1 on the same ranks, weights and batches: 2 gloo
-ranks (efsdp 1 x ep 2) and 4 (efsdp 2 x ep 2, efsdp 1 x ep 4), tiny-mixtral and a Qwen3-MoE shape no other test uses
-(tests/distributed/scripts/expert_parallel_runs.py). Two launches for all cases."""
+ranks (efsdp 1 x ep 2) and 4 (efsdp 2 x ep 2, efsdp 1 x ep 4); tiny-mixtral, and a Qwen3-MoE and a gpt-oss (transposed
+experts with biases) shape no other test uses; with activation checkpointing, gradient accumulation and grad_op, and
+with every token routed to one rank's experts (tests/distributed/scripts/expert_parallel_runs.py). Two launches for
+all cases."""
 import pytest
 
 from fp8dist.runtime.ranks import results
@@ -10,8 +12,8 @@ from tests.distributed.launch import describe, torchrun
 pytestmark = pytest.mark.distributed
 SCRIPT = ROOT / "tests" / "distributed" / "scripts" / "expert_parallel_runs.py"
 # Step losses of the EP run against expert_size 1 (relative): the issue's 1e-3 in fp32. Measured here (4 steps):
-# fp32 0 (equal to the last digit printed), bf16 1.1e-4, mxfp8 1.1e-4 (tokens of two ranks share MXFP8 blocks).
-LOSS_TOLERANCE = {"fp32": 1e-3, "bf16": 1e-2, "mxfp8": 1e-2}
+# fp32 <= 9e-8, bf16 1.1e-4, mxfp8 2.3e-4 (tokens of two ranks share MXFP8 blocks).
+LOSS_TOLERANCE = {"fp32": 1e-3, "bf16": 2e-3, "mxfp8": 2e-3}
 COMPUTE = {"fp32": "fp32", "bf16": "bf16", "mxfp8": "bf16"}
 
 
@@ -91,6 +93,15 @@ def test_mxfp8_expert_gemms_are_as_accurate_as_without_expert_parallel(runs):
         assert set(ep["expert_sqnr_db"]) == set(base["expert_sqnr_db"]) and len(ep["expert_sqnr_db"]) == 12, label
         for gemm, sqnr in ep["expert_sqnr_db"].items():
             assert abs(sqnr - base["expert_sqnr_db"][gemm]) < 1.5 and sqnr > 25, (label, gemm)
+
+
+def test_a_rank_whose_experts_get_no_tokens_steps_with_the_others(runs):
+    """Every token routed to rank 0's experts: rank 1 runs no expert GEMM (the dispatch's zero-row path), and the run
+    still equals the EP=1 run (checked with the other cases above)."""
+    ep = runs[2]["mixtral-fp32-skewed"]["2"]
+    (_, flops_0), (_, flops_1) = ep["flops"]
+    dense = runs[2]["mixtral-fp32-skewed"]["1"]["flops"][1][1]  # rank 1's FLOPs without EP: its own tokens' experts
+    assert flops_1 < flops_0 and flops_1 < dense, ep["flops"]
 
 
 def test_checkpoints_resume_bitwise_and_export_gathers_the_experts(runs):

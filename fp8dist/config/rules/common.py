@@ -48,7 +48,8 @@ def _mesh(spec: Spec) -> list[Issue]:
 
 
 def _expert_parallel(spec: Spec) -> list[Issue]:
-    """What expert parallel is not combined with (yet): each refused with its reason, none silently dropped."""
+    """What expert parallel is not combined with (yet) on any engine: each refused with its reason, none silently
+    dropped (each engine's rules refuse what its own expert parallel does not run)."""
     par, issues = spec.parallel, []
     for key, size, why in (
             ("tensor_size", par.tensor_size, "fp8dist's tensor parallel refuses MoE models (routed experts are split "
@@ -59,11 +60,6 @@ def _expert_parallel(spec: Spec) -> list[Issue]:
         if size > 1:
             issues.append(Issue("parallel.expert_size", f"expert parallel with parallel.{key}={size}: {why}",
                                 par.expert_size, f"set parallel.{key}=1, or parallel.expert_size=1"))
-    if par.sharding in ("hybrid", "replicate"):
-        issues.append(Issue("parallel.expert_size", f"expert parallel with parallel.sharding={par.sharding}: the "
-                            "experts' (efsdp, ep) mesh is built over the shard ranks only, and a replicate axis would "
-                            "need its gradient all-reduce over the expert copies too (not wired)", par.expert_size,
-                            "set parallel.sharding=full (or auto), or parallel.expert_size=1"))
     if spec.adapter.enabled:
         issues.append(Issue("parallel.expert_size", "expert parallel with LoRA adapters: PEFT wraps Linears, the "
                             "experts are 3-D parameters, and an adapter run over an expert mesh has not been run",

@@ -165,6 +165,11 @@ def _expert_parallel(spec: Spec) -> list[Issue]:
                             "be silently dropped", par.expert_size,
                             "set precision.fp8.torchao.experts=none (the experts in the compute dtype under AutoEP), "
                             "or use engine=fsdp2 (its expert parallel keeps FP8 experts), or parallel.expert_size=1"))
+    if par.sharding == "hybrid":
+        issues.append(Issue("parallel.sharding", "hybrid is ZeRO-3 + hpZ on DeepSpeed, and DeepSpeed asserts that "
+                            "AutoEP with ZeRO stage 3 does not support hpZ (deepspeed 0.19.8 runtime/engine.py "
+                            "_validate_zero3_moe_compatibility)", "hybrid",
+                            "set parallel.sharding=full, or parallel.expert_size=1"))
     if ds.zero_stage == 3:
         # AutoEP with ZeRO-3: deepspeed 0.19.8 runtime/engine.py _validate_zero3_moe_compatibility (at initialize)
         # and _save_moe_checkpoint (at every checkpoint save)

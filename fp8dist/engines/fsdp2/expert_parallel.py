@@ -93,6 +93,13 @@ def apply(model: torch.nn.Module, expert_mesh) -> ExpertParallelPlan:
     counts = set()
     for name, module in found:
         experts = module.num_experts
+        split = {id(param) for _, param in expert_parameters(module)}
+        others = [n for n, param in module.named_parameters() if id(param) not in split]
+        if others:  # e.g. a post-expert norm: it runs on this rank's experts' rows, and its gradient would be reduced
+            # over efsdp only, the ep peers' copies drifting apart
+            raise Fp8distError(f"{name}: parameters that are not per expert ({', '.join(others)}) sit inside the "
+                               "experts module; expert parallel shards that module over the expert mesh, where they "
+                               "would not be kept equal across ranks\n  fix: parallel.expert_size=1 for this model")
         if experts % ep.size():
             raise Fp8distError(f"{name}: {experts} experts do not split whole over parallel.expert_size="
                                f"{ep.size()}\n  fix: a parallel.expert_size that divides {experts}")

@@ -259,8 +259,10 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
         if key is not None:
             mesh, placements = key
             for dim, placement in enumerate(placements):
-                if not placement.is_replicate():  # Shard, and FSDP2's _StridedShard over a sharded dim 0 (expert
-                    dist.all_reduce(squares, group=mesh.get_group(dim))  # parallel's): not a Shard subclass
+                # Shard, and FSDP2's _StridedShard (dp over a dim 0 that tp or ep shards already), which torch 2.13
+                # does not make a Shard subclass
+                if not placement.is_replicate() and not placement.is_partial():
+                    dist.all_reduce(squares, group=mesh.get_group(dim))
         total_squares = total_squares + squares
     total = total_squares.sqrt()
     coefficient = float(max_norm) / (float(total) + 1e-6)

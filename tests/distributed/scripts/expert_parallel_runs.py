@@ -3,13 +3,13 @@
     torchrun --nproc_per_node 2 tests/distributed/scripts/expert_parallel_runs.py 2 [CASE ...]
     torchrun --nproc_per_node 4 tests/distributed/scripts/expert_parallel_runs.py 4 [CASE ...]
 
-Each case trains one MoE model with one precision at parallel.expert_size 1 and at the EP sizes of the world, on the
-same ranks from the same weights and batches, STEPS steps through fp8dist's run loop (the first inside
-`fp8dist.audit.watch`), after one forward and backward of the first step's batches whose gradient norm it measures. Rank 0 prints a `case`
-result line (fp8dist.runtime.ranks.emit) with, per EP size: the losses, the audit's verdict and rows, the bytes per
-mesh axis, every rank's weight-GEMM FLOPs and FP8 share, the expert bytes each rank holds (sharded, and gathered
-while an experts module runs), the gradient norms and, for MXFP8 experts, rank 0's expert GEMM SQNRs
-(`watch(..., numerics=True)`).
+Each case trains one MoE model with one precision (and overrides) at parallel.expert_size 1 and at the EP sizes of the
+world, on the same ranks from the same weights and batches, STEPS steps through fp8dist's run loop (the first inside
+`fp8dist.audit.watch`), after one forward and backward of the first step's batches whose gradient norm it measures.
+Rank 0 prints a `case` result line (fp8dist.runtime.ranks.emit) with, per EP size: the losses, the audit's verdict
+and rows, the bytes per mesh axis, every rank's weight-GEMM FLOPs and FP8 share, the expert bytes each rank holds
+(sharded, and gathered while an experts module runs), the gradient norms and, for MXFP8 experts, rank 0's expert GEMM
+SQNRs (`watch(..., numerics=True)`).
 `checkpoint` (2 ranks) saves at step 2 under EP 2, resumes a fresh run from it and exports a Hugging Face model.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,21 +34,50 @@ from tests.conftest import ROOT
 from tests.distributed.case_runner import run_cases
 
 STEPS = 4
-MODELS = {"mixtral": "tiny-mixtral", "qwen3_moe": "tests.tp_models:unseen_qwen3_moe"}
+MODELS = {"mixtral": "tiny-mixtral", "qwen3_moe": "tests.tp_models:unseen_qwen3_moe",
+          "gpt_oss": "tests.tp_models:unseen_gpt_oss"}
 PRECISIONS = {
     "fp32": {"precision": {"preset": "fp32"}},
     "bf16": {"precision": {"preset": "bf16"}},
     "mxfp8": ROOT / "configs" / "fsdp2-moe-mxfp8.yaml",
 }
 COMMON = ["train.seq_len=32", f"train.steps={STEPS}", "audit.first_step=off"]
-# (model, precision) -> the EP sizes each world runs it at besides 1
-CASES = {2: {("mixtral", "fp32"): (2,), ("mixtral", "bf16"): (2,), ("mixtral", "mxfp8"): (2,),
-             ("qwen3_moe", "fp32"): (2,), ("qwen3_moe", "mxfp8"): (2,)},
-         4: {("qwen3_moe", "fp32"): (2, 4), ("mixtral", "mxfp8"): (2, 4)}}
+# More of the run around the dispatch: activation checkpointing recomputes it (both all-to-alls again), two
+# micro-batches accumulate before the experts' reduce-scatter, grad_op keeps the gathered experts between forward
+# and backward.
+AROUND = ["parallel.activation_checkpointing=full", "train.gradient_accumulation_steps=2", "parallel.sharding=grad_op"]
 
 
-def spec_for(precision: str, expert_size: int):
-    return load_config(PRECISIONS[precision], overrides=[*COMMON, f"parallel.expert_size={expert_size}"])
+@dataclass(frozen=True)
+class Case:
+    model: str
+    precision: str
+    sizes: tuple[int, ...]  # the EP sizes run besides 1
+    overrides: tuple[str, ...] = ()
+    skewed: bool = False  # every token routed to the first ep rank's experts: the others receive no rows
+
+
+CASES = {2: {"mixtral-fp32": Case("mixtral", "fp32", (2,)), "mixtral-bf16": Case("mixtral", "bf16", (2,)),
+             "mixtral-mxfp8": Case("mixtral", "mxfp8", (2,)), "qwen3_moe-fp32": Case("qwen3_moe", "fp32", (2,)),
+             "qwen3_moe-mxfp8": Case("qwen3_moe", "mxfp8", (2,)), "gpt_oss-fp32": Case("gpt_oss", "fp32", (2,)),
+             "mixtral-fp32-around": Case("mixtral", "fp32", (2,), tuple(AROUND)),
+             "mixtral-fp32-skewed": Case("mixtral", "fp32", (2,), skewed=True)},
+         4: {"qwen3_moe-fp32": Case("qwen3_moe", "fp32", (2, 4)), "mixtral-mxfp8": Case("mixtral", "mxfp8", (2, 4))}}
+
+
+def spec_for(precision: str, expert_size: int, overrides=()):
+    return load_config(PRECISIONS[precision], overrides=[*COMMON, *overrides, f"parallel.expert_size={expert_size}"])
+
+
+def skew(model) -> None:
+    """Route every token to the experts of the first ep rank of 2 (the router's choice modulo half the experts; its
+    weights stay in the graph): the other rank's experts receive no rows."""
+    for _, experts in experts_modules(model):
+        half = experts.num_experts // 2
+        for name, module in model.named_modules():
+            if name.endswith("mlp.gate"):
+                module.register_forward_hook(lambda m, args, out: (*out[:-1], out[-1] % half))
+        return
 
 
 def local_bytes(tensors) -> int:
@@ -65,9 +95,12 @@ def every_rank(value):
     return out
 
 
-def train(model: str, precision: str, expert_size: int) -> dict:
-    spec = spec_for(precision, expert_size)
-    session = loop.start(spec, load_for_run(MODELS[model], spec))
+def train(case: Case, expert_size: int) -> dict:
+    spec = spec_for(case.precision, expert_size, case.overrides)
+    loaded = load_for_run(MODELS[case.model], spec)
+    if case.skewed:
+        skew(loaded.model)
+    session = loop.start(spec, loaded)
     engine, losses = session.engine, []
     gathered: list[int] = []  # the expert bytes one experts module holds while it runs (FSDP2 has gathered them)
     hooks = [module.register_forward_pre_hook(lambda m, args: gathered.append(local_bytes(m.parameters())))
@@ -77,7 +110,7 @@ def train(model: str, precision: str, expert_size: int) -> dict:
     norm = float(clip_grad_norm_([p for p in engine.model.parameters() if p.requires_grad], float("inf")))
     expert_norm = float(clip_grad_norm_([p for p in engine.model.parameters() if id(p) in expert_ids], float("inf")))
     engine.optimizer.zero_grad(set_to_none=True)
-    with watch(engine.model, engine.optimizer, spec, on_mismatch="ignore", numerics=precision == "mxfp8") as audit:
+    with watch(engine.model, engine.optimizer, spec, on_mismatch="ignore", numerics=case.precision == "mxfp8") as audit:
         losses.append(session.step(0)[0])
     losses += [session.step(index)[0] for index in range(1, STEPS)]
     for hook in hooks:
@@ -98,8 +131,8 @@ def train(model: str, precision: str, expert_size: int) -> dict:
                 "gemms", []) if ".experts." in g["module"]}}
 
 
-def compare(model: str, precision: str, sizes: tuple[int, ...]) -> dict:
-    return {str(size): train(model, precision, size) for size in (1, *sizes)}
+def compare(case: Case) -> dict:
+    return {str(size): train(case, size) for size in (1, *case.sizes)}
 
 
 def checkpoint() -> dict:
@@ -142,8 +175,7 @@ def checkpoint() -> dict:
 
 def main(world: int, only: list[str]) -> int:
     process_group.init(240)
-    cases = {f"{model}-{precision}": (lambda m=model, p=precision, s=sizes: compare(m, p, s))
-             for (model, precision), sizes in CASES[world].items()}
+    cases = {name: (lambda case=case: compare(case)) for name, case in CASES[world].items()}
     if world == 2:
         cases["checkpoint"] = checkpoint
     run_cases(cases, only)

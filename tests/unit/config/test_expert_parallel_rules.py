@@ -1,6 +1,6 @@
 """The rules of parallel.expert_size: on DeepSpeed (AutoEP) refused where its swap of the MoE layers would drop the
-FP8 experts and where DeepSpeed refuses AutoEP at ZeRO-3; on every engine refused next to tensor or context parallel,
-hybrid or replicate sharding and adapters; the mesh it borrows from the data-parallel ranks, refused where it does
+FP8 experts and where DeepSpeed refuses AutoEP at ZeRO-3 (hybrid's hpZ included); on every engine refused next to
+tensor or context parallel and adapters; on FSDP2 with hybrid or replicate sharding, params offload and compile; the mesh it borrows from the data-parallel ranks, refused where it does
 not divide them, and the model's experts, refused where they do not split whole over it (or do not exist)."""
 import pytest
 
@@ -69,13 +69,30 @@ def test_deepspeed_refuses_nvme_optimizer_swapping_with_autoep_at_zero3():
 @pytest.mark.parametrize("parallel, named", [
     ({"tensor_size": 2}, "parallel.tensor_size=2"),
     ({"context_size": 2}, "parallel.context_size=2"),
-    ({"sharding": "hybrid", "shard_size": 2}, "parallel.sharding=hybrid"),
-    ({"sharding": "replicate"}, "parallel.sharding=replicate"),
 ])
 def test_expert_parallel_is_not_combined_with(engine, parallel, named):
     issues = _issues(_ep(engine, parallel=parallel))
     assert named in issues.get("parallel.expert_size", ""), issues
     assert "parallel.expert_size=1" in issues["parallel.expert_size"]
+
+
+# -- FSDP2's expert parallel (fp8dist.config.rules.fsdp2) and DeepSpeed's sharding -------------------------------
+@pytest.mark.parametrize("section, key, says", [
+    ({"parallel": {"sharding": "hybrid", "shard_size": 2}}, "parallel.expert_size", "parallel.sharding=hybrid"),
+    ({"parallel": {"sharding": "replicate"}}, "parallel.expert_size", "parallel.sharding=replicate"),
+    ({"parallel": {"offload": "params"}}, "parallel.offload", "CPUOffloadPolicy over the experts'"),
+    ({"compile": True}, "compile", "torch.compile of blocks whose experts dispatch tokens"),
+])
+def test_fsdp2_expert_parallel_refuses_what_it_has_not_run(section, key, says):
+    issues = _issues(_ep("fsdp2", **section))
+    assert set(issues) == {key} and says in issues[key] and "parallel.expert_size=1" in issues[key], issues
+
+
+def test_deepspeed_expert_parallel_refuses_hybrid_and_keeps_replicate():
+    """hybrid is ZeRO-3 + hpZ, which DeepSpeed refuses with AutoEP; replicate is ZeRO-0, which AutoEP runs."""
+    issues = _issues(_ep("deepspeed", parallel={"sharding": "hybrid", "shard_size": 2}))
+    assert set(issues) == {"parallel.sharding"} and "_validate_zero3_moe_compatibility" in issues["parallel.sharding"]
+    assert _issues(_ep("deepspeed", parallel={"sharding": "replicate"})) == {}
 
 
 @pytest.mark.parametrize("engine", ["fsdp2", "deepspeed"])

@@ -177,3 +177,9 @@ def test_a_moe_model_is_estimated_in_fp32_too():
     activations = {preset: estimate("tiny-mixtral", load_config({"precision": {"preset": preset}}), 2)
                    .activations_bytes.none for preset in ("fp32", "bf16")}
     assert activations["bf16"] < activations["fp32"] < 2.05 * activations["bf16"], activations
+
+
+def test_deepspeed_expert_parallel_is_not_estimated_as_fsdp2s():
+    spec = load_config({"engine": "deepspeed", "parallel": {"expert_size": 2}})
+    with pytest.raises(Fp8distError, match="(?s)DeepSpeed's AutoEP keeps its own layer.*fix: engine=fsdp2"):
+        estimate("tiny-mixtral", spec, 2)

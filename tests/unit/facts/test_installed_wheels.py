@@ -19,8 +19,8 @@ import pytest
 from fp8dist.facts import versions
 from fp8dist.facts.accelerate import (ACCELERATE_AO_DIM_MULTIPLE, ACCELERATE_FP8_BACKEND, ACCELERATE_KNOWN,
                                       ACCELERATE_MSAMP_OPT_LEVELS, accelerate_matches)
-from fp8dist.facts.deepspeed import (DS_AMP_REMOVED, DS_BF16_MASTER, DS_CLIPPING_DEFAULT_CHANGED, DS_TORCH_AUTOCAST,
-                                     NEWEST_KNOWN_DEEPSPEED)
+from fp8dist.facts.deepspeed import (DS_AMP_REMOVED, DS_AUTOEP, DS_AUTOEP_PRESETS, DS_BF16_MASTER,
+                                     DS_CLIPPING_DEFAULT_CHANGED, DS_TORCH_AUTOCAST, NEWEST_KNOWN_DEEPSPEED)
 from fp8dist.facts.msamp import MSAMP_DISTRIBUTION, MSAMP_RELEASE
 from fp8dist.facts.peft import PEFT_ALL_LINEAR, is_lora_module
 from fp8dist.facts.torch import TORCH_FLOOR, TORCH_FSDP2_CUSTOM_COLLECTIVES, TORCH_FSDP2_PUBLIC, torch_supported
@@ -238,6 +238,10 @@ def test_the_installed_deepspeed_has_the_config_keys_and_defaults_the_records_na
     assert {k: fp16[k] for k in FP16_DEFAULTS} == FP16_DEFAULTS
     zero = field_defaults(class_body(tree("deepspeed", "runtime/zero/config.py"), "DeepSpeedZeroConfig"))
     assert {k: zero[k] for k in ZERO_DEFAULTS} == ZERO_DEFAULTS
+    # AutoEP's presets (what translate --to deepspeed says it picks from): one module each, imported by its registry
+    registry = source("deepspeed", "module_inject/auto_ep_presets/registry.py")
+    assert ds >= DS_AUTOEP and all(source("deepspeed", f"module_inject/auto_ep_presets/{name}.py") and
+                                   re.search(rf"\b{name}\b", registry) for name in DS_AUTOEP_PRESETS)
 
 
 def test_the_installed_accelerate_has_the_values_the_records_name():
