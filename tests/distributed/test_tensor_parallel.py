@@ -40,6 +40,14 @@ def test_tensor_parallel_losses_equal_the_run_without_it(baseline, tensor_parall
     assert len(tp) == len(base) == 4 and max(gaps) < LOSS_TOLERANCE[name], (gaps, tp, base)
 
 
+@pytest.mark.parametrize("name", ["fp32", "bf16"])
+def test_the_gradient_norm_across_meshes_is_the_one_dimensional_runs(baseline, tensor_parallel, name):
+    """The norm gradient clipping reads (engines/fsdp2/tensor_parallel.clip_grad_norm_) sums every sharded dim: the tp
+    dim and the data dim, where FSDP2 places Linears that tp split by rows as `_StridedShard`."""
+    assert tensor_parallel[name]["grad_norm"] == pytest.approx(baseline[name]["grad_norm"], rel=1e-4 if name == "fp32"
+                                                               else 1e-2)
+
+
 @pytest.mark.parametrize("name", list(LOSS_TOLERANCE))
 def test_the_audit_passes_and_the_fp8_share_is_the_one_dimensional_runs(baseline, tensor_parallel, name):
     case = tensor_parallel[name]

@@ -7,7 +7,8 @@
 `tp` runs each config at parallel.tensor_size 2 (4 ranks: dp_shard 2 x tp 2); `baseline` the same configs without
 tensor parallel on 2 ranks, as many data-parallel ranks, so both read the same batches. Each case trains STEPS steps
 through fp8dist's run loop, the first inside `fp8dist.audit.watch`, and rank 0 prints a `case` result line
-(fp8dist.runtime.ranks.emit): the losses, the audit's verdict and rows, the bytes per mesh axis, and the bytes each
+(fp8dist.runtime.ranks.emit): the losses, the first step's gradient norm (measured before training, by the engine's
+clipping across meshes), the audit's verdict and rows, the bytes per mesh axis, and the bytes each
 rank holds. `checkpoint` (tp only) saves at step 2, resumes a fresh run from it and exports a Hugging Face model.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from fp8dist.audit import watch
 from fp8dist.config.load import load_config
+from fp8dist.engines.fsdp2.tensor_parallel import clip_grad_norm_
 from fp8dist.runtime import loop, process_group
 from fp8dist.runtime.loading import load_for_run
 from fp8dist.runtime.process_group import leave
@@ -56,13 +58,16 @@ def train(name: str, tensor_size: int) -> dict:
     spec = spec_for(name, tensor_size)
     session = loop.start(spec, load_for_run(MODEL, spec))
     engine, losses = session.engine, []
+    engine.accumulate(session.batches(0))  # the first step's gradients, from the weights both runs start from
+    norm = float(clip_grad_norm_([p for p in engine.model.parameters() if p.requires_grad], float("inf")))
+    engine.optimizer.zero_grad(set_to_none=True)
     with watch(engine.model, engine.optimizer, spec, on_mismatch="ignore") as audit:
         losses.append(session.step(0)[0])
     losses += [session.step(index)[0] for index in range(1, STEPS)]
     states = [t for state in engine.optimizer.state.values() for t in state.values()
               if isinstance(t, torch.Tensor) and t.dim() > 0]
     report = audit.report
-    return {"losses": losses, "passed": audit.passed,
+    return {"losses": losses, "passed": audit.passed, "grad_norm": norm,
             "observed": {c["phase"]: c["observed"] for c in report["checks"]},
             "failing": [c["phase"] for c in report["checks"] if not c["ok"]],
             "by_axis": report["communication_bytes_by_axis"], "fp8_share": report["gemm_flops"]["fp8_share"],
