@@ -34,7 +34,9 @@ REFUSED = {"deepspeed-zero3-efficient": "parallel.activation_checkpointing", "fp
            # Accelerate converts nn.Linear only: MoE experts would stay in bf16
            "fsdp2-moe-mxfp8": "precision.fp8.torchao.experts", "deepspeed-moe-mxfp8": "precision.fp8.torchao.experts",
            # Accelerate's tensor parallel is transformers' tp_plan at load: no sequence parallel, FP8 converted after
-           "fsdp2-tp-float8": "parallel.sequence_parallel"}
+           "fsdp2-tp-float8": "parallel.sequence_parallel",
+           # Accelerate has no expert parallel
+           "fsdp2-moe-ep-mxfp8": "parallel.expert_size"}
 GPU_ONLY = {"deepspeed-fp16", "deepspeed-te", "te", "msamp-o1", "msamp-o2", "msamp-o3"}
 VARIANTS = {  # a refused example with the refused key changed: what Accelerate can run of it
     "fsdp2-torchao-float8-fp32-load": "engine: fsdp2\nprecision:\n  preset: torchao-float8\n  load_dtype: fp32\n"
