@@ -74,10 +74,11 @@ def experts_forward(grouped_mm, self, hidden_states, top_k_index, top_k_weights)
     dispatch = getattr(self, "fp8dist_token_dispatch", None)
     if dispatch is not None:
         rows, counts, route = dispatch.send(rows, counts)
-    if dispatch is not None and rows.size(0) == 0:  # every token of the ep group went to other ranks' experts (the grouped GEMM's
-        # backward refuses 0 rows, torch 2.13): no output rows; zero gradients for every expert weight, so that
-        # FSDP2 reduces the same tensors on every rank, and the received rows kept in the graph, so that backward
-        # runs the dispatch's all-to-all as the peers do
+    if dispatch is not None and rows.size(0) == 0:
+        # Every token of the ep group went to other ranks' experts (the grouped GEMM's backward refuses 0 rows,
+        # torch 2.13): no output rows; zero gradients for every expert weight, so that FSDP2 reduces the same
+        # tensors on every rank; the received rows kept in the graph, so that backward runs the dispatch's
+        # all-to-all as the peers do
         anchor = rows.sum() + sum(_local(p).sum() for p in self.parameters())
         out = rows.new_zeros(0, hidden_states.size(-1)) + anchor * 0
         return _combine(self, dispatch.receive(out, route), top_k_weights, order, top_k, hidden_states)

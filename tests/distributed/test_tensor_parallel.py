@@ -42,7 +42,7 @@ def test_tensor_parallel_losses_equal_the_run_without_it(baseline, tensor_parall
 
 @pytest.mark.parametrize("name", ["fp32", "bf16"])
 def test_the_gradient_norm_across_meshes_is_the_one_dimensional_runs(baseline, tensor_parallel, name):
-    """The norm gradient clipping reads (engines/fsdp2/tensor_parallel.clip_grad_norm_) sums every sharded dim: the tp
+    """The norm gradient clipping reads (engines/fsdp2/clipping.clip_grad_norm_) sums every sharded dim: the tp
     dim and the data dim, where FSDP2 places Linears that tp split by rows as `_StridedShard`."""
     assert tensor_parallel[name]["grad_norm"] == pytest.approx(baseline[name]["grad_norm"], rel=1e-4 if name == "fp32"
                                                                else 1e-2)

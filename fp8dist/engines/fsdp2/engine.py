@@ -26,6 +26,7 @@ from fp8dist.engines.advice import advise_small_gemms, say
 from fp8dist.engines.base import Engine, FirstStepAudit, forward_loss
 from fp8dist.engines.blocks import wrap_units
 from fp8dist.engines.fsdp2.checkpointing import Checkpointing
+from fp8dist.engines.fsdp2.clipping import clip_grad_norm_
 import fp8dist.engines.fsdp2.context_parallel as context_parallel
 import fp8dist.engines.fsdp2.expert_parallel as expert_parallel
 import fp8dist.engines.fsdp2.tensor_parallel as tensor_parallel
@@ -89,7 +90,7 @@ class FSDP2Run(Engine):
                 return False
             self.scaler.unscale_(params)
         if self.clip > 0 and (self.tensor_parallel is not None or self.expert_parallel is not None):
-            tensor_parallel.clip_grad_norm_(params, self.clip)  # gradients on (dp, tp) or (efsdp, ep) and dp meshes
+            clip_grad_norm_(params, self.clip)  # gradients on (dp, tp) or (efsdp, ep) and dp meshes
         elif self.clip > 0:
             torch.nn.utils.clip_grad_norm_(params, self.clip)
         self.optimizer.step()

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from fp8dist.audit import watch
 from fp8dist.backends.experts import experts_modules
 from fp8dist.config.load import load_config
-from fp8dist.engines.fsdp2.tensor_parallel import clip_grad_norm_
+from fp8dist.engines.fsdp2.clipping import clip_grad_norm_
 from fp8dist.runtime import loop, process_group
 from fp8dist.runtime.loading import load_for_run
 from fp8dist.runtime.process_group import leave

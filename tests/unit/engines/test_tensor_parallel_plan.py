@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers import AutoModelForCausalLM
 
-from fp8dist.engines.fsdp2.tensor_parallel import (DEFAULT_PLAN, apply, clip_grad_norm_, final_norm, model_plan,
+from fp8dist.engines.fsdp2.clipping import clip_grad_norm_
+from fp8dist.engines.fsdp2.tensor_parallel import (DEFAULT_PLAN, apply, final_norm, model_plan,
                                                    planned_linears, vocabulary_split)
 from fp8dist.errors import Fp8distError
 from fp8dist.runtime.models import tiny_config, tiny_llama_config, tiny_moe_config
