@@ -47,21 +47,23 @@ def deepspeed_has_bf16_master(ds: Version) -> tuple[bool, str]:
                    f"(added in {fmt(DS_BF16_MASTER)})")
 
 
+def _split_gate(ds: Version, zero_stage: int, name: str, added: Version, zero3: Version,
+                zero3_refusal: str) -> tuple[bool, str]:
+    """Whether DeepSpeed `ds` trains with its model-splitting feature `name` (added in `added`, with ZeRO-3 from
+    `zero3`; before that DeepSpeed asserts `zero3_refusal`) at this ZeRO stage."""
+    if ds < added:
+        return False, f"DeepSpeed {fmt(ds)} has no {name} (added in {fmt(added)})"
+    if zero_stage == 3 and ds < zero3:
+        return False, f"DeepSpeed {fmt(ds)} asserts {zero3_refusal} ({name} with ZeRO-3 from {fmt(zero3)})"
+    return True, f"DeepSpeed {fmt(ds)} trains with {name} at ZeRO-{zero_stage}"
+
+
 def deepspeed_autotp(ds: Version, zero_stage: int) -> tuple[bool, str]:
     """Whether DeepSpeed `ds` trains with AutoTP at this ZeRO stage."""
-    if ds < DS_AUTOTP_TRAINING:
-        return False, f"DeepSpeed {fmt(ds)} has no AutoTP training (added in {fmt(DS_AUTOTP_TRAINING)})"
-    if zero_stage == 3 and ds < DS_AUTOTP_ZERO3:
-        return False, (f"DeepSpeed {fmt(ds)} asserts ZeRO stage <= 2 with AutoTP (ZeRO-3 from "
-                       f"{fmt(DS_AUTOTP_ZERO3)})")
-    return True, f"DeepSpeed {fmt(ds)} trains with AutoTP at ZeRO-{zero_stage}"
+    return _split_gate(ds, zero_stage, "AutoTP", DS_AUTOTP_TRAINING, DS_AUTOTP_ZERO3, "ZeRO stage <= 2 with AutoTP")
 
 
 def deepspeed_autoep(ds: Version, zero_stage: int) -> tuple[bool, str]:
     """Whether DeepSpeed `ds` trains with AutoEP (expert parallel) at this ZeRO stage."""
-    if ds < DS_AUTOEP:
-        return False, f"DeepSpeed {fmt(ds)} has no AutoEP expert parallel (added in {fmt(DS_AUTOEP)})"
-    if zero_stage == 3 and ds < DS_AUTOEP_ZERO3:
-        return False, (f"DeepSpeed {fmt(ds)} asserts that MoE layers are not supported with ZeRO stage 3 (AutoEP "
-                       f"with ZeRO-3 from {fmt(DS_AUTOEP_ZERO3)})")
-    return True, f"DeepSpeed {fmt(ds)} trains with AutoEP at ZeRO-{zero_stage}"
+    return _split_gate(ds, zero_stage, "AutoEP", DS_AUTOEP, DS_AUTOEP_ZERO3,
+                       "that MoE layers are not supported with ZeRO stage 3")

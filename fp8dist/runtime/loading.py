@@ -27,6 +27,7 @@ import torch
 
 from fp8dist.config.parallel import expert_count
 from fp8dist.errors import Fp8distError
+from fp8dist.facts.transformers import HF_MOE_CHECKPOINT_LAYOUT
 import fp8dist.dtypes as dtypes
 from fp8dist.dtypes import torch_dtype
 from fp8dist.runtime.adapters import apply_adapter
@@ -226,10 +227,9 @@ def check_efficient_loading(name: str, spec) -> None:
         experts = expert_count(json.loads(config.read_text()))
         if experts > 1:
             raise Fp8distError(f"parallel.cpu_ram_efficient_loading: {name} is a Mixture-of-Experts model ({experts} "
-                               "experts), whose files hold one tensor per expert (transformers 5 converts its 3-D "
-                               "experts to and from that layout, transformers/conversion_mapping.py), which "
-                               "shard-on-read does not read\n  fix: parallel.cpu_ram_efficient_loading=false for this "
-                               "model (transformers loads and converts the experts)")
+                               f"experts): {HF_MOE_CHECKPOINT_LAYOUT}, which shard-on-read does not read\n  fix: "
+                               "parallel.cpu_ram_efficient_loading=false for this model (transformers loads and "
+                               "converts the experts)")
 
 
 def load_for_run(name: str, spec, plan: EnginePlan | None = None) -> LoadedModel:

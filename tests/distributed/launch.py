@@ -45,3 +45,16 @@ def library_noise(output: str) -> list[str]:
 
 def describe(result) -> str:
     return f"rc={result.returncode}\nSTDOUT:\n{result.stdout[-3000:]}\nSTDERR:\n{result.stderr[-5000:]}"
+
+
+def cases(script, *args, nproc: int, timeout: int = 600) -> dict:
+    """{case: result} of a multi-case rank script (tests/distributed/case_runner.py) launched on `nproc` ranks: the
+    launch must succeed and no case may have raised (their tracebacks are the assertion's message)."""
+    from fp8dist.runtime.ranks import results
+
+    result = torchrun(script, *args, nproc=nproc, timeout=timeout)
+    assert result.returncode == 0, describe(result)
+    found = dict(results(result.stdout, "case"))
+    errors = {name: case["traceback"] for name, case in found.items() if "error" in case}
+    assert not errors, errors
+    return found

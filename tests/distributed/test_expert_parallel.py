@@ -5,9 +5,8 @@ with every token routed to one rank's experts (tests/distributed/scripts/expert_
 all cases."""
 import pytest
 
-from fp8dist.runtime.ranks import results
 from tests.conftest import ROOT
-from tests.distributed.launch import describe, torchrun
+from tests.distributed.launch import cases
 
 pytestmark = pytest.mark.distributed
 SCRIPT = ROOT / "tests" / "distributed" / "scripts" / "expert_parallel_runs.py"
@@ -17,19 +16,10 @@ LOSS_TOLERANCE = {"fp32": 1e-3, "bf16": 2e-3, "mxfp8": 2e-3}
 COMPUTE = {"fp32": "fp32", "bf16": "bf16", "mxfp8": "bf16"}
 
 
-def _cases(nproc: int) -> dict:
-    result = torchrun(SCRIPT, str(nproc), nproc=nproc, timeout=600)
-    assert result.returncode == 0, describe(result)
-    found = dict(results(result.stdout, "case"))
-    errors = {name: case["traceback"] for name, case in found.items() if "error" in case}
-    assert not errors, errors
-    return found
-
-
 @pytest.fixture(scope="module")
 def runs() -> dict:
     """{world: {case: {expert_size: result}}} (the checkpoint case under world 2)."""
-    return {2: _cases(2), 4: _cases(4)}
+    return {2: cases(SCRIPT, "2", nproc=2), 4: cases(SCRIPT, "4", nproc=4)}
 
 
 def _comparisons(runs):
@@ -109,7 +99,7 @@ def test_checkpoints_resume_bitwise_and_export_gathers_the_experts(runs):
     assert case["resumed"] == case["losses"][2:], case
     exported = case["exported"]
     assert exported["names_match"] and exported["equal"], exported
-    assert exported["experts_shape"] == [8, 128, 64], exported  # all 8 experts, gathered from both ep ranks
+    assert exported["shapes"] == {"model.layers.0.mlp.experts.gate_up_proj": [8, 128, 64]}, exported  # all 8 experts, gathered from both ep ranks
 
 
 @pytest.mark.parametrize("preset", ["fp32", "bf16"])

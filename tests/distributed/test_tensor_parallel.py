@@ -3,9 +3,8 @@
 (tests/distributed/scripts/tensor_parallel_runs.py). Two launches for all cases."""
 import pytest
 
-from fp8dist.runtime.ranks import results
 from tests.conftest import ROOT
-from tests.distributed.launch import describe, torchrun
+from tests.distributed.launch import cases
 
 pytestmark = pytest.mark.distributed
 SCRIPT = ROOT / "tests" / "distributed" / "scripts" / "tensor_parallel_runs.py"
@@ -14,23 +13,14 @@ SCRIPT = ROOT / "tests" / "distributed" / "scripts" / "tensor_parallel_runs.py"
 LOSS_TOLERANCE = {"fp32": 1e-3, "bf16": 1e-2, "tensorwise": 1e-2, "rowwise": 1e-2}
 
 
-def _cases(nproc: int, mode: str) -> dict:
-    result = torchrun(SCRIPT, mode, nproc=nproc, timeout=600)
-    assert result.returncode == 0, describe(result)
-    found = dict(results(result.stdout, "case"))
-    errors = {name: case["traceback"] for name, case in found.items() if "error" in case}
-    assert not errors, errors
-    return found
-
-
 @pytest.fixture(scope="module")
 def baseline():
-    return _cases(2, "baseline")
+    return cases(SCRIPT, "baseline", nproc=2)
 
 
 @pytest.fixture(scope="module")
 def tensor_parallel():
-    return _cases(4, "tp")
+    return cases(SCRIPT, "tp", nproc=4)
 
 
 @pytest.mark.parametrize("name", list(LOSS_TOLERANCE))

@@ -14,13 +14,9 @@ SQNRs (`watch(..., numerics=True)`).
 """
 from __future__ import annotations
 
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from fp8dist.audit import watch
@@ -32,6 +28,7 @@ from fp8dist.runtime.loading import load_for_run
 from fp8dist.runtime.process_group import leave
 from tests.conftest import ROOT
 from tests.distributed.case_runner import run_cases
+from tests.distributed.mesh_cases import checkpoint_round_trip, local_bytes
 
 STEPS = 4
 MODELS = {"mixtral": "tiny-mixtral", "qwen3_moe": "tests.tp_models:unseen_qwen3_moe",
@@ -78,15 +75,6 @@ def skew(model) -> None:
             if name.endswith("mlp.gate"):
                 module.register_forward_hook(lambda m, args, out: (*out[:-1], out[-1] % half))
         return
-
-
-def local_bytes(tensors) -> int:
-    """What this rank holds of these tensors (a DTensor's local shard)."""
-    held = 0
-    for tensor in tensors:
-        local = getattr(tensor, "_local_tensor", tensor)
-        held += local.numel() * local.element_size()
-    return held
 
 
 def every_rank(value):
@@ -136,41 +124,9 @@ def compare(case: Case) -> dict:
 
 
 def checkpoint() -> dict:
-    """Save at steps 2 and 4 while training under EP 2; a fresh run resumes from step 2 and must step 3 and 4 bitwise
-    the same; the step-4 checkpoint exports a plain Hugging Face model whose tensors are the gathered weights."""
-    spec = spec_for("mxfp8", 2)
-    shared = [tempfile.mkdtemp(prefix="fp8dist-ep-ckpt-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(shared, src=0)
-    first, second = Path(shared[0]) / "first", Path(shared[0]) / "second"
-    quiet = lambda *_: None  # noqa: E731 - the loop's progress lines are not this test's business
-    lost: list[float] = []
-    session = loop.start(spec, load_for_run(MODELS["mixtral"], spec))
-    loop.train(session, loop.Plan(steps=4, checkpoint_dir=str(first), save_every=2, model_name=MODELS["mixtral"]),
-               on_step=lambda index, loss, note: lost.append(loss), say=quiet)
-    full = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to(torch.bfloat16)
-            for name, p in session.engine.model.named_parameters()}
-    if dist.get_rank() == 0:
-        second.mkdir()
-        shutil.copytree(first / "step-00000002", second / "step-00000002")
-    dist.barrier()
-    resumed: list[float] = []
-    session = loop.start(spec, load_for_run(MODELS["mixtral"], spec))
-    loop.train(session, loop.Plan(steps=4, checkpoint_dir=str(second), resume=True, model_name=MODELS["mixtral"]),
-               on_step=lambda index, loss, note: resumed.append(loss), say=quiet)
-    out: dict = {"losses": lost, "resumed": resumed}
-    dist.barrier()
-    if dist.get_rank() == 0:
-        from transformers import AutoModelForCausalLM
-
-        exported = Path(shared[0]) / "export"
-        loop.export(first / "step-00000004", False, str(exported), say=quiet)
-        model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
-        mine = dict(model.named_parameters())
-        out["exported"] = {"names_match": sorted(mine) == sorted(full),
-                           "equal": all(torch.equal(mine[name].detach(), full[name]) for name in full if name in mine),
-                           "experts_shape": list(mine["model.layers.0.mlp.experts.gate_up_proj"].shape)}
-        shutil.rmtree(shared[0], ignore_errors=True)
-    return out
+    """MXFP8 experts under EP 2: resumed bitwise, exported with every expert gathered (layer 0's experts' shape)."""
+    return checkpoint_round_trip(spec_for("mxfp8", 2), MODELS["mixtral"],
+                                 lambda name: name == "model.layers.0.mlp.experts.gate_up_proj")
 
 
 def main(world: int, only: list[str]) -> int:

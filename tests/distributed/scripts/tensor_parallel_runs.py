@@ -13,13 +13,9 @@ rank holds. `checkpoint` (tp only) saves at step 2, resumes a fresh run from it 
 """
 from __future__ import annotations
 
-import shutil
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from fp8dist.audit import watch
 from fp8dist.config.load import load_config
@@ -29,6 +25,7 @@ from fp8dist.runtime.loading import load_for_run
 from fp8dist.runtime.process_group import leave
 from tests.conftest import ROOT
 from tests.distributed.case_runner import run_cases
+from tests.distributed.mesh_cases import checkpoint_round_trip, local_bytes
 
 MODEL = "tests.tp_models:unseen_qwen2"
 STEPS = 4
@@ -43,15 +40,6 @@ COMMON = ["train.seq_len=32", "train.steps=4", "audit.first_step=off"]
 
 def spec_for(name: str, tensor_size: int):
     return load_config(CONFIGS[name], overrides=[*COMMON, f"parallel.tensor_size={tensor_size}"])
-
-
-def local_bytes(tensors) -> int:
-    """What this rank holds of these tensors (a DTensor's local shard)."""
-    held = 0
-    for tensor in tensors:
-        local = getattr(tensor, "_local_tensor", tensor)
-        held += local.numel() * local.element_size()
-    return held
 
 
 def train(name: str, tensor_size: int) -> dict:
@@ -76,41 +64,8 @@ def train(name: str, tensor_size: int) -> dict:
 
 
 def checkpoint() -> dict:
-    """Save at steps 2 and 4 while training; a fresh run resumes from step 2 and must step 3 and 4 bitwise the same;
-    the step-4 checkpoint exports a plain Hugging Face model whose tensors are the gathered weights."""
-    spec = spec_for("tensorwise", 2)
-    shared = [tempfile.mkdtemp(prefix="fp8dist-tp-ckpt-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(shared, src=0)
-    first, second = Path(shared[0]) / "first", Path(shared[0]) / "second"
-    quiet = lambda *_: None  # noqa: E731 - the loop's progress lines are not this test's business
-    lost: list[float] = []
-    session = loop.start(spec, load_for_run(MODEL, spec))
-    loop.train(session, loop.Plan(steps=4, checkpoint_dir=str(first), save_every=2, model_name=MODEL),
-               on_step=lambda index, loss, note: lost.append(loss), say=quiet)
-    full = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to(torch.bfloat16)
-            for name, p in session.engine.model.named_parameters()}
-    if dist.get_rank() == 0:
-        second.mkdir()
-        shutil.copytree(first / "step-00000002", second / "step-00000002")
-    dist.barrier()
-    resumed: list[float] = []
-    session = loop.start(spec, load_for_run(MODEL, spec))
-    loop.train(session, loop.Plan(steps=4, checkpoint_dir=str(second), resume=True, model_name=MODEL),
-               on_step=lambda index, loss, note: resumed.append(loss), say=quiet)
-    out: dict = {"losses": lost, "resumed": resumed}
-    dist.barrier()
-    if dist.get_rank() == 0:
-        from transformers import AutoModelForCausalLM
-
-        exported = Path(shared[0]) / "export"
-        loop.export(first / "step-00000004", False, str(exported), say=quiet)
-        model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
-        mine = dict(model.named_parameters())
-        out["exported"] = {"names_match": sorted(mine) == sorted(full),
-                           "equal": all(torch.equal(mine[name].detach(), full[name]) for name in full if name in mine),
-                           "shapes": {name: list(t.shape) for name, t in mine.items() if "layers.0.self_attn" in name}}
-        shutil.rmtree(shared[0], ignore_errors=True)
-    return out
+    """tensorwise FP8 on dp_shard 2 x tp 2: resumed bitwise, exported whole (layer 0's attention shapes)."""
+    return checkpoint_round_trip(spec_for("tensorwise", 2), MODEL, lambda name: "layers.0.self_attn" in name)
 
 
 def main(mode: str, only: list[str]) -> int:

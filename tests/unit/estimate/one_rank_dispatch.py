@@ -11,32 +11,13 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from fp8dist.backends.experts import experts_modules, register
 from fp8dist.config.load import load_config
-from fp8dist.engines.base import forward_loss
 from fp8dist.engines.fsdp2.expert_parallel import TokenDispatch
 from fp8dist.estimate.memory import estimate
 from fp8dist.runtime.models import load_model
-
-
-def kept_for_backward(model, batch) -> int:
-    """Bytes autograd saves in one forward (each storage once; parameters left out)."""
-    seen: dict[int, tuple[int, object]] = {}
-
-    def pack(tensor):
-        if isinstance(tensor, AsyncCollectiveTensor):  # an all-to-all's output, saved by a later op
-            tensor = tensor.trigger_wait()
-        base = tensor._base if tensor._base is not None else tensor
-        if not isinstance(base, torch.nn.Parameter):
-            storage = base.untyped_storage()
-            seen[storage.data_ptr()] = (storage.nbytes(), storage)
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        forward_loss(model, batch)
-    return sum(nbytes for nbytes, _ in seen.values())
+from tests.unit.estimate.saved_bytes import kept_for_backward
 
 
 def main(name: str, config: str, overrides: list[str]) -> None:

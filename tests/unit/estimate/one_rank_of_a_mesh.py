@@ -16,33 +16,16 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fp8dist.config.load import load_config
 from fp8dist.config.parallel import parallel_dims
-from fp8dist.engines.base import forward_loss
 from fp8dist.engines.fsdp2.engine import prepare
 from fp8dist.engines.mesh import build_device_mesh
 from fp8dist.estimate.memory import estimate
 from fp8dist.runtime.models import load_model
+from tests.unit.estimate.saved_bytes import kept_for_backward
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return local.numel() * local.element_size()
-
-
-def kept_for_backward(model, batch) -> int:
-    """Bytes autograd saves in one forward on this rank (each rank-local storage once; parameters left out)."""
-    seen: dict[int, tuple[int, object]] = {}
-
-    def pack(tensor):
-        base = tensor._base if tensor._base is not None else tensor
-        if not isinstance(base, torch.nn.Parameter):
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            storage = local.untyped_storage()
-            seen[storage.data_ptr()] = (storage.nbytes(), storage)
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        forward_loss(model, batch)
-    return sum(nbytes for nbytes, _ in seen.values())
 
 
 def main(name: str, config: str, world: int, overrides: list[str]) -> None:

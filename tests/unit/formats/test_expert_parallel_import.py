@@ -7,50 +7,19 @@ import dataclasses
 import json
 
 import pytest
-import yaml
 
-from fp8dist.config.load import load_config
-from fp8dist.formats.common import ImportProblem
-from fp8dist.formats.importing import import_file
 from fp8dist.translate import to_deepspeed, to_fsdp2
-from tests.unit.formats.importing import refused_keys
-
-FSDP2 = {"fsdp_version": 2, "fsdp_config": {"reshard_after_forward": True}}
-DS = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2},
-      "bf16": {"enabled": True}}
-
-
-def _write(tmp_path, document: dict, name: str) -> str:
-    path = tmp_path / name
-    path.write_text(json.dumps(document) if name.endswith(".json") else yaml.safe_dump(document))
-    return str(path)
-
-
-def _import(tmp_path, kind: str, document: dict, name: str = "file.yaml") -> str:
-    return import_file(_write(tmp_path, document, name), kind)
-
-
-def _spec(text: str):
-    return load_config(yaml.safe_load(text))
-
-
-def _refused(tmp_path, kind: str, document: dict, name: str = "file.yaml") -> dict[str, str]:
-    """key -> message of each refusal (every one with a fix)."""
-    path = _write(tmp_path, document, name)
-    keys = refused_keys(lambda: import_file(path, kind))
-    with pytest.raises(ImportProblem) as err:
-        import_file(path, kind)
-    return {issue.path: issue.message for issue in err.value.issues if issue.path in keys}
+from tests.unit.formats.importing import DS, FSDP2, import_document, refusals, spec_of
 
 
 # -- Axolotl ---------------------------------------------------------------------------------------------------
 def _axolotl(tmp_path, document: dict) -> str:
-    return _import(tmp_path, "axolotl", {"base_model": "x", "bf16": True, **document})
+    return import_document(tmp_path, "axolotl", {"base_model": "x", "bf16": True, **document})
 
 
 def test_axolotl_expert_parallel_size_is_parallel_expert_size(tmp_path):
     text = _axolotl(tmp_path, {**FSDP2, "expert_parallel_size": 4, "dp_shard_size": 2})
-    spec = _spec(text)
+    spec = spec_of(text)
     assert (spec.engine, spec.parallel.sharding, spec.parallel.expert_size) == ("fsdp2", "full", 4)
     assert "# resolved: expert_parallel_size -> parallel.expert_size=4" in text, text
     assert "dp_shard_size x tensor_parallel_size x context_parallel_size x expert_parallel_size ranks" in text, text
@@ -61,20 +30,20 @@ def test_axolotl_expert_parallel_size_is_parallel_expert_size(tmp_path):
 @pytest.mark.parametrize("value", [1, "1", None])
 def test_axolotl_expert_parallel_size_one_or_unset_splits_nothing(tmp_path, value):
     text = _axolotl(tmp_path, {**FSDP2, "expert_parallel_size": value})
-    assert _spec(text).parallel.expert_size == 1
+    assert spec_of(text).parallel.expert_size == 1
     assert "expert_parallel_size" not in text, text
 
 
 @pytest.mark.parametrize("value", [0, -2, "two", 1.5, True])
 def test_axolotl_expert_parallel_size_must_be_an_integer_of_one_or_more(tmp_path, value):
-    refused = _refused(tmp_path, "axolotl", {"base_model": "x", "bf16": True, **FSDP2, "expert_parallel_size": value})
+    refused = refusals(tmp_path, "axolotl", {"base_model": "x", "bf16": True, **FSDP2, "expert_parallel_size": value})
     assert refused == {"expert_parallel_size": "must be an integer >= 1"}, refused
 
 
 def test_axolotl_expert_parallel_under_ddp_is_refused_by_fp8dists_rule(tmp_path):
     """Without fsdp_config Axolotl runs DDP, which fp8dist runs as replicate sharding: its expert parallel borrows
     ranks from the shard axis only, so the import stops naming the fp8dist key and the fix."""
-    refused = _refused(tmp_path, "axolotl", {"base_model": "x", "bf16": True, "expert_parallel_size": 2})
+    refused = refusals(tmp_path, "axolotl", {"base_model": "x", "bf16": True, "expert_parallel_size": 2})
     assert "parallel.sharding=replicate" in refused["parallel.expert_size"], refused
 
 
@@ -84,7 +53,7 @@ def test_axolotl_deepep_settings_are_noted_and_a_token_capacity_refused(tmp_path
                                "expert_parallel_fallback_on_unsupported": False})
     for key in ("expert_parallel_backend", "expert_parallel_num_nvl_bytes", "expert_parallel_fallback_on_unsupported"):
         assert f"# not kept: {key}:" in text and "torch's all-to-all" in text, text
-    refused = _refused(tmp_path, "axolotl", {"base_model": "x", "bf16": True, **FSDP2, "expert_parallel_size": 2,
+    refused = refusals(tmp_path, "axolotl", {"base_model": "x", "bf16": True, **FSDP2, "expert_parallel_size": 2,
                                              "expert_parallel_token_capacity": 1024})
     assert set(refused) == {"expert_parallel_token_capacity"}, refused
     assert "drops the lowest-weight" in refused["expert_parallel_token_capacity"]
@@ -93,21 +62,21 @@ def test_axolotl_deepep_settings_are_noted_and_a_token_capacity_refused(tmp_path
 def test_axolotl_expert_parallel_next_to_a_deepspeed_json(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "ds.json").write_text(json.dumps(DS))
-    spec = _spec(_axolotl(tmp_path, {"deepspeed": "ds.json", "expert_parallel_size": 2}))
+    spec = spec_of(_axolotl(tmp_path, {"deepspeed": "ds.json", "expert_parallel_size": 2}))
     assert (spec.engine, spec.parallel.expert_size) == ("deepspeed", 2)
     assert to_deepspeed(spec, "0.19.8")["expert_parallel"] == {"enabled": True, "autoep_size": 2}
     # a JSON with its own AutoEP section: the same size imports, another is refused
     (tmp_path / "ds.json").write_text(json.dumps({**DS, "expert_parallel": {"enabled": True, "autoep_size": 2}}))
-    assert _spec(_axolotl(tmp_path, {"deepspeed": "ds.json", "expert_parallel_size": 2})).parallel.expert_size == 2
+    assert spec_of(_axolotl(tmp_path, {"deepspeed": "ds.json", "expert_parallel_size": 2})).parallel.expert_size == 2
     (tmp_path / "ds.json").write_text(json.dumps({**DS, "expert_parallel": {"enabled": True, "autoep_size": 4}}))
-    refused = _refused(tmp_path, "axolotl", {"base_model": "x", "bf16": True, "deepspeed": "ds.json",
+    refused = refusals(tmp_path, "axolotl", {"base_model": "x", "bf16": True, "deepspeed": "ds.json",
                                              "expert_parallel_size": 2})
     assert "autoep_size 4" in refused["expert_parallel_size"], refused
 
 
 # -- DeepSpeed -------------------------------------------------------------------------------------------------
 def _deepspeed(tmp_path, section: dict) -> str:
-    return _import(tmp_path, "deepspeed", {**DS, "expert_parallel": section}, "ds.json")
+    return import_document(tmp_path, "deepspeed", {**DS, "expert_parallel": section}, "ds.json")
 
 
 def test_deepspeed_autoep_is_parallel_expert_size_and_its_layer_keys_go_back_to_deepspeed(tmp_path):
@@ -115,7 +84,7 @@ def test_deepspeed_autoep_is_parallel_expert_size_and_its_layer_keys_go_back_to_
 
     section = {"enabled": True, "autoep_size": 4, "preset_model": "qwen3_moe", "router_pattern": "gate",
                "use_grouped_mm": True, "top_k": 2}
-    spec = _spec(_deepspeed(tmp_path, section))
+    spec = spec_of(_deepspeed(tmp_path, section))
     assert (spec.engine, spec.parallel.expert_size) == ("deepspeed", 4)
     assert spec.deepspeed.extra == {"expert_parallel": {"preset_model": "qwen3_moe", "router_pattern": "gate",
                                                         "use_grouped_mm": True, "top_k": 2}}
@@ -134,13 +103,13 @@ def test_deepspeed_reads_enabled_as_deepspeed_does(tmp_path, enabled):
     section = {"enabled": enabled, "autoep_size": 2}
     text = _deepspeed(tmp_path, section)
     on = bool(parse_autoep_config(section).enabled)
-    assert _spec(text).parallel.expert_size == (2 if on else 1)
+    assert spec_of(text).parallel.expert_size == (2 if on else 1)
     assert ("# not kept: expert_parallel:" in text) is not on, text
 
 
 def test_deepspeed_autoep_at_size_one_is_noted(tmp_path):
     text = _deepspeed(tmp_path, {"enabled": True, "autoep_size": 1, "preset_model": "mixtral"})
-    spec = _spec(text)
+    spec = spec_of(text)
     assert spec.parallel.expert_size == 1 and "expert_parallel" not in to_deepspeed(spec, "0.19.8")
     assert "# not kept: expert_parallel:" in text and "autoep_size 1 splits no experts" in text, text
 
@@ -151,7 +120,7 @@ def test_deepspeed_autoep_at_size_one_is_noted(tmp_path):
     ("comm_backend", "deepep", "DeepEP"),
 ])
 def test_deepspeed_autoep_keys_fp8dist_cannot_keep_are_refused(tmp_path, key, value, fragment):
-    refused = _refused(tmp_path, "deepspeed", {**DS, "expert_parallel": {"enabled": True, "autoep_size": 2,
+    refused = refusals(tmp_path, "deepspeed", {**DS, "expert_parallel": {"enabled": True, "autoep_size": 2,
                                                                          key: value}}, "ds.json")
     assert set(refused) == {f"expert_parallel.{key}"} and fragment in refused[f"expert_parallel.{key}"], refused
 
@@ -161,11 +130,11 @@ def test_deepspeed_autoep_keys_fp8dist_cannot_keep_are_refused(tmp_path, key, va
 def test_deepspeed_autoep_keys_without_effect_here_are_noted(tmp_path, key, value):
     text = _deepspeed(tmp_path, {"enabled": True, "autoep_size": 2, key: value})
     assert f"# not kept: expert_parallel.{key}:" in text, text
-    assert "expert_parallel" not in _spec(text).deepspeed.extra
+    assert "expert_parallel" not in spec_of(text).deepspeed.extra
 
 
 def test_deepspeed_autoep_size_must_be_an_integer_of_one_or_more(tmp_path):
-    refused = _refused(tmp_path, "deepspeed", {**DS, "expert_parallel": {"enabled": True, "autoep_size": 0}},
+    refused = refusals(tmp_path, "deepspeed", {**DS, "expert_parallel": {"enabled": True, "autoep_size": 0}},
                        "ds.json")
     assert refused == {"expert_parallel.autoep_size": "must be an integer >= 1"}, refused
 
@@ -173,9 +142,9 @@ def test_deepspeed_autoep_size_must_be_an_integer_of_one_or_more(tmp_path):
 def test_an_accelerate_deepspeed_json_keeps_autoep(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "ds.json").write_text(json.dumps({**DS, "expert_parallel": {"enabled": True, "autoep_size": 2}}))
-    text = _import(tmp_path, "accelerate", {"distributed_type": "DEEPSPEED",
+    text = import_document(tmp_path, "accelerate", {"distributed_type": "DEEPSPEED",
                                             "deepspeed_config": {"deepspeed_config_file": "ds.json"}})
-    assert _spec(text).parallel.expert_size == 2
+    assert spec_of(text).parallel.expert_size == 2
 
 
 def test_accelerate_parallelism_config_has_no_expert_axis(tmp_path):
@@ -184,9 +153,9 @@ def test_accelerate_parallelism_config_has_no_expert_axis(tmp_path):
     from accelerate.parallelism_config import ParallelismConfig
 
     assert not [f.name for f in dataclasses.fields(ParallelismConfig) if "ep" in f.name.split("_")]
-    text = _import(tmp_path, "accelerate", {"distributed_type": "FSDP", "mixed_precision": "bf16",
+    text = import_document(tmp_path, "accelerate", {"distributed_type": "FSDP", "mixed_precision": "bf16",
                                             "fsdp_config": {"fsdp_version": 2},
                                             "parallelism_config": {"parallelism_config_dp_shard_size": 2,
                                                                    "parallelism_config_ep_size": 2}})
-    assert _spec(text).parallel.expert_size == 1
+    assert spec_of(text).parallel.expert_size == 1
     assert "# not kept: parallelism_config.parallelism_config_ep_size: 2" in text, text

@@ -44,7 +44,7 @@ def test_expert_size_is_autoep_which_deepspeed_parses_back():
 def test_a_deepspeed_without_autoep_is_refused_naming_the_release_that_has_it():
     issues = _issues(_spec({"expert_size": 2}), _before(DS_AUTOEP))
     assert set(issues) == {"parallel.expert_size"}
-    assert f"no AutoEP expert parallel (added in {fmt(DS_AUTOEP)})" in issues["parallel.expert_size"]
+    assert f"has no AutoEP (added in {fmt(DS_AUTOEP)})" in issues["parallel.expert_size"]
     assert f"deepspeed>={fmt(DS_AUTOEP)}" in issues["parallel.expert_size"]
     assert to_deepspeed(_spec({"expert_size": 2, "sharding": "grad_op"}), fmt(DS_AUTOEP))["expert_parallel"]
 
