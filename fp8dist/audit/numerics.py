@@ -23,6 +23,10 @@ Probes, one per kind of FP8 module (`PROBES`; the FP8 GEMMs of a kind without on
 - fp8dist's MXFP8 experts (fp8dist.backends.experts): the two grouped GEMMs of each experts module, cast as
   torchao's emulated grouped GEMM does (prototype/moe_training/mxfp8_grouped_mm.py: tokens padded per expert to
   the 32-row block for the weight gradient).
+Delayed scaling (Transformer Engine's DelayedScaling) is read from the amax histories and scales TE holds:
+`scaling_history`, each quantizer's headroom and the passes whose scale lagged a new amax
+(fp8dist.audit.scaling_history); a lagged pass clamped its tensor's largest values and fails the row.
+
 Transformer Engine and MS-AMP cast inside their own kernels (fp8dist.audit.library_gemms sees their GEMM entry
 points, not the modules); a probe for them is one more `PROBES` entry: a function that recognises the module and
 returns a `Probe` class for it (the casts it would read: TE's quantized tensors, MS-AMP's ScalingTensors).
@@ -50,6 +54,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from fp8dist.audit.expected import HEALTHY, NOT_MEASURED_VALUE, OUTSIDE
 from fp8dist.audit.gemm_flops import clean_name, is_low_precision
+from fp8dist.audit.scaling_history import ScalingHistories
 from fp8dist.backends.storage import short
 
 GEMMS = ("forward", "input_grad", "weight_grad")
@@ -119,6 +124,7 @@ class Tally:
         self.measured: set[str] = set()                     # modules as the audit's ledger names them
         self.unmeasured: dict[str, str] = {}                # module -> why a probe could not measure it
         self.owners: dict[str, str] = {}                    # a GEMM's name -> its module (experts: the weight's)
+        self.scaling: list[dict[str, Any]] = []             # delayed scaling's histories (scaling_history.py)
 
     def gemm(self, module: str, owner: str, gemm: str, a: Operand, b: Operand, offsets: torch.Tensor | None = None,
              rows_grouped: bool = False) -> None:
@@ -446,6 +452,7 @@ class NumericsRecorder:
         self.tally = Tally()
         self._active = False
         self._stack: contextlib.ExitStack | None = None
+        self._histories: ScalingHistories | None = None
 
     def active(self) -> bool:
         return self._active
@@ -458,6 +465,7 @@ class NumericsRecorder:
                     probe = kind(module, clean_name(fqn), self.tally, _full_weight(module))
                     stack.enter_context(module.register_forward_hook(partial(self._forward, probe)))
             stack.enter_context(ExpertsProbe(self.root, self.tally, self.active))
+            self._histories = stack.enter_context(ScalingHistories(self.root))
             self._stack = stack.pop_all()
         self._active = True
         return self
@@ -472,6 +480,9 @@ class NumericsRecorder:
 
     def __exit__(self, *exc) -> None:
         self._active = False
+        if self._histories is not None:  # after the block: TE has updated its histories and scales
+            self.tally.scaling = self._histories.rows(clean_name)
+            self._histories = None
         if self._stack is not None:
             self._stack.close()
             self._stack = None
@@ -530,11 +541,15 @@ def document(tally: Tally, limits: Thresholds) -> dict[str, Any]:
             findings[cast["module"]].append(_finding(cast, metric, cast[metric], limit))
     for gemm in gemms:
         findings[gemm["module"]].append(_finding(gemm, "sqnr_db", gemm["sqnr_db"], limits.min_sqnr_db[gemm["gemm"]]))
+    for row in tally.scaling:  # a pass cast with a scale that had not seen its amax clamped: none may
+        findings[row["module"]].append(_finding({"module": row["module"], "gemm": row["direction"],
+                                                 "operand": row["tensor"]}, "lagged_passes", row["lagged_passes"], 0))
     failing = sorted((f for items in findings.values() for f in items if f["fails"]), key=lambda f: -f["_severity"])
     passing = sorted((max(items, key=lambda f: f["_severity"]) for items in findings.values()
                       if not any(f["fails"] for f in items)), key=lambda f: -f["_severity"])
     shown = failing + passing[:max(WORST - len({f["module"] for f in failing}), 0)]
-    return {"casts": casts, "gemms": gemms, "worst": [{k: v for k, v in f.items() if k != "_severity"} for f in shown]}
+    return {"casts": casts, "gemms": gemms, "scaling_history": tally.scaling,
+            "worst": [{k: v for k, v in f.items() if k != "_severity"} for f in shown]}
 
 
 def _finding(row: dict[str, Any], metric: str, value: float | None, limit: float) -> dict[str, Any]:
@@ -581,6 +596,8 @@ def describe(finding: dict[str, Any]) -> str:
     what = " ".join(part for part in (finding["module"], finding["gemm"], finding["operand"]) if part)
     if finding["metric"] == "sqnr_db":
         return f"{what} SQNR {finding['value']} dB < {finding['limit']:g} dB"
+    if finding["metric"] == "lagged_passes":
+        return f"{what}: the delayed scale lagged a new amax in {finding['value']} pass(es) (its largest values clamped)"
     return f"{what} {finding['metric']} {finding['value']:.3g} > {finding['limit']:g}"
 
 
@@ -600,6 +617,9 @@ def fix(failing: list[dict[str, Any]], tally: Tally, spec) -> str:
     if any(f["gemm"] == "input_grad" and f["operand"] == "weight" and f["metric"] == "underflow" for f in failing):
         advice.append("the input-gradient GEMM scales the weight per column (per tensor under tensorwise), so one "
                       "outlier row underflows it under every recipe: only excluding the module keeps it")
+    if any(f["metric"] == "lagged_passes" for f in failing):
+        advice.append("the amax history lagged a jump of its tensor: scale from the current amax "
+                      "(precision.fp8.te.recipe: current), or leave headroom above it (precision.fp8.te.margin)")
     if any(f["metric"] == "saturated" for f in failing):
         advice.append("values were clamped: scale from the current amax (dynamic or current scaling) instead of an "
                       "amax history")

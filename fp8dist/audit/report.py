@@ -111,6 +111,16 @@ def numerics_lines(numerics: dict[str, Any] | None) -> list[str]:
         bound = f"min {f['limit']:g}" if f["metric"] == "sqnr_db" else f"max {f['limit']:g}"
         value = "n/a" if f["value"] is None else f"{f['value']:.4g}"
         lines.append(f"  {'!' if f['fails'] else '-'} {what}: {f['metric']} {value} ({bound})")
+    history = numerics.get("scaling_history") or []
+    if history:
+        tightest = min((row for row in history if row["headroom_bits"] is not None),
+                       key=lambda row: row["headroom_bits"], default=None)
+        stalest = max(history, key=lambda row: row["stale_passes"])
+        lines.append(f"  delayed scaling, {len(history)} tensors: "
+                     + (f"least headroom {tightest['headroom_bits']:g} bits ({tightest['module']} "
+                        f"{tightest['direction']} {tightest['tensor']}); " if tightest else "")
+                     + f"{sum(row['lagged_passes'] for row in history)} lagged passes; oldest amax setting a scale: "
+                       f"{stalest['stale_passes']} passes ago ({stalest['module']} {stalest['tensor']})")
     return lines
 
 

@@ -2,8 +2,15 @@
 initial weights on the same batches, the largest relative gap, a verdict against a tolerance, and a plot.
 
 The parent checks both configs, the model and the data before launching; the worker (one torchrun job,
-`python -m fp8dist.commands.compare`) trains the baseline and then the config in the same processes, printing
+`python -m fp8dist.runtime.comparison`) trains the baseline and then the config in the same processes, printing
 progress lines the parent shows as they come.
+
+Two ways to tell the config's numerics from noise (a loss gap alone cannot: two precisions without any FP8 part
+too, and on an MoE model routing flips amplify any rounding):
+- `--layer-steps 1,8`: at those steps, a per-layer report of activation and gradient SQNR against the baseline on
+  the same weights and batch, and the first layer where the two part (fp8dist/runtime/layer_probes.py);
+- `--fixed-routing`: an MoE model's config run replays the baseline's expert choices, so the loss gap and the
+  expert outputs' SQNR carry no routing flips (fp8dist/runtime/routing_replay.py).
 
 Exit codes: 0 within tolerance, 1 beyond it, 2 a usage, config, data or environment error.
 """
@@ -13,12 +20,10 @@ import json
 import math
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any
 
 from fp8dist.config.load import load_config
-from fp8dist.dtypes import torch_dtype
 from fp8dist.errors import ExitCode, Fp8distError
-from fp8dist.runtime.ranks import PROGRESS, emit
 
 
 # --- the parent ---------------------------------------------------------------------------------
@@ -38,6 +43,12 @@ def run_compare(args) -> int:
     check_same_batches(specs["baseline"], specs["config"])
     check_engine_order(specs["baseline"], specs["config"])
     check_model_name(args.model)
+    from fp8dist.runtime.layer_probes import parse_steps
+
+    layer_steps = parse_steps(args.layer_steps, args.steps) if args.layer_steps else ()
+    check_probes(specs, layer_steps, args.fixed_routing)
+    if args.fixed_routing:
+        check_has_experts(args.model)
     for spec in specs.values():
         preflight(spec)
     if args.data:
@@ -48,8 +59,12 @@ def run_compare(args) -> int:
         read_texts(Path(args.data))  # binary, empty or unreadable: exit 2 here, not in the ranks
     if args.plot:
         _check_writable(args.plot)
-    losses = _launch(args)
+    losses = _launch(args, layer_steps)
+    layers = losses.pop("layers", None)
     result = verdict(losses, args.tolerance, args)
+    result["fixed_routing"] = args.fixed_routing
+    if layers is not None:
+        result["layers"] = layers
     if args.plot:
         from fp8dist.commands.compare_plot import plot
 
@@ -81,6 +96,38 @@ def check_engine_order(baseline, config) -> None:
                            "cannot start after AutoTP in one process\n  fix: swap --config and --baseline")
 
 
+def check_probes(specs: dict[str, Any], layer_steps: tuple[int, ...], fixed_routing: bool) -> None:
+    """--layer-steps needs engines that run probe passes between steps; both flags need eager blocks (their taps and
+    the routing replay are module hooks and a TorchFunctionMode, which a compiled block would trace or skip)."""
+    from fp8dist.engines.registry import facts_for
+
+    flags = " and ".join(flag for flag, on in (("--layer-steps", layer_steps), ("--fixed-routing", fixed_routing))
+                         if on)
+    if not flags:
+        return
+    for role, spec in specs.items():
+        if layer_steps and not facts_for(spec).runs_probes:
+            raise Fp8distError(f"--layer-steps: the {role}'s engine ({spec.engine}) cannot run a probe pass between "
+                               "optimizer steps (an extra backward would move DeepSpeed's gradient-accumulation "
+                               "boundary and fill its reduce buckets)\n  fix: compare engine: fsdp2 configs for "
+                               "the layer report, or drop --layer-steps")
+        if spec.compile:
+            raise Fp8distError(f"{flags}: the {role} compiles its blocks (compile: true), and the taps need them "
+                               "eager\n  fix: add the override compile=false")
+
+
+def check_has_experts(model_name: str) -> None:
+    """--fixed-routing on a model whose config says it has no experts (a factory model's is not known here: the
+    ranks refuse it when they find no router)."""
+    from fp8dist.config.parallel import expert_count
+    from fp8dist.runtime.models import config_values
+
+    values = config_values(model_name)
+    if values is not None and not expert_count(values):
+        raise Fp8distError(f"--fixed-routing replays a Mixture-of-Experts model's expert choices, and {model_name} "
+                           "has no experts\n  fix: drop --fixed-routing, or compare an MoE model")
+
+
 def _check_writable(path: str) -> None:
     import importlib.util
     from pathlib import Path
@@ -93,11 +140,12 @@ def _check_writable(path: str) -> None:
                            "(part of fp8dist[train])")
 
 
-def _launch(args) -> dict[str, list[float]]:
+def _launch(args, layer_steps: tuple[int, ...]) -> dict[str, Any]:
     from fp8dist.runtime.ranks import launch
 
-    argv = [args.model, args.baseline, args.config, str(args.steps), args.data or "", "\n".join(args.overrides)]
-    return launch("fp8dist.commands.compare", argv, args.nproc, args.timeout, "comparison",
+    argv = [args.model, args.baseline, args.config, str(args.steps), args.data or "", "\n".join(args.overrides),
+            ",".join(map(str, layer_steps)), "1" if args.fixed_routing else ""]
+    return launch("fp8dist.runtime.comparison", argv, args.nproc, args.timeout, "comparison",
                   on_progress=lambda line: print(line, file=sys.stderr, flush=True))
 
 
@@ -137,10 +185,50 @@ def table(result: dict[str, Any]) -> str:
                                              result["relative_gaps"]), 1):
         lines.append(f"{i:>4}  {base:>10.4f}  {got:>10.4f}  {_gap_text(gap):>9}")
     lines += ["", f"largest relative gap {_gap_text(result['max_relative_gap'])}, tolerance {result['tolerance']:.2%}: "
-              + ("PASS" if result["passed"] else "FAIL")]
+              + ("PASS" if result["passed"] else "FAIL")
+              + (" (routing fixed: the config's run replayed the baseline's expert choices)"
+                 if result.get("fixed_routing") else "")]
+    for report in result.get("layers", ()):
+        columns = _layer_columns(report)
+        lines += ["", f"step {report['step']}, the config's precision on the baseline's weights and batch: "
+                      f"{_loss_text(report)}; SQNR in dB against the baseline (higher: closer)",
+                  "  ".join([f"{'layer':<28}", *(f"{c[1]:>13}" for c in columns)])]
+        for row in report["layers"]:
+            lines.append("  ".join([f"{row['layer']:<28}", *(f"{_db(row.get(c[0])):>13}" for c in columns)]))
+        lines.append(_parting_text(report))
     if result.get("plot"):
         lines.append(f"plot: {result['plot']}")
     return "\n".join(lines) + "\n"
+
+
+_LAYER_COLUMNS = (("activation_sqnr_db", "activation"), ("gradient_sqnr_db", "gradient"),
+                  ("expert_output_sqnr_db", "expert output"))
+
+
+def _layer_columns(report: dict[str, Any]) -> list[tuple[str, str]]:
+    return [column for column in _LAYER_COLUMNS if any(column[0] in row for row in report["layers"])]
+
+
+def _loss_text(report: dict[str, Any]) -> str:
+    loss = report["loss"]
+    def text(value) -> str:
+        return "nan" if value is None else f"{value:.4f}"
+
+    return (f"loss {text(loss['config'])} vs baseline {text(loss['baseline'])} (gap "
+            f"{_gap_text(loss['relative_gap'])})")
+
+
+def _db(value) -> str:
+    return "equal" if value is None else f"{value:.2f}"
+
+
+def _parting_text(report: dict[str, Any]) -> str:
+    first = report["first_parting"]
+    if first is None:
+        return "no layer parts (every activation and gradient SQNR within audit.numerics.min_sqnr_db)"
+    below = ", ".join(f"{key.removesuffix('_sqnr_db')} {value['value']:.2f} dB < {value['limit']:g}"
+                      for key, value in first["below"].items())
+    return f"first parting: {first['layer']} ({below}); `fp8dist audit --numerics` names the GEMMs inside it"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -150,70 +238,12 @@ def markdown(result: dict[str, Any]) -> str:
     for i, (base, got, gap) in enumerate(zip(result["losses"]["baseline"], result["losses"]["config"],
                                              result["relative_gaps"]), 1):
         lines.append(f"| {i} | {base:.4f} | {got:.4f} | {_gap_text(gap)} |")
+    for report in result.get("layers", ()):
+        columns = _layer_columns(report)
+        lines += ["", f"Step {report['step']} on the baseline's weights and batch: {_loss_text(report)}; SQNR in dB "
+                      "against the baseline:", "",
+                  "| layer | " + " | ".join(c[1] for c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+        lines += [f"| {row['layer']} | " + " | ".join(_db(row.get(c[0])) for c in columns) + " |"
+                  for row in report["layers"]]
+        lines += ["", _parting_text(report)]
     return "\n".join(lines) + "\n"
-
-
-# --- the worker (one torchrun job) ----------------------------------------------------------------
-
-def _train(name: str, session, steps: int, rank: int) -> list[float]:
-    losses = []
-    for step in range(steps):
-        losses.append(session.step(step)[0])
-        if rank == 0:
-            emit(PROGRESS, name, f"{name} step {step + 1}/{steps} loss {losses[-1]:.4f}")
-    return losses
-
-
-def worker(model_name: str, baseline: str, config: str, steps: int, data: str,
-           overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Both runs in this rank's process: the baseline, then the config, from the same initial weights (built in
-    fp32 from the same seed, then cast to each run's load dtype) on the same batches, with the same random stream
-    for whatever the run draws (dropout)."""
-    import torch
-
-    from fp8dist.config.parallel import parallel_dims
-    from fp8dist.engines.registry import facts_for
-    from fp8dist.runtime import loop, process_group
-    from fp8dist.runtime.data import SYNTHETIC_BATCHES, BatchMaker, file_batches, token_stream
-    from fp8dist.runtime.adapters import apply_adapter
-    from fp8dist.runtime.models import load_model
-
-    result: dict[str, Any] = {}
-    try:
-        specs = {"baseline": load_config(baseline, overrides=overrides),
-                 "config": load_config(config, overrides=overrides)}
-        # one group for both runs (DeepSpeed's init serves an FSDP2 config too)
-        process_group.init(deepspeed=any(facts_for(spec).deepspeed_process_group for spec in specs.values()))
-        rank, seed = process_group.rank(), specs["baseline"].train.seed  # the parent checked both train sections
-        # both runs read batches by the data ranks of the run that splits the model most (tp and cp peers: one)
-        batch_dims = max((parallel_dims(s, process_group.world_size()) for s in specs.values()),
-                         key=lambda dims: dims.tp * dims.cp)
-        make_batch: BatchMaker | None = None
-        pool: int | None = SYNTHETIC_BATCHES
-        for name, spec in specs.items():
-            loaded = load_model(model_name, "fp32", seed=seed)
-            loaded.model.to(torch_dtype(spec.precision.load_dtype))
-            loaded.model = apply_adapter(loaded.model, spec.adapter, spec.precision.weight_dtype, seed)
-            if make_batch is None:
-                make_batch = loaded.make_batch
-                if data:
-                    vocab = getattr(getattr(loaded.model, "config", None), "vocab_size", None)
-                    if vocab is None:
-                        raise Fp8distError(f"--data needs a model with `config.vocab_size`; {model_name} has none")
-                    ids, how = token_stream(data, model_name, vocab)
-                    make_batch, pool = file_batches(ids), None  # fresh windows every step
-                    if rank == 0:
-                        emit(PROGRESS, "data", f"data: {len(ids)} tokens, {how}")
-            session = loop.start(spec, loaded, make_batch=make_batch, pool=pool, batch_dims=batch_dims)
-            torch.manual_seed(seed)
-            result[name] = _train(name, session, steps, rank)
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which exits 2 with it
-        result = {"_error": str(exc) if isinstance(exc, Fp8distError) else f"{type(exc).__name__}: {exc}"}
-    return result
-
-
-if __name__ == "__main__":
-    from fp8dist.runtime.ranks import finish
-
-    finish(worker(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5],
-                  [o for o in sys.argv[6].split("\n") if o]), sys.argv[7])

@@ -77,6 +77,20 @@ class Engine:
     def input_device(self):
         raise NotImplementedError
 
+    # -- probes between steps (engines whose facts say `runs_probes`: fp8dist compare --layer-steps) ---------
+    def full_weights(self) -> dict[str, Any]:
+        """Every parameter whole, on the CPU, by its state-dict name (each rank gets them all)."""
+        raise NotImplementedError
+
+    def weights(self, full: dict[str, Any]) -> ContextManager[None]:
+        """The model runs on `full` (another run's `full_weights`) inside the block, on its own weights after it."""
+        raise NotImplementedError
+
+    def probe(self, batch: dict) -> tuple[float, float]:
+        """Forward and backward of one micro-batch outside the run's steps, its gradients dropped: (the loss, the
+        factor the loss was multiplied by before backward: the fp16 loss scale, else 1)."""
+        raise NotImplementedError
+
     # -- written once ---------------------------------------------------------------------------------------
     def train_step(self, batches: list[dict]) -> float:
         """One optimizer step over `batches` (gradient accumulation); returns the mean loss. The first step that

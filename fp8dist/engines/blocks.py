@@ -15,7 +15,9 @@ def wrap_units(model, spec: Spec) -> list[tuple[str, torch.nn.Module]]:
     if names == "auto":
         names = tuple(getattr(model, "_no_split_modules", None) or ())
     if names:
-        units = [(n, m) for n, m in model.named_modules() if type(m).__name__ in set(names) and m is not model]
+        # by the class or a base of it: fully_shard swaps a block's class for a subclass (FSDPLlamaDecoderLayer)
+        units = [(n, m) for n, m in model.named_modules()
+                 if any(cls.__name__ in set(names) for cls in type(m).__mro__) and m is not model]
         if not units:
             raise Fp8distError(f"fsdp2.wrap: no module of class {', '.join(names)} in {type(model).__name__}; "
                                "list the transformer block class names")

@@ -32,6 +32,10 @@ class EngineFacts(Protocol):
     uses_device_mesh: bool
     """Whether the engine shards over the run's DeviceMesh (handed to its setup as `mesh`) rather than process
     groups of its own."""
+    runs_probes: bool
+    """Whether the engine can run a forward and backward between optimizer steps, on another run's weights, and
+    drop its gradients without moving the run (`full_weights`, `weights`, `probe`: `fp8dist compare
+    --layer-steps`)."""
 
     def translate(self, spec: Spec) -> EnginePlan:
         """The plan the engine executes for `spec` (pure)."""

@@ -104,15 +104,45 @@ def test_json_stays_strict_when_a_loss_is_not_finite():
     assert report["passed"] is False and report["max_relative_gap"] is None and report["losses"]["config"][1] is None
 
 
-def test_moe_experts_in_mxfp8_track_bf16():
-    """An MoE pair on the same weights and batches: experts (and Linears) in FP8 vs the bf16 baseline, 8 steps."""
+def test_moe_experts_in_mxfp8_track_bf16_with_routing_fixed_and_a_layer_report():
+    """An MoE pair on the same weights and batches, 2 ranks: experts (and Linears) in MXFP8 vs the bf16 baseline,
+    8 steps, the baseline's expert choices replayed, the layer report at steps 1 and 8."""
     result = compare("--config", CONFIGS / "fsdp2-moe-mxfp8.yaml", "--baseline", CONFIGS / "fsdp2-bf16.yaml",
-                     "--model", "tiny-mixtral", "--steps", "8", "--format", "json", "--tolerance", "0.05")
+                     "--model", "tiny-mixtral", "--steps", "8", "--format", "json", "--tolerance", "0.05",
+                     "--nproc", "2", "--fixed-routing", "--layer-steps", "1,8")
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["passed"] is True and report["max_relative_gap"] <= 0.05, report
+    assert report["fixed_routing"] is True
     assert len(report["losses"]["config"]) == len(report["losses"]["baseline"]) == 8
     assert report["losses"]["config"] != report["losses"]["baseline"]
+    assert [step["step"] for step in report["layers"]] == [1, 8]
+    for step in report["layers"]:
+        assert [row["layer"] for row in step["layers"]] == ["model.layers.0", "model.layers.1"]
+        for row in step["layers"]:  # MXFP8 emulated: real rounding, tens of dB, never bitwise equal
+            assert all(15 < row[key] < 60 for key in ("activation_sqnr_db", "gradient_sqnr_db",
+                                                      "expert_output_sqnr_db")), row
+        assert step["first_parting"] is None and step["loss"]["relative_gap"] < 0.01, step
+
+
+def test_the_layer_report_leaves_both_runs_as_they_were():
+    """The config's run loads the baseline's weights for each probe pass and gets its own back bitwise: its losses
+    with --layer-steps are those without; on identical configs every layer is equal."""
+    args = ["--config", CONFIGS / "fsdp2-torchao-float8.yaml", "--baseline", CONFIGS / "fsdp2-bf16.yaml",
+            "--steps", "3", "--nproc", "2", "--format", "json",
+            "audit.numerics.min_sqnr_db.forward=31"]  # between the two layers' activation SQNRs (about 34 and 29)
+    plain, probed = compare(*args), compare(*args, "--layer-steps", "1,3")
+    assert plain.returncode == probed.returncode == 0, probed.stderr[-3000:]
+    plain_report, report = json.loads(plain.stdout), json.loads(probed.stdout)
+    assert report["losses"] == plain_report["losses"] and "layers" not in plain_report
+    rows = [row for step in report["layers"] for row in step["layers"]]
+    assert len(rows) == 4 and all(20 < row["activation_sqnr_db"] < 60 for row in rows), rows
+    for step in report["layers"]:  # the first layer below the limit, with its value
+        below = step["first_parting"]["below"]
+        assert step["first_parting"]["layer"] == "model.layers.1" and below["activation_sqnr_db"]["value"] < 31
+    same = compare("--config", CONFIGS / "fsdp2-bf16.yaml", "--baseline", CONFIGS / "fsdp2-bf16.yaml", "--steps",
+                   "2", "--nproc", "2", "--format", "table", "--layer-steps", "2")
+    assert same.returncode == 0 and "equal" in same.stdout and "no layer parts" in same.stdout, same.stdout
 
 
 def test_a_lora_run_against_its_full_fine_tune(tmp_path):

@@ -19,6 +19,9 @@ class DeepSpeedFacts:
     efficient_loading: Literal["meta", "zero_init"] = "zero_init"
     moves_model_to_device = True
     uses_device_mesh = False  # ZeRO builds its own partition groups over the data-parallel ranks
+    # An extra backward moves DeepSpeed's micro-step counter and gradient-accumulation boundary
+    # (deepspeed/runtime/engine.py `backward` / `is_gradient_accumulation_boundary`) and fills ZeRO's reduce buckets.
+    runs_probes = False
 
     def translate(self, spec: Spec) -> dict[str, Any]:
         return to_deepspeed(spec)

@@ -12,9 +12,11 @@ compute gets the loss scaler (engines/loss_scaling.py).
 from __future__ import annotations
 
 import contextlib
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 import fp8dist.engines.activation_checkpointing as activation_checkpointing
@@ -96,6 +98,36 @@ class FSDP2Run(Engine):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return True
+
+    def full_weights(self) -> dict[str, Any]:
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        return {name: _plain(cast(torch.Tensor, tensor)).detach().to("cpu", copy=True)
+                for name, tensor in state.items()}
+
+    @contextlib.contextmanager
+    def weights(self, full: dict[str, Any]):
+        """Loads `full` into the shards (torch's set_model_state_dict distributes each whole tensor over its
+        placements) and, after the block, this run's own shards copied aside before: bitwise what they were. The
+        float8 scales precomputed for the all-gather follow each load, as after a checkpoint load."""
+        own: dict[str, Any] = {name: cast(torch.Tensor, tensor).detach().clone()
+                               for name, tensor in get_model_state_dict(self.model).items()}
+        if set(full) != set(own):
+            raise Fp8distError("the two runs' models name different parameters: "
+                               f"{sorted(set(full) ^ set(own))[:6]}\n  fix: compare configs that build the same "
+                               "model (the same adapter section)")
+        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
+        self.backend.after_optimizer_step(self.model)
+        try:
+            yield
+        finally:
+            set_model_state_dict(self.model, own)
+            self.backend.after_optimizer_step(self.model)
+
+    def probe(self, batch: dict) -> tuple[float, float]:
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        loss = self.accumulate([batch])
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, scale
 
     @property
     def skipped_note(self) -> str | None:
@@ -240,6 +272,13 @@ def _check_expert_parallel_model(model, spec: Spec) -> None:
     if config is not None and hasattr(config, "to_dict"):
         check_model_fits(parallel_dims(spec, dist.get_world_size()), config.to_dict(), spec.train.seq_len,
                          sequence_split=sequence_parallel(spec), source=type(model).__name__)
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """The high-precision tensor inside torchao's float8 all-gather wrapper (WeightWithDynamicFloat8CastTensor keeps
+    it as `_tensor`, torchao 0.18 float8/fsdp_utils.py); any other tensor as it is."""
+    inner = getattr(tensor, "_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else tensor
 
 
 def setup(model, spec: Spec, **kwargs) -> FSDP2Run:

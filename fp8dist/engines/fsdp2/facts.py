@@ -19,6 +19,7 @@ class FSDP2Facts:
     efficient_loading: Literal["meta", "zero_init"] = "meta"
     moves_model_to_device = False
     uses_device_mesh = True
+    runs_probes = True
 
     def translate(self, spec: Spec) -> FSDP2Plan:
         return to_fsdp2(spec)

@@ -248,7 +248,7 @@ def test_fp8_gemms_no_probe_measures_keep_the_row_not_measured():
     cell, numerics = observe(Tally(), ledger, spec)
     assert cell["measured"] is False and cell["observed"] == "not measured"
     assert "transformer_engine (no numerics probe for its FP8 GEMMs)" in cell["detail"]
-    assert numerics == {"casts": [], "gemms": [], "worst": []}
+    assert numerics == {"casts": [], "gemms": [], "scaling_history": [], "worst": []}
     bf16 = load_config({"precision": {"preset": "bf16"}})
     assert observe(Tally(), WeightGemmLedger(), bf16)[0] == {"observed": "n/a", "measured": True,
                                                              "detail": "no FP8 weight GEMM in the step"}

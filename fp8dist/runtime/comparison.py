@@ -1,0 +1,128 @@
+"""The rank side of `fp8dist compare` (one torchrun job, `python -m fp8dist.runtime.comparison`): both runs in
+each rank's process, the baseline first, then the config, from the same initial weights on the same batches; with
+--layer-steps, the probe passes at the chosen steps (fp8dist/runtime/layer_probes.py), with --fixed-routing, the
+baseline's expert choices replayed in the config's run (fp8dist/runtime/routing_replay.py). Rank 0 writes the
+losses (and the layer reports) for fp8dist/commands/compare.py, which renders them."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from fp8dist.config.load import load_config
+from fp8dist.dtypes import torch_dtype
+from fp8dist.errors import Fp8distError
+from fp8dist.runtime.ranks import PROGRESS, emit
+
+
+@dataclass
+class Probes:
+    """What the two runs share for --layer-steps and --fixed-routing: the chosen steps (from 1), the baseline's
+    weights and taps at each, its layer reports, and the routing log."""
+
+    steps: tuple[int, ...]
+    routing: Any = None  # a routing_replay.RoutingLog, or None
+    weights: dict[int, Any] = field(default_factory=dict)
+    taps: dict[int, Any] = field(default_factory=dict)
+    reports: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _train(name: str, session, steps: int, rank: int, probes: Probes, seed: int) -> list[float]:
+    """The run's steps; at each chosen step, first the probe pass: the baseline's on its own weights (kept), the
+    config's on those weights."""
+    from fp8dist.runtime.layer_probes import layer_report, probe
+
+    losses = []
+    if probes.routing is not None:
+        probes.routing.install(session.loaded.model, replay=name == "config")
+    try:
+        for step in range(steps):
+            if step + 1 in probes.steps and name == "baseline":
+                probes.weights[step + 1] = session.engine.full_weights()
+                probes.taps[step + 1] = probe(session, step, seed)
+            elif step + 1 in probes.steps:
+                with session.engine.weights(probes.weights.pop(step + 1)):
+                    taps = probe(session, step, seed)
+                probes.reports.append(layer_report(step + 1, probes.taps.pop(step + 1), taps,
+                                                   session.spec.audit.numerics))
+                if rank == 0:
+                    emit(PROGRESS, name, _parting_line(probes.reports[-1]))
+            losses.append(session.step(step)[0])
+            if rank == 0:
+                emit(PROGRESS, name, f"{name} step {step + 1}/{steps} loss {losses[-1]:.4f}")
+    finally:
+        if probes.routing is not None:
+            probes.routing.remove()
+    if probes.routing is not None and name == "config":
+        probes.routing.check_consumed()
+    return losses
+
+
+def _parting_line(report: dict[str, Any]) -> str:
+    first = report["first_parting"]
+    where = f"first parting at {first['layer']}" if first else "no layer parts"
+    return f"layer report at step {report['step']}: {where}"
+
+
+def worker(model_name: str, baseline: str, config: str, steps: int, data: str,
+           overrides: Sequence[str] = (), layer_steps: tuple[int, ...] = (), fixed_routing: bool = False
+           ) -> dict[str, Any]:
+    """Both runs in this rank's process: the baseline, then the config, from the same initial weights (built in
+    fp32 from the same seed, then cast to each run's load dtype) on the same batches, with the same random stream
+    for whatever the run draws (dropout)."""
+    import torch
+
+    from fp8dist.config.parallel import parallel_dims
+    from fp8dist.engines.registry import facts_for
+    from fp8dist.runtime import loop, process_group
+    from fp8dist.runtime.data import SYNTHETIC_BATCHES, BatchMaker, file_batches, token_stream
+    from fp8dist.runtime.adapters import apply_adapter
+    from fp8dist.runtime.models import load_model
+
+    result: dict[str, Any] = {}
+    probes = Probes(layer_steps)
+    if fixed_routing:
+        from fp8dist.runtime.routing_replay import RoutingLog
+
+        probes.routing = RoutingLog()
+    try:
+        specs = {"baseline": load_config(baseline, overrides=overrides),
+                 "config": load_config(config, overrides=overrides)}
+        # one group for both runs (DeepSpeed's init serves an FSDP2 config too)
+        process_group.init(deepspeed=any(facts_for(spec).deepspeed_process_group for spec in specs.values()))
+        rank, seed = process_group.rank(), specs["baseline"].train.seed  # the parent checked both train sections
+        # both runs read batches by the data ranks of the run that splits the model most (tp and cp peers: one)
+        batch_dims = max((parallel_dims(s, process_group.world_size()) for s in specs.values()),
+                         key=lambda dims: dims.tp * dims.cp)
+        make_batch: BatchMaker | None = None
+        pool: int | None = SYNTHETIC_BATCHES
+        for name, spec in specs.items():
+            loaded = load_model(model_name, "fp32", seed=seed)
+            loaded.model.to(torch_dtype(spec.precision.load_dtype))
+            loaded.model = apply_adapter(loaded.model, spec.adapter, spec.precision.weight_dtype, seed)
+            if make_batch is None:
+                make_batch = loaded.make_batch
+                if data:
+                    vocab = getattr(getattr(loaded.model, "config", None), "vocab_size", None)
+                    if vocab is None:
+                        raise Fp8distError(f"--data needs a model with `config.vocab_size`; {model_name} has none")
+                    ids, how = token_stream(data, model_name, vocab)
+                    make_batch, pool = file_batches(ids), None  # fresh windows every step
+                    if rank == 0:
+                        emit(PROGRESS, "data", f"data: {len(ids)} tokens, {how}")
+            session = loop.start(spec, loaded, make_batch=make_batch, pool=pool, batch_dims=batch_dims)
+            torch.manual_seed(seed)
+            result[name] = _train(name, session, steps, rank, probes, seed)
+        if layer_steps:
+            result["layers"] = probes.reports
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which exits 2 with it
+        result = {"_error": str(exc) if isinstance(exc, Fp8distError) else f"{type(exc).__name__}: {exc}"}
+    return result
+
+
+if __name__ == "__main__":
+    from fp8dist.runtime.ranks import finish
+
+    finish(worker(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5],
+                  [o for o in sys.argv[6].split("\n") if o], tuple(int(s) for s in sys.argv[7].split(",") if s),
+                  bool(sys.argv[8])), sys.argv[9])
