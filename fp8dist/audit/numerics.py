@@ -480,12 +480,14 @@ class NumericsRecorder:
 
     def __exit__(self, *exc) -> None:
         self._active = False
-        if self._histories is not None:  # after the block: TE has updated its histories and scales
-            self.tally.scaling = self._histories.rows(clean_name)
+        try:
+            if self._histories is not None:  # after the block: TE has updated its histories and scales
+                self.tally.scaling = self._histories.rows(clean_name)
+        finally:  # the probes' hooks leave the model whatever happened
             self._histories = None
-        if self._stack is not None:
-            self._stack.close()
-            self._stack = None
+            if self._stack is not None:
+                self._stack.close()
+                self._stack = None
 
 
 def _full_weight(module) -> torch.Tensor | None:

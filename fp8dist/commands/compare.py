@@ -111,6 +111,17 @@ def check_probes(specs: dict[str, Any], layer_steps: tuple[int, ...], fixed_rout
                                "optimizer steps (an extra backward would move DeepSpeed's gradient-accumulation "
                                "boundary and fill its reduce buckets)\n  fix: compare engine: fsdp2 configs for "
                                "the layer report, or drop --layer-steps")
+        split = [f"parallel.{key}={getattr(spec.parallel, key)}" for key in ("tensor_size", "context_size")
+                 if getattr(spec.parallel, key) > 1]
+        if layer_steps and split:
+            raise Fp8distError(f"--layer-steps: the {role} splits each block's output over ranks ({', '.join(split)}: "
+                               "sequence or head shards), and the report compares whole outputs per rank\n  fix: "
+                               "compare configs without tensor or context parallel for the layer report")
+        if layer_steps and spec.fp8.backend in ("te", "msamp"):
+            raise Fp8distError(f"--layer-steps: the {role} runs {spec.fp8.backend}, whose modules keep FP8 state "
+                               "(amax histories, scales) that a probe pass would move and the weights swap cannot "
+                               "restore\n  fix: the layer report runs torchao configs; `fp8dist audit --numerics` "
+                               "reads TE's delayed scaling")
         if spec.compile:
             raise Fp8distError(f"{flags}: the {role} compiles its blocks (compile: true), and the taps need them "
                                "eager\n  fix: add the override compile=false")
@@ -195,7 +206,7 @@ def table(result: dict[str, Any]) -> str:
                   "  ".join([f"{'layer':<28}", *(f"{c[1]:>13}" for c in columns)])]
         for row in report["layers"]:
             lines.append("  ".join([f"{row['layer']:<28}", *(f"{_db(row.get(c[0])):>13}" for c in columns)]))
-        lines.append(_parting_text(report))
+        lines.append(parting_text(report))
     if result.get("plot"):
         lines.append(f"plot: {result['plot']}")
     return "\n".join(lines) + "\n"
@@ -219,16 +230,19 @@ def _loss_text(report: dict[str, Any]) -> str:
 
 
 def _db(value) -> str:
-    return "equal" if value is None else f"{value:.2f}"
+    if value is None:
+        return "equal"
+    return value if isinstance(value, str) else f"{value:.2f}"
 
 
-def _parting_text(report: dict[str, Any]) -> str:
-    first = report["first_parting"]
-    if first is None:
+def parting_text(report: dict[str, Any]) -> str:
+    """Where the two runs part at one chosen step: activations in model order, gradients in backward order."""
+    found = [(what, report[key]) for what, key in (("activations", "first_parting"),
+                                                    ("gradients", "first_parting_gradient")) if report[key]]
+    if not found:
         return "no layer parts (every activation and gradient SQNR within audit.numerics.min_sqnr_db)"
-    below = ", ".join(f"{key.removesuffix('_sqnr_db')} {value['value']:.2f} dB < {value['limit']:g}"
-                      for key, value in first["below"].items())
-    return f"first parting: {first['layer']} ({below}); `fp8dist audit --numerics` names the GEMMs inside it"
+    return "; ".join(f"{what} first part at {first['layer']} ({_db(first['sqnr_db'])} dB < {first['limit']:g})"
+                     for what, first in found) + "; `fp8dist audit --numerics` names the GEMMs inside it"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -245,5 +259,5 @@ def markdown(result: dict[str, Any]) -> str:
                   "| layer | " + " | ".join(c[1] for c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
         lines += [f"| {row['layer']} | " + " | ".join(_db(row.get(c[0])) for c in columns) + " |"
                   for row in report["layers"]]
-        lines += ["", _parting_text(report)]
+        lines += ["", parting_text(report)]
     return "\n".join(lines) + "\n"

@@ -59,11 +59,10 @@ def _train(name: str, session, steps: int, rank: int, probes: Probes, seed: int)
 
 
 def _parting_line(report: dict[str, Any]) -> str:
-    first = report["first_parting"]
-    where = f"first parting at {first['layer']}" if first else "no layer parts"
-    return f"layer report at step {report['step']}: {where}"
-
-
+    first, gradient = report["first_parting"], report["first_parting_gradient"]
+    where = "; ".join(f"{what} first part at {row['layer']}" for what, row in (("activations", first),
+                                                                             ("gradients", gradient)) if row)
+    return f"layer report at step {report['step']}: {where or 'no layer parts'}"
 def worker(model_name: str, baseline: str, config: str, steps: int, data: str,
            overrides: Sequence[str] = (), layer_steps: tuple[int, ...] = (), fixed_routing: bool = False
            ) -> dict[str, Any]:

@@ -65,7 +65,6 @@ class Taps:
 
     tensors: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)  # (layer, kind) -> fp32 on the CPU
     loss: float = math.nan  # the probe pass's loss on this rank's micro-batch
-    gradient_scale: float = 1.0
     _hooks: list[Any] = field(default_factory=list)
 
     def install(self, model, spec) -> None:
@@ -86,33 +85,42 @@ class Taps:
             hook.remove()
         self._hooks.clear()
 
+    def unscale(self, gradient_scale: float) -> None:
+        """The gradients as the loss gives them: the engine multiplied the loss by `gradient_scale` (fp16)."""
+        if gradient_scale != 1.0:
+            for key in [key for key in self.tensors if key[1] == "gradient"]:
+                self.tensors[key] = self.tensors[key] / gradient_scale
+
     def _forward(self, name: str, kind: str, out) -> None:
         if torch._C._current_graph_task_id() != -1:  # an activation-checkpoint recompute: the forward was tapped
             return
         output = out[0] if isinstance(out, (tuple, list)) else out
-        if (name, kind) in self.tensors or not isinstance(output, torch.Tensor):  # a later micro-batch's call
+        if (name, kind) in self.tensors or not isinstance(output, torch.Tensor):  # a second call in one pass
             return
         self.tensors[(name, kind)] = _plain_full(output)
         if kind == "activation" and output.requires_grad:
             output.register_hook(lambda grad, name=name: self._gradient(name, grad))
 
     def _gradient(self, name: str, grad: torch.Tensor) -> None:
-        self.tensors[(name, "gradient")] = _plain_full(grad) / self.gradient_scale
+        self.tensors[(name, "gradient")] = _plain_full(grad)
 
 
 def probe(session, step: int, seed: int) -> Taps:
     """One probe pass of `session` on the first micro-batch of optimizer step `step` (from 0), tapped, with the
-    random stream seeded alike in both runs and given back afterwards."""
+    random streams (CPU and this rank's device) seeded alike in both runs and given back afterwards."""
     taps = Taps()
     engine = session.engine
-    taps.install(engine.model if isinstance(engine.model, torch.nn.Module) else session.loaded.model, session.spec)
     batch = session.batches(step)[0]
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     try:
-        with torch.random.fork_rng(devices=[]):
+        taps.install(engine.model if isinstance(engine.model, torch.nn.Module) else session.loaded.model,
+                     session.spec)
+        with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed + step)
-            taps.loss, taps.gradient_scale = engine.probe(batch)
+            taps.loss, gradient_scale = engine.probe(batch)
     finally:
         taps.remove()
+    taps.unscale(gradient_scale)
     return taps
 
 
@@ -123,18 +131,29 @@ def _sums(base: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
     return float(base.double().pow(2).sum()), float((got.double() - base.double()).pow(2).sum())
 
 
-def sqnr_db(signal: float, noise: float) -> float | None:
-    """10 log10(signal / noise), rounded to 0.01 dB; None where no noise (bitwise equal) or no signal."""
-    if signal <= 0 or not math.isfinite(signal) or not math.isfinite(noise):
-        return None if math.isfinite(noise) else -math.inf
+NON_FINITE = "non-finite"  # an SQNR that is no number: no signal, or an inf / NaN in either run's tensor
+
+
+def sqnr_db(signal: float, noise: float) -> float | str | None:
+    """10 log10(signal / noise), rounded to 0.01 dB; None where the two are bitwise equal (no noise, some
+    signal); NON_FINITE where it is no number (strict JSON keeps it as a string)."""
+    if not (math.isfinite(signal) and math.isfinite(noise)) or signal <= 0:
+        return None if signal == 0 and noise == 0 else NON_FINITE
     return None if noise == 0 else round(10 * math.log10(signal / noise), 2)
+
+
+def _parts(row: dict[str, Any], key: str, limit: float) -> bool:
+    value = row.get(key)
+    return value == NON_FINITE or (isinstance(value, float) and value < limit)
 
 
 def layer_report(step: int, base: Taps, got: Taps, limits) -> dict[str, Any]:
     """The report of one chosen step (1-based): `loss`, both probe passes' losses (the mean over ranks) and their
     relative gap, on the same weights and batch, so no drift of the trajectories is in it; per layer, in model
-    order, the SQNR of each tapped tensor summed over every rank; `first_parting`: the first layer below its limit
-    (None: none). `limits`: the config's audit.numerics."""
+    order, the SQNR of each tapped tensor summed over every rank; `first_parting`: the first layer in model order
+    whose activation SQNR is below audit.numerics.min_sqnr_db.forward, `first_parting_gradient`: the first in
+    backward order (from the loss down: where gradient error starts) whose gradient SQNR is below
+    min_sqnr_db.input_grad; None where none is. `limits`: the config's audit.numerics."""
     if set(base.tensors) != set(got.tensors):
         raise Fp8distError("--layer-steps: the two runs' models have different layers: "
                            f"{sorted(set(base.tensors) ^ set(got.tensors))[:4]}")
@@ -149,16 +168,18 @@ def layer_report(step: int, base: Taps, got: Taps, limits) -> dict[str, Any]:
     for i, (name, kind) in enumerate(keys):
         layers.setdefault(name, {"layer": name})[f"{kind}_sqnr_db"] = sqnr_db(float(sums[2 * i]),
                                                                              float(sums[2 * i + 1]))
-    bounds = {"activation_sqnr_db": limits.min_sqnr_db.forward, "gradient_sqnr_db": limits.min_sqnr_db.input_grad}
-    first = None
-    for row in layers.values():
-        below = [key for key, limit in bounds.items() if row.get(key) is not None and row[key] < limit]
-        if below and first is None:
-            first = {"layer": row["layer"], "below": {key: {"value": row[key], "limit": bounds[key]} for key in below}}
-    gap = abs(loss - base_loss) / abs(base_loss) if base_loss and math.isfinite(loss - base_loss) else None
+    rows = list(layers.values())
+
+    def first(key: str, limit: float, order) -> dict[str, Any] | None:
+        row = next((row for row in order if _parts(row, key, limit)), None)
+        return None if row is None else {"layer": row["layer"], "sqnr_db": row[key], "limit": limit}
+
     def finite(value: float) -> float | None:  # strict JSON: a diverged loss is null
         return round(value, 6) if math.isfinite(value) else None
 
+    gap = abs(loss - base_loss) / abs(base_loss) if base_loss and math.isfinite(loss - base_loss) else None
     return {"step": step, "loss": {"baseline": finite(base_loss), "config": finite(loss),
                                    "relative_gap": None if gap is None else round(gap, 6)},
-            "layers": list(layers.values()), "first_parting": first}
+            "layers": rows,
+            "first_parting": first("activation_sqnr_db", limits.min_sqnr_db.forward, rows),
+            "first_parting_gradient": first("gradient_sqnr_db", limits.min_sqnr_db.input_grad, reversed(rows))}

@@ -9,8 +9,12 @@ module). While a router runs, a TorchFunctionMode answers its `torch.topk`:
 - replaying (the config): the recorded indices, and this run's own scores at them (`gather`), so that what the
   router does with its top values next (renormalise, softmax) and its gradient stay this run's.
 Calls during backward (an activation-checkpoint recompute) are not new choices: the recording leaves them out,
-the replay repeats the choice of the forward it recomputes. Both runs make the same calls in the same order (same
-steps, micro-batches and layer probes), which `check_consumed` confirms at the end.
+the replay repeats, call by call, the choices of the forward it recomputes (a router may call top-k more than once
+per forward: DeepSeek-V3's group-limited routing does). Both runs make the same calls in the same order (same
+steps, micro-batches and layer probes), which `check_consumed` confirms at the end. Routers are keyed by their
+module names without the wrappers' parts (PEFT's prefix, checkpoint_wrapper's), so the two configs may differ in
+adapters or activation checkpointing. Memory: every choice of the baseline's run, kept on the CPU as int32 until
+the config's run replays it (steps x micro-batches x MoE layers x tokens x top-k x 4 bytes).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from fp8dist.backends.experts import experts_modules
 from fp8dist.errors import Fp8distError
+from fp8dist.runtime.layer_probes import layer_name
 
 ROUTER_NAMES = ("gate", "router")  # the router's attribute beside `experts` in transformers' MoE blocks
 
@@ -66,14 +71,15 @@ class RoutingLog:
     def __init__(self):
         self.calls: dict[str, deque[torch.Tensor]] = defaultdict(deque)
         self.replaying = False
-        self._last: dict[str, torch.Tensor] = {}  # the choice a recompute in backward repeats
+        self._forward: dict[str, list[torch.Tensor]] = defaultdict(list)  # the last forward's choices, in order
+        self._recomputed: dict[str, int] = defaultdict(int)  # how many of them a recompute has repeated
         self._hooks: list[Any] = []
         self._modes: dict[str, _TopK] = {}
 
     def install(self, model, *, replay: bool) -> None:
         self.replaying = replay
         for name, router in routers(model):
-            key = name.removeprefix("base_model.model.")  # a PEFT-wrapped model names its modules below these
+            key = layer_name(name)
             self._hooks.append(router.register_forward_pre_hook(lambda module, args, key=key: self._enter(key)))
             self._hooks.append(router.register_forward_hook(lambda module, args, out, key=key: self._exit(key),
                                                             always_call=True))
@@ -90,6 +96,10 @@ class RoutingLog:
                                f"({left} left over): the two runs do not step alike")
 
     def _enter(self, key: str) -> None:
+        if _in_backward():
+            self._recomputed[key] = 0
+        else:
+            self._forward[key] = []
         self._modes[key] = _TopK(self, key)
         self._modes[key].__enter__()
 
@@ -100,12 +110,14 @@ class RoutingLog:
         if not self.replaying:
             values, indices = func(*args, **kwargs)
             if not _in_backward():
-                self.calls[key].append(indices.detach().clone())
+                self.calls[key].append(indices.detach().to("cpu", torch.int32))
             return values, indices
         if _in_backward():
-            indices = self._last[key]
+            indices = self._forward[key][self._recomputed[key]]
+            self._recomputed[key] += 1
         elif self.calls[key]:
-            indices = self._last[key] = self.calls[key].popleft()
+            indices = self.calls[key].popleft()
+            self._forward[key].append(indices)
         else:
             raise Fp8distError(f"--fixed-routing: {key} was called more often in the config's run than in the "
                                "baseline's: the two runs do not step alike")
@@ -114,5 +126,5 @@ class RoutingLog:
             raise Fp8distError(f"--fixed-routing: {key} routes {tuple(scores.shape[:-1])} tokens here and routed "
                                f"{tuple(indices.shape[:-1])} in the baseline: the runs must see the same batches "
                                "on the same ranks")
-        indices = indices.to(scores.device)
+        indices = indices.to(scores.device, torch.int64)
         return torch.return_types.topk((scores.gather(-1, indices), indices))

@@ -138,8 +138,8 @@ def test_the_layer_report_leaves_both_runs_as_they_were():
     rows = [row for step in report["layers"] for row in step["layers"]]
     assert len(rows) == 4 and all(20 < row["activation_sqnr_db"] < 60 for row in rows), rows
     for step in report["layers"]:  # the first layer below the limit, with its value
-        below = step["first_parting"]["below"]
-        assert step["first_parting"]["layer"] == "model.layers.1" and below["activation_sqnr_db"]["value"] < 31
+        assert step["first_parting"]["layer"] == "model.layers.1" and step["first_parting"]["sqnr_db"] < 31
+        assert step["first_parting"]["limit"] == 31 and step["first_parting_gradient"] is None
     same = compare("--config", CONFIGS / "fsdp2-bf16.yaml", "--baseline", CONFIGS / "fsdp2-bf16.yaml", "--steps",
                    "2", "--nproc", "2", "--format", "table", "--layer-steps", "2")
     assert same.returncode == 0 and "equal" in same.stdout and "no layer parts" in same.stdout, same.stdout

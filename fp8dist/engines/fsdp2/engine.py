@@ -115,9 +115,9 @@ class FSDP2Run(Engine):
             raise Fp8distError("the two runs' models name different parameters: "
                                f"{sorted(set(full) ^ set(own))[:6]}\n  fix: compare configs that build the same "
                                "model (the same adapter section)")
-        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
-        self.backend.after_optimizer_step(self.model)
         try:
+            set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
+            self.backend.after_optimizer_step(self.model)
             yield
         finally:
             set_model_state_dict(self.model, own)

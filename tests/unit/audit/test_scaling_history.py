@@ -49,7 +49,7 @@ class TELinearStandIn(torch.nn.Module):
 
     def forward(self, x):
         state = self.fp8_meta["scaling_fwd"]
-        state.amax_history[0, 0], state.amax_history[0, 1] = x.abs().max(), self.weight.abs().max()
+        state.amax_history[0, 0], state.amax_history[0, 1] = x.detach().abs().max(), self.weight.detach().abs().max()
         _update(state, 448.0)
         out = x @ self.weight.t()
         if out.requires_grad:
@@ -134,8 +134,45 @@ def test_most_recent_follows_the_newest_pass_and_a_single_row_history_is_not_rea
     assert _watched(single, 1.0).scaling == []  # TE zeroes its only row at the update
 
 
-def test_passes_of_one_step_are_each_checked_against_the_scale_they_were_cast_with():
-    column = torch.tensor([0.0, 1.0, 1.0, 2.0, 8.0])  # rows 1..4: oldest to newest; the step's passes: 2.0, 8.0
-    row = history_row(column, scale_at_start=448.0, scale_now=56.0, passes=2, fp8_max=448.0, margin=0, algo="max")
-    assert row["lagged_passes"] == 2 and row["passes"] == 2 and row["headroom_bits"] == -1.0
-    assert history_row(torch.zeros(5), 448.0, 448.0, 1, 448.0, 0, "max") is None
+def test_every_pass_of_a_step_is_checked_against_the_scale_it_was_cast_with():
+    """Steps of several micro-batches: against the stand-in's own count of clamped casts (each pass's amax x its
+    scale beyond 448), over random amax sequences with jumps, for both amax_compute_algo values."""
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        algo = ("max", "most_recent")[trial % 2]
+        module = TELinearStandIn(DelayedScaling(amax_compute_algo=algo, amax_history_len=5))
+        history = (torch.rand(6, generator=generator) * 10).tolist()
+        _run(module, history)
+        step = (torch.rand(3, generator=generator) * 30).tolist()  # three micro-batches
+        clamped, state = 0, module.fp8_meta["scaling_fwd"]
+        root = torch.nn.Sequential(module)
+        with NumericsRecorder(root) as recorder:
+            for amax in step:
+                clamped += amax * float(state.scale[0]) > 448 * (1 + 1e-6)
+                _run(module, [amax])
+        inp = next(r for r in recorder.tally.scaling if r["tensor"] == "gemm1_input")
+        assert inp["passes"] == 3 and inp["lagged_passes"] == clamped, (algo, history, step)
+
+
+def test_histories_created_in_the_watched_step_start_from_tes_initial_state():
+    """TE creates fp8_meta's scaling states at a module's first forward under autocast: a step watched from the
+    start (the audit's) still reads them, with TE's initial unit scale."""
+    module = TELinearStandIn(DelayedScaling())
+    states = {key: module.fp8_meta.pop(key) for key in ("scaling_fwd", "scaling_bwd")}
+    real_forward = module.forward
+
+    def first_forward(x):
+        module.fp8_meta.update(states)
+        return real_forward(x)
+
+    module.forward = first_forward
+    inp = next(r for r in _watched(module, 1000.0).scaling if r["tensor"] == "gemm1_input")
+    assert inp["lagged_passes"] == 1 and inp["headroom_bits"] == round(math.log2(448 / 1000), 2)
+
+
+def test_a_step_longer_than_the_history_and_a_non_finite_amax():
+    column = torch.tensor([0.0, 1.0, 2.0])
+    assert history_row(column, column, 448.0, 224.0, passes=3, fp8_max=448.0, margin=0, algo="max") is None
+    before, after = torch.tensor([0.0, float("nan"), 1.0]), torch.tensor([0.0, 1.0, 2.0])
+    row = history_row(before, after, 448.0, 224.0, passes=1, fp8_max=448.0, margin=0, algo="max")
+    assert row["lagged_passes"] == 1 and row["stale_passes"] == 0

@@ -1,12 +1,13 @@
 """`fp8dist compare --layer-steps / --fixed-routing` below the ranks: the routing replay on a real transformers MoE
 model, the layer taps on a real Llama (activation checkpointing included), the SQNR report, the parent's refusals.
 The runs themselves: tests/distributed/test_compare.py."""
+import json
 import math
 
 import pytest
 import torch
 
-from fp8dist.runtime.layer_probes import Taps, layer_report, parse_steps, sqnr_db
+from fp8dist.runtime.layer_probes import NON_FINITE, Taps, layer_report, parse_steps, sqnr_db
 from fp8dist.runtime.routing_replay import RoutingLog, routers
 from fp8dist.errors import Fp8distError
 from tests.conftest import ROOT, run_cli
@@ -85,6 +86,54 @@ def test_replay_refuses_runs_that_do_not_step_alike():
     log.remove()
 
 
+class _TwoStageRouter(torch.nn.Module):
+    """A router that calls top-k twice per forward (group-limited routing, as DeepSeek-V3's)."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight, self.calls = weight, 0
+
+    def forward(self, hidden):
+        self.calls += 1
+        scores = torch.softmax(hidden @ self.weight.t(), dim=-1)
+        _, groups = torch.topk(scores.view(-1, 2, 4).sum(-1), 1, dim=-1)
+        values, indices = torch.topk(scores, 2, dim=-1)
+        return values, indices, groups
+
+
+def test_replay_repeats_every_choice_of_a_forward_in_its_recompute_under_checkpointing():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from fp8dist.runtime import routing_replay
+
+    torch.manual_seed(0)
+    hidden = torch.randn(6, 16, requires_grad=True)
+    baseline, replayed = {}, {}
+    for name, weight, out in (("baseline", torch.randn(8, 16), baseline), ("config", torch.randn(8, 16), replayed)):
+        router = _TwoStageRouter(torch.nn.Parameter(weight))
+        model = torch.nn.Module()
+        model.block = checkpoint_wrapper(torch.nn.Sequential()) if name == "config" else torch.nn.Sequential()
+        inner = model.block._checkpoint_wrapped_module if name == "config" else model.block
+        inner.add_module("gate", router)
+        log = baseline.get("log") or routing_replay.RoutingLog()
+        found = [("block._checkpoint_wrapped_module.gate" if name == "config" else "block.gate", router)]
+        original = routing_replay.routers
+        routing_replay.routers = lambda m: found  # the stand-in block has no experts module to find it by
+        try:
+            log.install(model, replay=name == "config")
+        finally:
+            routing_replay.routers = original
+        values, indices, groups = model.block(hidden)
+        (values.sum() * 1.0).backward()  # the config's block recomputes its router in backward
+        log.remove()
+        out.update(log=log, indices=indices, groups=groups, grad=router.weight.grad, calls=router.calls)
+    assert torch.equal(replayed["indices"], baseline["indices"]) and torch.equal(replayed["groups"],
+                                                                                 baseline["groups"])
+    assert replayed["grad"] is not None and replayed["grad"].abs().sum() > 0
+    assert (baseline["calls"], replayed["calls"]) == (1, 2)  # the config's router ran again in backward
+    baseline["log"].check_consumed()
+
+
 def test_a_dense_model_has_no_router_to_replay():
     from transformers import AutoModelForCausalLM
 
@@ -138,21 +187,38 @@ def test_taps_record_each_blocks_output_and_its_gradient_once_under_activation_c
 
 def test_layer_report_sqnr_and_first_parting(llama_and_spec):
     model, spec = llama_and_spec
-    base = Taps({("l0", "activation"): torch.ones(4, 8), ("l0", "gradient"): torch.ones(4, 8),
-                 ("l1", "activation"): torch.ones(4, 8), ("l1", "gradient"): torch.ones(4, 8)})
+    names = ("l0", "l1", "l2")
+    base = Taps({(name, kind): torch.ones(4, 8) for name in names for kind in ("activation", "gradient")})
     got = Taps({key: value.clone() for key, value in base.tensors.items()})
     got.tensors[("l1", "activation")] = torch.full((4, 8), 1.1)  # noise power 1/100 of the signal: 20 dB
     report = layer_report(3, base, got, spec.audit.numerics)
     assert report["step"] == 3 and report["loss"] == {"baseline": None, "config": None, "relative_gap": None}
     assert report["layers"][0] == {"layer": "l0", "activation_sqnr_db": None, "gradient_sqnr_db": None}
     assert report["layers"][1]["activation_sqnr_db"] == pytest.approx(20.0)
-    assert report["first_parting"] is None  # 20 dB >= the forward limit 18
-    got.tensors[("l1", "gradient")] = torch.full((4, 8), 2.0)  # 0 dB < 12
-    parting = layer_report(3, base, got, spec.audit.numerics)["first_parting"]
-    assert parting == {"layer": "l1", "below": {"gradient_sqnr_db": {"value": 0.0, "limit": 12}}}
+    assert report["first_parting"] is None and report["first_parting_gradient"] is None  # 20 dB >= 18
+    got.tensors[("l2", "activation")] = torch.full((4, 8), 2.0)  # 0 dB < 18
+    got.tensors[("l0", "gradient")] = torch.full((4, 8), 2.0)
+    got.tensors[("l1", "gradient")] = torch.full((4, 8), float("inf"))  # an overflowed gradient: no number
+    report = layer_report(3, base, got, spec.audit.numerics)
+    assert report["first_parting"] == {"layer": "l2", "sqnr_db": 0.0, "limit": 18}
+    # gradients part from the loss down: l1 comes before l0 in backward order
+    assert report["first_parting_gradient"] == {"layer": "l1", "sqnr_db": NON_FINITE, "limit": 12}
+    json.dumps(report, allow_nan=False)  # strict JSON, as compare --format json writes it
+    from fp8dist.commands.compare import parting_text
+
+    assert parting_text(report) == ("activations first part at l2 (0.00 dB < 18); gradients first part at l1 "
+                                    "(non-finite dB < 12); `fp8dist audit --numerics` names the GEMMs inside it")
     with pytest.raises(Fp8distError, match="different layers"):
         layer_report(1, base, Taps({("l0", "activation"): torch.ones(4, 8)}), spec.audit.numerics)
-    assert sqnr_db(1.0, 0.0) is None and sqnr_db(1.0, math.inf) == -math.inf
+    assert sqnr_db(1.0, 0.0) is None and sqnr_db(0.0, 0.0) is None
+    assert sqnr_db(1.0, math.inf) == sqnr_db(0.0, 1.0) == NON_FINITE
+
+
+def test_fp16_loss_scale_is_taken_out_of_the_tapped_gradients():
+    taps = Taps({("l0", "activation"): torch.ones(2), ("l0", "gradient"): torch.full((2,), 1024.0)})
+    taps.unscale(1024.0)
+    assert torch.equal(taps.tensors[("l0", "gradient")], torch.ones(2))
+    assert torch.equal(taps.tensors[("l0", "activation")], torch.ones(2))
 
 
 @pytest.mark.parametrize("text, says", [("0", "between 1 and --steps"), ("9", "between 1 and --steps"),
@@ -168,6 +234,8 @@ def test_layer_steps_must_name_steps_of_the_run(text, says):
     (["--config", CONFIGS / "fsdp2-bf16.yaml", "--layer-steps", "1", "compile=true"], "compiles its blocks"),
     (["--config", CONFIGS / "fsdp2-bf16.yaml", "--fixed-routing"], "tiny-llama has no experts"),
     (["--config", CONFIGS / "fsdp2-bf16.yaml", "--layer-steps", "30"], "between 1 and --steps"),
+    (["--config", CONFIGS / "fsdp2-tp-float8.yaml", "--layer-steps", "1"], "parallel.tensor_size=2"),
+    (["--config", CONFIGS / "te.yaml", "--layer-steps", "1"], "keep FP8 state"),
 ])
 def test_the_parent_refuses_before_launching(args, says):
     result = run_cli("compare", "--baseline", CONFIGS / "fsdp2-bf16.yaml", *args, timeout=120)
