@@ -17,6 +17,19 @@ def unseen_qwen2():
     return {"model": AutoModelForCausalLM.from_config(config), "make_batch": causal_lm_batch(config.vocab_size)}
 
 
+def unseen_qwen2_qlora():
+    """A 2-layer Qwen2 whose Linears split into whole NF4 scaler blocks (64 x 256 values) over 2 ranks: 8 heads over
+    4 KV heads of 32, hidden 256, MLP 512, vocabulary 512, untied embeddings."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from fp8dist.runtime.models import causal_lm_batch
+
+    config = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=128,
+                         tie_word_embeddings=False)
+    return {"model": AutoModelForCausalLM.from_config(config), "make_batch": causal_lm_batch(config.vocab_size)}
+
+
 def unseen_qwen3_moe():
     """A 2-layer Qwen3-MoE of a shape no other test uses: 4 experts of 96 x 64, top-2 (every expert's share of the
     tokens differs), 6 heads over 2 KV heads of 16, vocabulary 288, untied embeddings."""

@@ -17,7 +17,8 @@ from fp8dist.audit.gemm_flops import GROUPED, LOW_PRECISION, WeightGemmLedger, i
 from fp8dist.audit.library_gemms import LibraryGemmRecorder
 
 __all__ = ["short", "summarize", "trainable", "MatmulRecorder", "emulates", "describe_fp8", "low_precision_format",
-           "compute_dtype", "optimizer_states", "state_tensors", "nbytes", "summarize_counts"]
+           "compute_dtype", "optimizer_states", "state_tensors", "nbytes", "summarize_counts",
+           "bytes_per_param_by_format"]
 
 
 def summarize(tensors: Iterable) -> tuple[str, dict[str, int]]:
@@ -169,3 +170,14 @@ def state_tensors(optimizer) -> list:
 
 def nbytes(tensors: Iterable) -> int:
     return sum(storage(t).nbytes for t in tensors)
+
+
+def bytes_per_param_by_format(tensors: Iterable) -> dict[str, float]:
+    """Bytes held per element, per storage format (an NF4 base: its codes and scales apart from the 16-bit rest)."""
+    held: Counter = Counter()
+    elements: Counter = Counter()
+    for t in tensors:
+        s = storage(t)
+        held[s.format] += s.nbytes
+        elements[s.format] += s.numel
+    return {fmt: round(held[fmt] / elements[fmt], 4) for fmt in sorted(held) if elements[fmt]}

@@ -36,7 +36,9 @@ def build(spec: Spec, model: str, observed: dict[str, Any], nproc: int,
     return {"passed": all(c["ok"] for c in checks), "model": model, "engine": spec.engine,
             "config": spec.source, "preset": spec.precision.preset, "nproc": nproc, "checks": checks,
             "bytes_per_param": per_param, "parameters": observed.get("_parameters"),
-            "frozen_bytes_per_param": observed.get("_frozen_bytes"), "fp8_modules": observed.get("_decisions", []),
+            "frozen_bytes_per_param": observed.get("_frozen_bytes"),
+            "frozen_bytes_by_format": observed.get("_frozen_bytes_by_format"),
+            "fp8_modules": observed.get("_decisions", []),
             "gemm_flops": observed.get("_gemm_flops"), "fp8_emulated": bool(observed.get("_fp8_emulated")),
             "communication_bytes": observed.get("_comm"),
             "communication_bytes_by_axis": observed.get("_comm_axes"), "outside_scope": outside,
@@ -68,8 +70,11 @@ def table(result: dict[str, Any]) -> str:
         lines.append("bytes per parameter: " + ", ".join(f"{k} {v}" for k, v in result["bytes_per_param"].items()))
     counts = result.get("parameters")
     if counts and counts["frozen"]:
+        by_format = result.get("frozen_bytes_by_format") or {}
         lines.append(f"parameters: {counts['trainable']:,} trainable (the bytes above), {counts['frozen']:,} frozen at "
-                     f"{result['frozen_bytes_per_param']} bytes per parameter")
+                     f"{result['frozen_bytes_per_param']} bytes per parameter"
+                     + (f" ({', '.join(f'{fmt} {v:g}' for fmt, v in by_format.items())})" if len(by_format) > 1
+                        else ""))
     flops = result.get("gemm_flops")
     if flops and flops["weight_gemm_flops"]:
         formats = ", ".join(f"{fmt} {share:.1%}" for fmt, share in flops["by_format"].items())

@@ -152,6 +152,7 @@ class Watch:
         stored = [self.inspector.stored(p) for _, p in frozen]
         if stored:
             self.observed["_frozen_bytes"] = round(probes.nbytes(stored) / max(sum(t.numel() for t in stored), 1), 2)
+            self.observed["_frozen_bytes_by_format"] = probes.bytes_per_param_by_format(stored)
         if not self.spec.adapter.enabled:
             return
         base = [(n, p) for n, p in named if not is_adapter(n)]

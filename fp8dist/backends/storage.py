@@ -3,7 +3,7 @@
 Logical `.dtype` lies for every low-precision container the audit meets, so each is read by its storage:
 - DTensor (FSDP2 shards): `.to_local()`;
 - torchao: `Float8TrainingTensor._data`, `WeightWithDynamicFloat8CastTensor._tensor`, `MXTensor.qdata`, low-bit
-  optimizer state `.codes` (torchao 0.18 torchao/float8/float8_training_tensor.py, fsdp_utils.py, optim/subclass_*.py);
+  optimizer state `.codes`, `NF4Tensor`'s codes and scales (torchao 0.18 torchao/float8/float8_training_tensor.py, fsdp_utils.py, optim/subclass_*.py);
 - Transformer Engine quantized tensors (`Float8Tensor`, `MXFP8Tensor`, `Float8BlockwiseQTensor`,
   `NVFP4Tensor` and their `*Storage` bases, `*TensorBase` up to 2.8): uint8 buffers `_data` / `_rowwise_data` /
   `_columnwise_data` / `_transpose`, the format in `_fp8_dtype` / `_fp4_dtype`, a `tex.DType` such as
@@ -33,6 +33,10 @@ WRAPPER_ATTRS = ("_data", "codes", "_tensor", "qdata")
 # torchao's low-bit optimizer states keep their codes in uint8; what they hold is named by the class
 # (torchao 0.18 torchao/optim/subclass_8bit.py, subclass_4bit.py; subclass_fp8.py's codes are float8 already).
 CODE_FORMATS = {"OptimState8bit": "int8", "OptimState4bit": "int4"}
+# torchao's NF4Tensor (an adapter run's NF4 base, fp8dist/backends/nf4.py): its buffers (torchao 0.18
+# torchao/quantization/quantize_/workflows/nf4/nf4_tensor.py): 4-bit codes two per uint8, int8 scales, their
+# factors and mean, the 16-entry NF4 table.
+NF4_BUFFERS = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
 
 
 def short(dtype) -> str:
@@ -97,6 +101,9 @@ def storage(obj) -> Storage:
         # the local tensor as held: to_local() runs view_as, which torchao's Float8TrainingTensor does not implement
         # (a tensor-parallel float8 operand is a DTensor over one; torch 2.13 torch/distributed/tensor/_api.py)
         return storage(getattr(obj, "_local_tensor", None) if hasattr(obj, "_local_tensor") else obj.to_local())
+    if type(obj).__name__ == "NF4Tensor":  # appearance dtype: the original one; held: codes, int8 scales, factors
+        buffers = [getattr(obj, attr) for attr in NF4_BUFFERS if isinstance(getattr(obj, attr, None), torch.Tensor)]
+        return Storage("nf4", obj.numel(), sum(t.numel() * t.element_size() for t in buffers))
     if type(obj).__name__ in CODE_FORMATS:
         codes = obj.codes
         return Storage(CODE_FORMATS[type(obj).__name__], obj.numel(),

@@ -92,6 +92,10 @@ def estimate(name: str, spec: Spec, world: int) -> Estimate:
     `spec` on `world` ranks."""
     if world < 1:
         raise Fp8distError(f"--world-size must be at least 1, got {world}")
+    if spec.adapter.enabled and spec.adapter.base_dtype == "nf4":
+        raise Fp8distError("fp8dist estimate does not model an NF4 base yet (which frozen Linears fit NF4's blocks on "
+                           "the mesh, their 0.52 bytes per value)\n  fix: estimate with adapter.base_dtype=auto: an "
+                           "upper bound, the base at 2 bytes per parameter")
     shards = shard_counts(spec, world)  # refuses a world the config's parallel dims do not fit, before the build
     dims = parallel_dims(spec, world)
     meta = build_meta_model(name, spec.precision.compute_dtype)

@@ -148,3 +148,14 @@ def torchao_too_small_to_gain(recipe_name: str, out_features: int, in_features: 
 # shard has at least this many elements and a whole number of blocks; smaller ones keep full-precision states
 # by design, following bitsandbytes (ao v0.18.0 torchao/optim/adam.py _AdamBase._new_buffer).
 TORCHAO_LOW_BIT_MIN_NUMEL = 4096
+
+# QLoRA's NF4 base (adapter.base_dtype: nf4): torchao 0.18 `torchao.quantization.to_nf4` (the module moved from
+# torchao/dtypes/nf4tensor.py to torchao/quantization/quantize_/workflows/nf4/nf4_tensor.py in 0.18, pytorch/ao#4256):
+# 4-bit codes two per byte (`quantized_data`, uint8), one scale per NF4_BLOCK values quantized to int8 per
+# NF4_SCALER_BLOCK scales (`quantized_scalers`, int8) with one factor per scaler block (`quantization_factor`, in the
+# weight's dtype): to_nf4's defaults, torchtune's and the QLoRA paper's (block 64, double quantization of the scales).
+# A weight must hold a whole number of scaler blocks (numel % (64 x 256) == 0), 2-D only; FSDP2 splits each of the
+# three buffers by rows (NF4Tensor's aten.split: every buffer's numel divisible by the shard count), so the scaler
+# blocks must divide by the shard count too.
+NF4_BLOCK = 64
+NF4_SCALER_BLOCK = 256

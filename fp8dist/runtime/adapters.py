@@ -99,9 +99,11 @@ def write_adapter(tensors: dict, config: dict, model_name: str, directory: Path)
               str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
-def write_merged(adapter_dir: Path, config: dict, model_name: str, dtype: str, directory: Path) -> int:
-    """The base model, read again from MODEL as the run loaded it, with the adapters merged into its weights
-    (peft merge_and_unload): a model directory transformers alone loads. Returns how many tensors it holds."""
+def write_merged(adapter_dir: Path, config: dict, model_name: str, dtype: str, directory: Path,
+                 world_size: int = 1) -> int:
+    """The base model, read again from MODEL as the run loaded it (an NF4 base: quantized and dequantized as the run
+    on `world_size` ranks held it), with the adapters merged into its weights (peft merge_and_unload): a model
+    directory transformers alone loads. Returns how many tensors it holds."""
     from peft import PeftModel
 
     from fp8dist.runtime.models import load_model
@@ -111,7 +113,17 @@ def write_merged(adapter_dir: Path, config: dict, model_name: str, dtype: str, d
                            "to merge into\n  fix: export without --merge (a PEFT adapter directory), or save with "
                            "model_name= (launch/train.py does)")
 
-    base = load_model(model_name, dtype, seed=config["train"]["seed"]).model
+    nf4 = config["adapter"].get("base_dtype") == "nf4"
+    base = load_model(model_name, config["precision"]["load_dtype"] if nf4 else dtype,
+                      seed=config["train"]["seed"]).model
+    if nf4:  # merge into the base the run computed with: its NF4 weights, dequantized, then in the export dtype
+        from fp8dist.backends.nf4 import dequantize_like_training
+        from fp8dist.config.load import load_config
+        from fp8dist.config.parallel import parallel_dims
+
+        dims = parallel_dims(load_config(config), world_size)
+        dequantize_like_training(base, dims.dp_shard * dims.cp)
+        base.to(torch_dtype(dtype))
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.to(torch_dtype(dtype)).save_pretrained(str(directory))
     return len(merged.state_dict())

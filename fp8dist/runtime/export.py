@@ -165,7 +165,8 @@ def _export_adapter(reader, manifest: dict, path: Path, scratch: Path, out: Path
         adapter_dir = Path(tempfile.mkdtemp(prefix="adapter-", dir=scratch))
         write_adapter(tensors, manifest["config"], model_name, adapter_dir)
         try:
-            count = write_merged(adapter_dir, manifest["config"], model_name, dtype, scratch)
+            count = write_merged(adapter_dir, manifest["config"], model_name, dtype, scratch,
+                                 world_size=manifest["world_size"])
         except Fp8distError:
             raise
         except Exception as exc:  # noqa: BLE001 - PEFT / transformers on the base read again: said, not a traceback

@@ -36,7 +36,9 @@ REFUSED = {"deepspeed-zero3-efficient": "parallel.activation_checkpointing", "fp
            # Accelerate's tensor parallel is transformers' tp_plan at load: no sequence parallel, FP8 converted after
            "fsdp2-tp-float8": "parallel.sequence_parallel",
            # Accelerate has no expert parallel
-           "fsdp2-moe-ep-mxfp8": "parallel.expert_size"}
+           "fsdp2-moe-ep-mxfp8": "parallel.expert_size",
+           # an NF4 base is fp8dist's own (torchao NF4); Accelerate's scripts load bitsandbytes 4-bit
+           "fsdp2-qlora": "adapter.base_dtype"}
 GPU_ONLY = {"deepspeed-fp16", "deepspeed-te", "te", "msamp-o1", "msamp-o2", "msamp-o3"}
 VARIANTS = {  # a refused example with the refused key changed: what Accelerate can run of it
     "fsdp2-torchao-float8-fp32-load": "engine: fsdp2\nprecision:\n  preset: torchao-float8\n  load_dtype: fp32\n"

@@ -99,6 +99,23 @@ def _loss_scaling(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
     return []
 
 
+def _quantized_base(spec: Spec) -> list[Issue]:
+    """adapter.base_dtype: nf4 runs on FSDP2 (fp8dist/backends/nf4.py; DeepSpeed's refusal is its rules'); what it
+    cannot run with on any engine is refused here."""
+    base, issues = spec.adapter.base_dtype, []
+    if base == "int8":
+        issues.append(Issue("adapter.base_dtype", "an 8-bit base (bitsandbytes LLM.int8) is not one fp8dist builds",
+                            "int8", "adapter.base_dtype=nf4 (QLoRA's 4-bit base, FSDP2), or auto"))
+    if base != "nf4":
+        return issues
+    if spec.fp8.enabled:
+        issues.append(Issue("adapter.base_dtype", f"an NF4 base's GEMMs dequantize it to the compute dtype; FP8 "
+                            f"(precision.fp8.backend={spec.fp8.backend}) would convert the same frozen Linears", "nf4",
+                            "precision.fp8.backend=none with an NF4 base (preset bf16), or adapter.base_dtype=auto "
+                            "for an FP8 base"))
+    return issues
+
+
 def _adapter(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
     """LoRA composes with torchao's float8 conversion (the frozen base Linears convert, the adapters do not: a
     module filter on the names). MS-AMP and Transformer Engine replace or wrap every Linear's weight in their
@@ -113,11 +130,7 @@ def _adapter(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
                                 f"({', '.join('adapter.' + k for k in extra)})", settings[extra[0]],
                                 "set adapter.kind=lora, or remove them"))
         return issues
-    if ad.base_dtype != "auto":
-        issues.append(Issue("adapter.base_dtype", f"a {ad.base_dtype} base (QLoRA) runs on bitsandbytes' CUDA "
-                            "kernels, which fp8dist does not run", ad.base_dtype,
-                            "set adapter.base_dtype=auto (the base stays in precision.load_dtype, or FP8 with "
-                            "precision.fp8.backend=torchao)"))
+    issues += _quantized_base(spec)
     backend = spec.fp8.backend
     if backend == "msamp":
         issues.append(Issue("precision.fp8.backend", "MS-AMP casts every Linear weight to its ScalingTensor and its "

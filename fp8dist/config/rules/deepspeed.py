@@ -10,7 +10,16 @@ from fp8dist.errors import Issue
 
 def check(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
     return [*_loss_scaling(spec, explicit), *_precision(spec), *_offload(spec), *_optimizer(spec),
-            *_parallel(spec), *_expert_parallel(spec)]
+            *_parallel(spec), *_expert_parallel(spec), *_quantized_base(spec)]
+
+
+def _quantized_base(spec: Spec) -> list[Issue]:
+    if not (spec.adapter.enabled and spec.adapter.base_dtype == "nf4"):
+        return []
+    return [Issue("adapter.base_dtype", "DeepSpeed casts and broadcasts every module parameter as a plain tensor "
+                  "(runtime/engine.py _configure_distributed_model), and ZeRO-3 partitions them into flat buffers: an "
+                  "NF4 base's packed codes survive neither", "nf4",
+                  "engine: fsdp2 for a QLoRA base, or adapter.base_dtype=auto")]
 
 
 def _loss_scaling(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:

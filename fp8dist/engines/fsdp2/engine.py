@@ -1,7 +1,7 @@
 """FSDP2 engine: execute the plan of fp8dist.translate.fsdp2 on a real model.
 
 The order of model transforms, written once here (torchtitan parallelize_llama, Accelerate fsdp2_prepare_model):
-upcast to the master dtype (FSDP2 wants one original dtype per group) -> float8 conversion -> tensor parallel on the
+upcast to the master dtype (FSDP2 wants one original dtype per group) -> a QLoRA base in NF4 -> float8 conversion -> tensor parallel on the
 mesh's `tp` axis (engines/fsdp2/tensor_parallel.py) -> MXFP8 conversion (after TP: torchao wraps DTensor weights) ->
 activation checkpointing -> torch.compile per block, in place -> fully_shard each block, then the root, on the data
 axes of the mesh -> (meta-built models) materialise the shards and load the weights -> the optimizer. Compiling blocks in place before sharding (torchtitan apply_compile: "per-TransformerBlock compile
@@ -190,6 +190,8 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
                            f"model's sequence and gives it the whole sequence's positions and shifted labels; "
                            f"{type(model).__name__} is not a transformers model that takes them\n  fix: "
                            "parallel.context_size=1 for this model")
+    if spec.adapter.enabled and spec.adapter.base_dtype == "nf4":  # QLoRA: the frozen base in NF4, before sharding
+        _quantize_base(model, dims.dp_shard * dims.cp)
     decisions = [] if backend.converts_after_tensor_parallel else backend.convert_module(model)
     if "tp" in (mesh.mesh_dim_names or ()):
         tp_plan = tensor_parallel.apply(model, mesh["tp"], sequence_parallel=sequence_parallel(spec))
@@ -249,6 +251,20 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
     return FSDP2Run(model, optimizer, backend, plan, spec, decisions, [name for name, _ in units], scaler,
                     audit=audit, first_step_audit=first_step_audit, tensor_parallel_plan=tp_plan,
                     cp_mesh=mesh["cp"] if "cp" in (mesh.mesh_dim_names or ()) else None, expert_parallel_plan=ep_plan)
+
+
+def _quantize_base(model, shards: int) -> None:
+    """The frozen Linears in NF4 (fp8dist/backends/nf4.py); the run says which stayed in their dtype and why."""
+    from fp8dist.backends.nf4 import quantize_frozen_base
+
+    quantized, kept = quantize_frozen_base(model, shards)
+    if not quantized:
+        raise Fp8distError(f"adapter.base_dtype=nf4: no frozen Linear of {type(model).__name__} fits NF4's blocks on "
+                           f"{shards} shard(s) ({'; '.join(f'{k}: {v}' for k, v in list(kept.items())[:3])})\n  fix: "
+                           "adapter.base_dtype=auto for this model")
+    if kept:
+        say("nf4_base", f"adapter.base_dtype=nf4: {len(quantized)} frozen Linears in NF4; kept in their dtype: "
+            + "; ".join(f"{name} ({why})" for name, why in kept.items()))
 
 
 def _check_tensor_parallel_model(model, spec: Spec, tp: int) -> None:

@@ -56,7 +56,11 @@ class FSDP2Facts:
         if spec.parallel.sharding == "replicate" or spec.parallel.shard_size == 1:
             row["weight_all_gather"] = ("none", "shard size 1 (parallel.sharding): nothing is sharded, nothing "
                                         "gathered")
-        if spec.adapter.enabled:
+        if spec.adapter.enabled and spec.adapter.base_dtype == "nf4":
+            row["frozen_weights"] = ("+".join(sorted((p.load_dtype, "nf4"))), "adapter.base_dtype=nf4: the frozen "
+                                     "Linears in NF4 (torchao's NF4Tensor codes and scales), the rest (embeddings, "
+                                     "norms, the output layer) in the load dtype")
+        elif spec.adapter.enabled:
             row["frozen_weights"] = (p.load_dtype, "frozen base weights are not upcast: only trainable parameters get "
                                      "the master dtype (torchao float8 keeps their storage, casting on the fly)")
         return row

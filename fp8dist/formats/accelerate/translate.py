@@ -88,6 +88,13 @@ def accelerate_plan(spec: Spec, mode: str = "file", *, deepspeed_version: str | 
         plan["deepspeed"] = _deepspeed_plan(spec, mode, deepspeed_version, issues, plan["notes"])
     if spec.fp8.enabled:
         plan["fp8"] = _fp8_plan(spec, mode, torchao_version, issues)
+    if spec.adapter.enabled and spec.adapter.base_dtype == "nf4":
+        issues.append(Refusal("adapter.base_dtype", "Accelerate has no setting for a quantized base: the script "
+                              "would load one with bitsandbytes, whose 4-bit weights FSDP2 trains wrong in uint8 "
+                              "storage (accelerate#3983) and corrupts in bf16 storage (bitsandbytes#1945); fp8dist "
+                              "quantizes its base with torchao's NF4 itself", "nf4",
+                              "train the NF4 base with fp8dist's FSDP2 runtime, or adapter.base_dtype=auto for "
+                              "Accelerate", nearest={"adapter.base_dtype": "auto"}))
     plan["compile"] = ({"backend": "inductor", "regional": spec.engine == "fsdp2"} if spec.compile else None)
     if issues:
         raise NotExpressible(issues, spec.source, mode)

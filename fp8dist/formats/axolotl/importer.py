@@ -14,7 +14,12 @@ Axolotl trains through transformers' Trainer and Accelerate, so its precision is
   the sequence (axolotl-ai-cloud/axolotl@067b021: transformers' tp_plan, or AutoTP under DeepSpeed; ring-flash-attn),
   the data-parallel sizes being what is left of the world size, as fp8dist's mesh has them;
 - expert_parallel_size splits each MoE layer's experts over that many ranks (its plugin, DeepEP), each of them reading
-  its own batch: fp8dist's parallel.expert_size.
+  its own batch: fp8dist's parallel.expert_size;
+- `adapter: qlora` + `load_in_4bit: true` is LoRA over a bitsandbytes NF4 base with its scales quantized too
+  (loaders/model.py _set_quantization_config: bnb_4bit_quant_type nf4, bnb_4bit_use_double_quant true, overridden by
+  bnb_config_kwargs): fp8dist's adapter.base_dtype nf4 (torchao's NF4, whose scales are always quantized);
+- `model_quantization_config: Mxfp4Config` with `model_quantization_config_kwargs: {dequantize: true}` (the gpt-oss
+  examples) dequantizes the MXFP4 checkpoint at load: the run trains 16-bit weights.
 Every key is in KEYS with its class (fp8dist/formats/keys.py: kept, no effect, refused); docs/import.md prints it.
 """
 from __future__ import annotations
@@ -23,9 +28,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fp8dist.errors import Issue
+from fp8dist.facts.torchao import NF4_BLOCK, NF4_SCALER_BLOCK
 from fp8dist.formats.accelerate.sections import fsdp_settings, note_accelerate_refusals
-from fp8dist.formats.common import (HF_OPTIMIZERS, Imported, ImportProblem, Notes, WrongShape, hf_optimizer, integer,
-                                   mapping, parallel_size, read_beside, stepped_dtype, truthy, yaml11_number)
+from fp8dist.formats.common import (HF_OPTIMIZERS, Imported, ImportProblem, Notes, WrongShape, dtype_name, hf_optimizer,
+                                   integer, mapping, parallel_size, read_beside, stepped_dtype, truthy, yaml11_number)
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
 from fp8dist.formats.keys import Table, disabled, kept, no_effect, refused
 
@@ -45,8 +51,16 @@ _WITH_ADAPTER = "read only with `adapter: lora`"
 # Axolotl's expert parallel (axolotl-ai-cloud/axolotl@067b021 src/axolotl/integrations/expert_parallel: its plugin's
 # DeepEP dispatch and combine; args.py ExpertParallelArgs)
 _DEEPEP = "DeepEP's {what}; fp8dist sends the tokens to their experts with torch's all-to-all"
-_ADAPTER = ("trains another kind of adapter than LoRA on a 16/32-bit base (qlora: a 4-bit bitsandbytes base; "
-            "llama-adapter, ...), which fp8dist's `adapter` section does not run")
+_ADAPTER = ("trains another kind of adapter than LoRA (llama-adapter, a plugin's), which fp8dist's `adapter` section "
+            "does not run")
+_WITH_QLORA = "read only with `adapter: qlora` and `load_in_4bit: true` (loaders/model.py _set_quantization_config)"
+# bitsandbytes' 4-bit options (transformers BitsAndBytesConfig) that bnb_config_kwargs may override: what each
+# changes in a QLoRA run fp8dist builds with torchao's NF4
+_NF4_SCALES = (f"fp8dist's NF4 always quantizes its scales (torchao to_nf4: one scale per {NF4_BLOCK} values, the "
+               f"scales in int8 per {NF4_SCALER_BLOCK})")
+_NF4_STORAGE = ("the dtype bitsandbytes packs its 4-bit codes into for FSDP / DeepSpeed; fp8dist's NF4 keeps its "
+                "codes in uint8 and FSDP2 shards them itself")
+_BNB_8BIT = "an option of bitsandbytes' 8-bit base (LLM.int8), read only with load_in_8bit"
 # What Axolotl uses for a left-out key (axolotl src/axolotl/utils/schemas/training.py HyperparametersConfig:
 # micro_batch_size 1, gradient_accumulation_steps 1; schemas/config.py sequence_len 512, bf16 `auto`), and what the
 # HF Trainer's TrainingArguments uses for max_grad_norm (transformers 5.24 training_args.py: 1.0).
@@ -93,20 +107,31 @@ KEYS = Table("Axolotl", {
     "optimizer": kept("optimizer.name / state_dtype (8-bit Adam: torchao AdamW8bit on FSDP2; paged_adamw_32bit / _8bit: "
                       "that AdamW, paging being memory management)", example="adamw_torch"),
     # refused: what fp8dist cannot keep
-    "adapter": refused(_ADAPTER, "use adapter: lora on a bf16 base, or keep training it with Axolotl",
-                       unless=lambda value: disabled(value) or value == "lora",
+    "adapter": refused(_ADAPTER, "use adapter: lora (or qlora with load_in_4bit), or keep training it with Axolotl",
+                       unless=lambda value: disabled(value) or value in ("lora", "qlora"),
                        otherwise="none: no adapter; lora: kept as adapter.kind lora (with lora_r, lora_alpha, "
-                                 "lora_dropout, lora_target_modules / lora_target_linear)", example="qlora"),
-    "load_in_4bit": refused("loads the frozen base in 4 bit (bitsandbytes, QLoRA)", "remove it: fp8dist trains from "
-                            "bf16/fp16/fp32 weights", unless=disabled, otherwise="off"),
-    "load_in_8bit": refused("loads the base in 8 bit (bitsandbytes)", "remove it: fp8dist trains from bf16/fp16/fp32 "
-                            "weights", unless=disabled, otherwise="off"),
+                                 "lora_dropout, lora_target_modules / lora_target_linear); qlora: the same over "
+                                 "adapter.base_dtype nf4", example="llama-adapter"),
+    "load_in_4bit": refused("a 4-bit base is built only with adapter: qlora (loaders/model.py "
+                            "_set_quantization_config); without it Axolotl refuses load_in_4bit (no adapter) or loads "
+                            "the base unquantized and still runs PEFT's prepare_model_for_kbit_training (adapter: "
+                            "lora; before axolotl@aa1240a: transformers' default 4-bit base, FP4), neither of which "
+                            "fp8dist builds", "write adapter: qlora (fp8dist: adapter.base_dtype nf4), or remove "
+                            "load_in_4bit", unless=disabled, otherwise="off"),
+    "load_in_8bit": refused("an 8-bit bitsandbytes base (LLM.int8; fp8dist's adapter.base_dtype int8), which fp8dist "
+                            "does not build", "remove it (LoRA over the 16-bit base), or use adapter: qlora with "
+                            "load_in_4bit: true (fp8dist's NF4 base)", unless=disabled, otherwise="off"),
+    "bnb_config_kwargs": kept("adapter.base_dtype nf4's settings (bitsandbytes' 4-bit options over Axolotl's: nf4, "
+                              "double quantization, storage)", example={"bnb_4bit_quant_type": "nf4"}),
     "gptq": refused("trains a GPTQ-quantised model", "start from the unquantised model", unless=disabled,
                     otherwise="off"),
-    "model_quantization_config": refused("quantises the model's weights at load", "remove it", unless=disabled,
+    "model_quantization_config": refused("loads the model quantised (MXFP4, FP8) and trains on those weights; only "
+                                         "Mxfp4Config with dequantize: true, which dequantizes the checkpoint at load, "
+                                         "trains 16-bit weights", "remove it, or for an MXFP4 checkpoint (gpt-oss) set "
+                                         "model_quantization_config_kwargs: {dequantize: true}", unless=disabled,
                                          otherwise="none", example="Mxfp4Config"),
-    "model_quantization_config_kwargs": refused("quantises the model's weights at load", "remove it", unless=disabled,
-                                                otherwise="none", example={"dequantize": True}),
+    "model_quantization_config_kwargs": no_effect("read only with model_quantization_config (loaders/model.py "
+                                                  "_set_quantization_config)", example={"dequantize": True}),
     "quantize_moe_experts": refused("quantises the MoE experts' weights", "remove it", unless=disabled,
                                     otherwise="off"),
     "qat": refused("quantization-aware training (fake-quantised weights and activations)", "remove the qat section: "
@@ -237,7 +262,7 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
         except ImportProblem as exc:  # reported with the file's other problems
             issues.extend(exc.issues)
             ds = {}
-        if (ds.get("zero_optimization") or {}).get("stage") == 3 and cfg.get("adapter") == "lora":
+        if (ds.get("zero_optimization") or {}).get("stage") == 3 and cfg.get("adapter") in _LORA_KINDS:
             notes.resolved("parallel.cpu_ram_efficient_loading", False, "under ZeRO-3 the HF Trainer builds the model "
                            "inside deepspeed.zero.Init; fp8dist adds LoRA adapters to a fully loaded model, then "
                            "partitions it (the result is the same partitioned base)")
@@ -267,7 +292,7 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
             precision = {"mixed_precision": compute, "master_weights": "none", "reduce_dtype": load_dtype}
             notes.resolved("(no fsdp_config or deepspeed)", "parallel.sharding=replicate", "Axolotl runs DDP, which "
                            "fp8dist runs as FSDP2 with nothing sharded; the optimizer steps the weights as loaded")
-            if cfg.get("adapter") == "lora" and mixed != "no":
+            if cfg.get("adapter") in _LORA_KINDS and mixed != "no":
                 # PEFT creates the adapters in fp32 over a 16-bit base (peft 0.21 get_peft_model
                 # autocast_adapter_dtype=True, which Axolotl keeps) and the Trainer autocasts the forward
                 precision.update(master_weights="fp32", reduce_dtype="fp32")
@@ -290,10 +315,11 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
                        "Axolotl passes AORecipeKwargs(Float8LinearConfig(...)) to Accelerate")
     elif all_gather:
         notes.dropped("fp8_enable_fsdp_float8_all_gather", True, "acts only with fp8: true")
+    _dequantized_checkpoint(cfg, load_dtype, notes)
     _compile(cfg, out)
     _checkpointing(cfg, out, notes)
     _train_and_optimizer(cfg, out, notes, issues, bool(deepspeed))
-    _adapter(cfg, out, notes, issues)
+    _adapter(cfg, out, load_dtype, notes, issues)
     for key, value in cfg.items():
         KEYS.settle(key, value, notes, issues)
     if issues:
@@ -303,6 +329,7 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
 
 
 _LORA = {"lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout"}
+_LORA_KINDS = ("lora", "qlora")  # both train LoRA adapters; qlora over a 4-bit base
 # What Axolotl's union with lora_target_linear can add beyond PEFT's all-linear (axolotl loaders/adapter.py
 # load_lora: target_modules + find_all_linear_names, which leaves the output layer out): output layers and
 # embeddings named by hand.
@@ -310,12 +337,21 @@ _NOT_IN_ALL_LINEAR = {"lm_head", "embed_tokens", "embed_out", "wte", "wpe", "out
 _LORA_TARGETS = ("lora_target_modules", "lora_target_linear")
 
 
-def _adapter(cfg: dict[str, Any], out: dict[str, Any], notes: Notes, issues: list[Issue]) -> None:
-    """`adapter: lora` and its keys -> `adapter`. Axolotl targets lora_target_modules plus, with lora_target_linear,
-    every Linear but the output layer (axolotl loaders/adapter.py load_lora, find_all_linear_names): fp8dist's `auto`.
-    Other kinds (`qlora`, ...) and 4/8-bit bases are refused by KEYS; without an adapter the lora_* keys are noted."""
+def _adapter(cfg: dict[str, Any], out: dict[str, Any], load_dtype: str, notes: Notes, issues: list[Issue]) -> None:
+    """`adapter: lora` / `qlora` and their keys -> `adapter`. Axolotl targets lora_target_modules plus, with
+    lora_target_linear, every Linear but the output layer (axolotl loaders/adapter.py load_lora,
+    find_all_linear_names): fp8dist's `auto`. qlora with load_in_4bit is the same LoRA over an NF4 base; other kinds
+    and the 4/8-bit bases of other adapters are refused by KEYS; without an adapter the lora_* keys are noted."""
     kind = cfg.pop("adapter", None)
-    if kind != "lora":
+    bnb_options = cfg.pop("bnb_config_kwargs", None)
+    nf4 = kind == "qlora" and bool(truthy(cfg.get("load_in_4bit")))
+    if bnb_options is not None and not nf4:
+        notes.dropped("bnb_config_kwargs", bnb_options, _WITH_QLORA)
+    if kind == "qlora" and not nf4:
+        issues.append(Issue("adapter", "qlora without load_in_4bit: Axolotl refuses it (utils/schemas/peft.py "
+                            "validate_qlora: \"Require cfg.load_in_4bit to be True for qlora\")", kind,
+                            "add load_in_4bit: true (fp8dist: adapter.base_dtype nf4), or write adapter: lora"))
+    if kind not in _LORA_KINDS:
         KEYS.refuse("adapter", kind, issues)
         for key, value in {key: cfg.pop(key) for key in [k for k in cfg if k.startswith("lora_")]}.items():
             if value is not None:
@@ -324,6 +360,14 @@ def _adapter(cfg: dict[str, Any], out: dict[str, Any], notes: Notes, issues: lis
     mapped = {key: cfg.pop(key) for key in [*_LORA, *_LORA_TARGETS] if key in cfg}
     adapter = {"kind": "lora", **{_LORA[key]: value for key, value in mapped.items() if key in _LORA
                                   and value is not None}}
+    if nf4:
+        cfg.pop("load_in_4bit")
+        adapter["base_dtype"] = "nf4"
+        notes.resolved("adapter: qlora, load_in_4bit", "adapter.kind=lora, base_dtype=nf4", "Axolotl's QLoRA: "
+                       "bitsandbytes NF4 with double quantization for every Linear but the output layer, computed in "
+                       "the load dtype; fp8dist quantizes the frozen Linears but the output layer and MoE routers "
+                       "with torchao's NF4 at load (FSDP2 only)")
+        _nf4_options(bnb_options, load_dtype, notes, issues)
     modules = mapped.get("lora_target_modules")
     modules = [modules] if isinstance(modules, str) else list(modules or [])
     outside = [name for name in modules if name in _NOT_IN_ALL_LINEAR]
@@ -342,6 +386,54 @@ def _adapter(cfg: dict[str, Any], out: dict[str, Any], notes: Notes, issues: lis
                             "which fp8dist does not guess", modules, "set lora_target_linear: true (fp8dist: "
                             "target_modules auto) or list lora_target_modules"))
     out["adapter"] = adapter
+
+
+def _nf4_options(options: Any, load_dtype: str, notes: Notes, issues: list[Issue]) -> None:
+    """bnb_config_kwargs: Axolotl updates its QLoRA BitsAndBytesConfig with them (loaders/model.py
+    _set_quantization_config: nf4, double quantization, compute dtype = the load dtype, storage bf16)."""
+    for key, value in mapping(options, "bnb_config_kwargs").items():
+        shown = f"bnb_config_kwargs.{key}"
+        if value is None:
+            continue
+        if key == "bnb_4bit_quant_type" and value != "nf4":
+            issues.append(Issue(shown, "bitsandbytes' FP4 data type, not NF4: fp8dist's 4-bit base is NF4 only",
+                                value, "write nf4 (Axolotl's default), or remove it"))
+        elif key == "bnb_4bit_use_double_quant" and not truthy(value):
+            notes.dropped(shown, value, _NF4_SCALES)
+        elif key == "bnb_4bit_quant_storage":
+            notes.dropped(shown, value, _NF4_STORAGE)
+        elif key == "bnb_4bit_compute_dtype" and dtype_name(value) != load_dtype:
+            issues.append(Issue(shown, f"computes the 4-bit GEMMs in another dtype than the model loads in "
+                                f"({load_dtype}); fp8dist dequantizes its NF4 base to the run's compute dtype", value,
+                                "remove it (Axolotl's default: the load dtype)"))
+        elif key in ("llm_int8_threshold", "llm_int8_has_fp16_weight", "llm_int8_enable_fp32_cpu_offload"):
+            notes.dropped(shown, value, _BNB_8BIT)
+        elif key not in ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype"):
+            issues.append(Issue(shown, "changes which modules bitsandbytes quantizes, or how, beyond the NF4 options "
+                                "fp8dist maps (quant type nf4, double quantization, storage, compute dtype)", value,
+                                "remove it: fp8dist's NF4 base covers every frozen Linear but the output layer and "
+                                "MoE routers"))
+
+
+def _dequantized_checkpoint(cfg: dict[str, Any], load_dtype: str, notes: Notes) -> None:
+    """`model_quantization_config: Mxfp4Config` with `dequantize: true` (Axolotl's gpt-oss examples): transformers
+    dequantizes the MXFP4 checkpoint as it loads it, so the run trains 16-bit weights. Any other quantization config
+    is left to KEYS, which refuses it."""
+    kwargs = cfg.get("model_quantization_config_kwargs")
+    if cfg.get("model_quantization_config") != "Mxfp4Config" or not isinstance(kwargs, Mapping) \
+            or not truthy(kwargs.get("dequantize")):
+        return
+    cfg.pop("model_quantization_config")
+    cfg.pop("model_quantization_config_kwargs")
+    notes.resolved("model_quantization_config: Mxfp4Config, dequantize: true", f"{load_dtype} weights",
+                   f"transformers dequantizes the MXFP4 checkpoint to the load dtype ({load_dtype}) as it loads it "
+                   "(transformers 5.24 integrations/mxfp4.py Mxfp4Dequantize), and the run trains those; fp8dist "
+                   "loads with from_pretrained and no quantization_config: give it the checkpoint dequantized (as "
+                   "Axolotl's gpt-oss-120b example does: axolotl-ai-co/gpt-oss-120b-dequantized)")
+    for key, value in kwargs.items():
+        if key != "dequantize":
+            notes.dropped(f"model_quantization_config_kwargs.{key}", value, "an MXFP4 option; dequantized, no "
+                          "weight stays MXFP4")
 
 
 def _batch_defaults(cfg: dict[str, Any], notes: Notes) -> None:

@@ -22,7 +22,11 @@ transformers 5.24 training_args.py):
 - `use_peft: true` is TRL's get_peft_model_config -> peft.LoraConfig(r=lora_r (16), lora_alpha (32),
   lora_dropout (0.05), target_modules=lora_target_modules, ...) (trl/trainer/utils.py get_peft_config); PEFT makes
   the adapters fp32 over a 16-bit base (peft get_peft_model autocast_adapter_dtype=True; TRL turns that off only
-  under ZeRO-3, trl/trainer/sft_trainer.py).
+  under ZeRO-3, trl/trainer/sft_trainer.py);
+- `load_in_4bit: true` with `use_peft: true` is QLoRA: get_quantization_config builds BitsAndBytesConfig(load_in_4bit,
+  bnb_4bit_quant_type (nf4), bnb_4bit_use_double_quant=use_bnb_nested_quant (false), bnb_4bit_quant_storage,
+  compute dtype = dtype) (trl/trainer/utils.py), and the trainers then cast the trainable adapters to bf16
+  (sft_trainer.py, dpo_trainer.py: `_is_quantized_model`): fp8dist's adapter.base_dtype nf4.
 Every key is in KEYS with its class (fp8dist/formats/keys.py: kept, no effect, refused); docs/import.md prints it.
 """
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any, Mapping
 
 from fp8dist.errors import Issue
 from fp8dist.facts.peft import PEFT_ALL_LINEAR
+from fp8dist.facts.torchao import NF4_BLOCK, NF4_SCALER_BLOCK
 from fp8dist.formats.accelerate.sections import fsdp_settings, note_accelerate_refusals
 from fp8dist.formats.common import (Imported, ImportProblem, Notes, WrongShape, dtype_name, hf_optimizer, integer,
                                    mapping, read_beside, stepped_dtype, truthy, yaml11_number)
@@ -59,7 +64,11 @@ _LAUNCH = "a launch or process setting, not one of the run's numerics or layout"
 _TF32 = ("with fp32 compute it turns every matmul into TF32 (10-bit mantissa; transformers training_args.py "
          "enable_tf32), which fp8dist does not do")
 _WITH_PEFT = "read only with `use_peft: true` (trl/trainer/utils.py get_peft_config)"
-_WITH_4BIT = "read only with load_in_4bit (trl get_quantization_config)"
+_WITH_4BIT = "read only with load_in_4bit and use_peft (trl get_quantization_config)"
+_NF4_SCALES = (f"fp8dist's NF4 always quantizes its scales (torchao to_nf4: one scale per {NF4_BLOCK} values, the "
+               f"scales in int8 per {NF4_SCALER_BLOCK})")
+_NF4_STORAGE = ("the dtype bitsandbytes packs its 4-bit codes into for FSDP / DeepSpeed; fp8dist's NF4 keeps its "
+                "codes in uint8 and FSDP2 shards them itself")
 _VLLM = ("the tensor parallel of vLLM's generation (trl/scripts/vllm_serve.py ScriptArguments; GRPOConfig's "
          "vllm_tensor_parallel_size), not the trainer's: the training layout does not change")
 
@@ -105,10 +114,13 @@ KEYS = Table("TRL", {
     "lora_target_modules": kept("adapter.target_modules (`all-linear`: auto; a list: those names)",
                                 example=["q_proj", "v_proj"]),
     # refused: what fp8dist cannot keep
-    "load_in_4bit": refused("loads the frozen base in 4 bit (bitsandbytes, QLoRA)", "remove it: fp8dist trains from "
-                            "bf16/fp16/fp32 weights", unless=disabled, otherwise="off"),
-    "load_in_8bit": refused("loads the base in 8 bit (bitsandbytes)", "remove it: fp8dist trains from bf16/fp16/fp32 "
-                            "weights", unless=disabled, otherwise="off"),
+    "load_in_4bit": refused("a 4-bit base without use_peft: TRL quantizes the model anyway (get_quantization_config) "
+                            "and the HF Trainer refuses to train a purely quantized model", "set use_peft: true "
+                            "(QLoRA; fp8dist: adapter.base_dtype nf4), or remove load_in_4bit", unless=disabled,
+                            otherwise="off"),
+    "load_in_8bit": refused("an 8-bit bitsandbytes base (LLM.int8; fp8dist's adapter.base_dtype int8), which fp8dist "
+                            "does not build", "remove it (LoRA over the 16-bit base), or use load_in_4bit: true with "
+                            "use_peft (fp8dist's NF4 base)", unless=disabled, otherwise="off"),
     "use_dora": refused("DoRA adapters (a trained magnitude vector beside LoRA)", "remove it", unless=disabled,
                         otherwise="off"),
     "use_rslora": refused("rank-stabilised LoRA: scales the update by alpha / sqrt(r), not alpha / r",
@@ -234,6 +246,7 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
     load_dtype = _load_dtype(cfg, notes, issues)
     bf16, fp16 = _half_precision(cfg, notes, issues)
     peft = bool(truthy(cfg.get("use_peft", False)))
+    nf4 = peft and bool(truthy(cfg.get("load_in_4bit", False)))
     mixed = "bf16" if bf16 else "fp16" if fp16 else "no"
     compute = mixed if mixed != "no" else load_dtype
     _tf32(cfg, compute, notes, issues)
@@ -274,7 +287,9 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
                            + ("PEFT's adapters are trained" if peft else stepped) + ". A launch with "
                            "`accelerate launch --config_file` (the alignment-handbook's zero3.yaml, fsdp.yaml) "
                            "decides another layout: import that file for it")
-            if peft and mixed != "no":
+            if nf4:
+                _bf16_adapters(precision, load_dtype, notes, issues)
+            elif peft and mixed != "no":
                 # PEFT creates the adapters in fp32 over a 16-bit base (peft get_peft_model autocast_adapter_dtype=
                 # True, which TRL keeps outside ZeRO-3) and the Trainer autocasts the forward
                 precision.update(master_weights="fp32", reduce_dtype="fp32")
@@ -298,6 +313,8 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
     _checkpointing(cfg, out, notes)
     _train_and_optimizer(cfg, out, notes, issues, bool(deepspeed))
     _adapter(cfg, out, notes, issues, peft)
+    if nf4:
+        _nf4_base(cfg, out, load_dtype, notes, issues)
     for key, value in cfg.items():
         KEYS.settle(key, value, notes, issues)
     if issues:
@@ -536,6 +553,40 @@ def _seq_len(cfg: dict[str, Any], train: dict[str, Any], notes: Notes) -> None:
         notes.dropped(key, None, "null: sequences are not truncated; fp8dist's synthetic batches take train.seq_len")
         return
     train["seq_len"] = integer(value, key)
+
+
+def _nf4_base(cfg: dict[str, Any], out: dict[str, Any], load_dtype: str, notes: Notes, issues: list[Issue]) -> None:
+    """load_in_4bit with use_peft and ModelConfig's bnb_* keys -> adapter.base_dtype nf4 (get_quantization_config)."""
+    cfg.pop("load_in_4bit")
+    out["adapter"]["base_dtype"] = "nf4"
+    notes.resolved("load_in_4bit", "adapter.base_dtype=nf4", f"TRL's QLoRA: bitsandbytes 4-bit for every Linear but "
+                   f"the output layer, computed in {load_dtype} (get_quantization_config); fp8dist quantizes the "
+                   "frozen Linears but the output layer and MoE routers with torchao's NF4 at load (FSDP2 only)")
+    kind = cfg.pop("bnb_4bit_quant_type", None)
+    if kind not in (None, "nf4"):
+        issues.append(Issue("bnb_4bit_quant_type", "bitsandbytes' FP4 data type, not NF4: fp8dist's 4-bit base is NF4 "
+                            "only", kind, "write nf4 (TRL's default), or remove it"))
+    nested = cfg.pop("use_bnb_nested_quant", None)
+    if not truthy(nested):
+        notes.dropped("use_bnb_nested_quant", False if nested is None else nested,
+                      ("left out: TRL's default false; " if nested is None else "") + _NF4_SCALES)
+    storage = cfg.pop("bnb_4bit_quant_storage", None)
+    if storage is not None:
+        notes.dropped("bnb_4bit_quant_storage", storage, _NF4_STORAGE)
+
+
+def _bf16_adapters(precision: dict[str, Any], load_dtype: str, notes: Notes, issues: list[Issue]) -> None:
+    """Without FSDP or DeepSpeed: over a 4-bit base TRL casts the trainable adapters to bf16 (the QLoRA paper's
+    choice; sft_trainer.py / dpo_trainer.py `_is_quantized_model`), which the Trainer steps as they are."""
+    if load_dtype != "bf16":
+        issues.append(Issue("load_in_4bit", f"over a 4-bit base TRL casts the LoRA adapters to bf16 while the rest of "
+                            f"the model loads in {load_dtype}; fp8dist keeps the adapters in the load dtype (or fp32 "
+                            "masters)", True, "write dtype: bfloat16 with load_in_4bit"))
+        return
+    precision.update(master_weights="none", reduce_dtype="bf16")
+    notes.resolved("load_in_4bit", "precision.master_weights=none, reduce_dtype=bf16", "over a 4-bit base TRL casts "
+                   "the LoRA adapters to bf16 (trl/trainer/sft_trainer.py), which the optimizer steps with no fp32 "
+                   "copy and DDP reduces in bf16")
 
 
 def _adapter(cfg: dict[str, Any], out: dict[str, Any], notes: Notes, issues: list[Issue], peft: bool) -> None:

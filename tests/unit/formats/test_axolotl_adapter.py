@@ -1,5 +1,5 @@
-"""Axolotl `adapter: lora` and its lora_* keys import into fp8dist's `adapter`; other adapters and quantised bases
-are refused naming the key."""
+"""Axolotl `adapter: lora` (or qlora) and its lora_* keys import into fp8dist's `adapter`; other adapters and other
+quantised bases are refused naming the key (QLoRA itself: test_qlora_import.py)."""
 import pytest
 import yaml
 
@@ -33,7 +33,10 @@ def test_lora_keys_without_an_adapter_are_noted(tmp_path):
 
 
 @pytest.mark.parametrize("document, keys", [
-    ({"adapter": "qlora", "load_in_4bit": True, "lora_target_linear": True}, {"adapter", "load_in_4bit"}),
+    # lora + load_in_4bit: Axolotl builds no 4-bit base for it (qlora only); qlora without load_in_4bit: it refuses
+    ({"adapter": "lora", "load_in_4bit": True, "lora_target_linear": True}, {"load_in_4bit"}),
+    ({"adapter": "qlora", "lora_target_linear": True}, {"adapter"}),
+    ({"adapter": "llama-adapter"}, {"adapter"}),
     ({"adapter": "lora", "load_in_8bit": True, "lora_target_linear": True}, {"load_in_8bit"}),
     ({"adapter": "lora"}, {"lora_target_modules"}),  # no target: Axolotl's choice is PEFT's per-model default
     ({"adapter": "lora", "lora_target_linear": True, "lora_model_dir": "out/"}, {"lora_model_dir"}),

@@ -33,22 +33,23 @@ REFUSED = {
     "axolotl/axolotl__examples_archived_dbrx_8bit-lora.yaml": ["load_in_8bit"],
     "axolotl/axolotl__examples_archived_dbrx_fft-ds-zero3.yaml": ["optimizer", "unfrozen_parameters"],
     "axolotl/axolotl__examples_archived_openllama-3b_lora.yml": ["load_in_8bit"],
-    "axolotl/axolotl__examples_gpt-oss_gpt-oss-20b-fft-deepspeed-zero3.yaml": ["optimizer", "model_quantization_config", "model_quantization_config_kwargs"],
-    "axolotl/axolotl__examples_gpt-oss_gpt-oss-20b-fft-fsdp2-offload.yaml": ["model_quantization_config", "model_quantization_config_kwargs"],
-    "axolotl/axolotl__examples_jamba_qlora_deepspeed.yaml": ["optimizer", "load_in_4bit", "adapter"],
-    "axolotl/axolotl__examples_jamba_qlora_fsdp_large.yaml": ["load_in_4bit", "adapter"],
+    # Mxfp4Config with dequantize: true trains the dequantized weights: refused for the 8-bit Adam under DeepSpeed only
+    "axolotl/axolotl__examples_gpt-oss_gpt-oss-20b-fft-deepspeed-zero3.yaml": ["optimizer"],
+    # QLoRA (adapter: qlora + load_in_4bit) imports as an NF4 base; these are refused for their other keys
+    "axolotl/axolotl__examples_jamba_qlora_deepspeed.yaml": ["optimizer"],
+    "axolotl/axolotl__examples_jamba_qlora_fsdp_large.yaml": ["parallel.cpu_ram_efficient_loading"],
     "axolotl/axolotl__examples_kimi-linear_kimi-48b-lora.yaml": ["load_in_8bit"],
     "axolotl/axolotl__examples_llama-2_gptq-lora.yml": ["gptq"],
     "axolotl/axolotl__examples_llama-2_lora.yml": ["load_in_8bit"],
-    "axolotl/axolotl__examples_llama-2_qlora-fsdp.yml": ["load_in_4bit", "adapter"],
+    "axolotl/axolotl__examples_llama-2_qlora-fsdp.yml": ["parallel.cpu_ram_efficient_loading"],
     "axolotl/axolotl__examples_llama-3_3b-qat-fsdp2.yaml": ["qat"],
     "axolotl/axolotl__examples_llama-3_3b-qat-nvfp4.yaml": ["qat"],
     "axolotl/axolotl__examples_llama-3_lora-1b-ray.yml": ["optimizer"],
-    "axolotl/axolotl__examples_llama-3_qlora-fsdp-70b.yaml": ["load_in_4bit", "adapter"],
+    "axolotl/axolotl__examples_llama-3_qlora-fsdp-70b.yaml": ["parallel.cpu_ram_efficient_loading"],
     "axolotl/axolotl__examples_mistral_bigstral_bigstral-ds-zero3.yaml": ["optimizer", "unfrozen_parameters"],
-    "axolotl/axolotl__examples_mistral_mixtral_mixtral.yml": ["optimizer", "load_in_4bit", "adapter"],
+    "axolotl/axolotl__examples_mistral_mixtral_mixtral.yml": ["optimizer"],
     "axolotl/axolotl__examples_mistral_mixtral_mixtral_22.yml": ["optimizer", "unfrozen_parameters"],
-    "axolotl/axolotl__examples_nemotron-h_nano-30b-a3b-qlora-cp.yaml": ["optimizer", "load_in_4bit", "quantize_moe_experts", "adapter"],
+    "axolotl/axolotl__examples_nemotron-h_nano-30b-a3b-qlora-cp.yaml": ["optimizer", "quantize_moe_experts"],
     "axolotl/axolotl__examples_qwen3_reward-model.yaml": ["optimizer"],
     "deepspeed/deepspeedexamples__compression_cifar_config_ds_config.json": ["train_batch_size"],
     "deepspeed/deepspeedexamples__inference_sglang_ds_offload_nvme_aio.json": ["train_batch_size"],
@@ -63,10 +64,9 @@ REFUSED = {
     "deepspeed/ms-amp__examples_ds_config_zero_msamp.json": ["train_batch_size"],
     "deepspeed/ms-amp__examples_ds_config_zero_te_msamp.json": ["train_batch_size"],
     "trl/alignment-handbook__recipes_constitutional-ai_dpo_config_anthropic.yaml": ["optim"],
-    "trl/alignment-handbook__recipes_zephyr-141b-A35b_orpo_config_qlora.yaml": ["load_in_4bit"],
     "trl/alignment-handbook__recipes_zephyr-7b-beta_dpo_config_lora.yaml": ["torch_dtype", "optim"],
-    "trl/alignment-handbook__recipes_zephyr-7b-beta_dpo_config_qlora.yaml": ["load_in_4bit"],
-    "trl/alignment-handbook__recipes_zephyr-7b-beta_sft_config_qlora.yaml": ["load_in_4bit"],
+    # QLoRA: TRL casts the adapters to bf16 over the 4-bit base, and paged_adamw_32bit keeps fp32 states over them
+    "trl/alignment-handbook__recipes_zephyr-7b-beta_dpo_config_qlora.yaml": ["optim"],
     "peft/bert-gpt2-multitask-finetuning__adapter_config.json": ["modules_to_save", "task_type"],
     "peft/fine-tuning-gemma-2-9b-it-on-healthcare-dataset-using-qlora-trl-kaggle-p100-__adapter_config.json":
         ["layers_to_transform"],
@@ -80,6 +80,7 @@ AXOLOTL_LOAD_DTYPE = {
     "axolotl/axolotl__examples_archived_stablelm-2_1.6b_fft.yml": "bf16",  # bf16: auto
     "axolotl/axolotl__examples_eaft_eaft-example.yml": "bf16",  # bf16: auto
     "axolotl/axolotl__examples_gpt-oss_gpt-oss-120b-fft-fsdp2-offload.yaml": "bf16",
+    "axolotl/axolotl__examples_gpt-oss_gpt-oss-20b-fft-fsdp2-offload.yaml": "bf16",  # bf16: true, MXFP4 dequantized
     "axolotl/axolotl__examples_llama-3_3b-fp8-fsdp2.yaml": "bf16",  # no bf16 key: Axolotl's default auto
     "axolotl/axolotl__examples_qwen2_adamw-pretrain-fsdp2.yaml": "bf16",  # bf16: auto
     "axolotl/axolotl__examples_mistral_mps_lora-mps.yml": "bf16",  # bf16: auto

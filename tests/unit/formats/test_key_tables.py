@@ -36,7 +36,8 @@ AXOLOTL_CONTEXT = {"fp8_enable_fsdp_float8_all_gather": {"fp8": True, **FSDP2}, 
                    **{key: {"adapter": "lora", "lora_target_linear": True} for key in (
                        "lora_r", "lora_alpha", "lora_dropout", "lora_fan_in_fan_out", "lora_model_dir", "lora_modules_to_save",
                        "lora_target_parameters", "peft_use_rslora", "peft_layers_to_transform")},
-                   "lora_target_modules": {"adapter": "lora"}, "lora_target_linear": {"adapter": "lora"}}
+                   "lora_target_modules": {"adapter": "lora"}, "lora_target_linear": {"adapter": "lora"},
+                   "bnb_config_kwargs": {"adapter": "qlora", "load_in_4bit": True, "lora_target_linear": True}}
 ACCELERATE_CONTEXT = {"fp8_config": {"mixed_precision": "fp8"}}
 TRL_LORA = {"use_peft": True, "lora_target_modules": "all-linear"}
 TRL_CONTEXT = {"tf32": {"bf16": False}, "fp16": {"bf16": False}, "fsdp_config": {"fsdp": "full_shard"},

@@ -143,8 +143,8 @@ def test_flags_with_bad_values_or_for_files_that_say_them_are_refused_naming_the
 
 # -- item 9: every problem at once, paged AdamW ------------------------------------------------------------------
 @pytest.mark.parametrize("kind, document, named", [
-    ("axolotl", {"base_model": "x", "deepspeed": "missing/zero3.json", "load_in_4bit": True, "adapter": "qlora"},
-     {"deepspeed", "load_in_4bit", "adapter"}),
+    ("axolotl", {"base_model": "x", "deepspeed": "missing/zero3.json", "load_in_8bit": True, "adapter": "qlora"},
+     {"deepspeed", "load_in_8bit", "adapter"}),
     ("trl", {"model_name_or_path": "x", "deepspeed": "missing/zero3.json", "load_in_4bit": True,
              "torch_dtype": "bfloat16"}, {"deepspeed", "load_in_4bit"}),
     ("accelerate", {"distributed_type": "DEEPSPEED", "mixed_precision": "fp7",

@@ -168,7 +168,7 @@ def test_lora_keys_without_use_peft_are_noted(tmp_path):
 
 
 @pytest.mark.parametrize("document, keys", [
-    ({"load_in_4bit": True, **LORA}, {"load_in_4bit"}),  # QLoRA
+    ({"load_in_4bit": True}, {"load_in_4bit"}),  # a quantized base without adapters
     ({"load_in_8bit": True, **LORA}, {"load_in_8bit"}),
     ({"use_dora": True, **LORA}, {"use_dora"}),
     ({"use_rslora": True, **LORA}, {"use_rslora"}),
@@ -237,10 +237,10 @@ def test_the_printed_output_round_trips_through_validate(tmp_path):
 
 
 def test_a_refused_recipe_exits_2_and_writes_nothing(tmp_path):
-    recipe = ROOT / "tests/data/corpus/trl/alignment-handbook__recipes_zephyr-7b-beta_sft_config_qlora.yaml"
+    recipe = ROOT / "tests/data/corpus/trl/alignment-handbook__recipes_zephyr-7b-beta_dpo_config_lora.yaml"
     out = tmp_path / "out.yaml"
     result = run_cli("import", str(recipe), "-o", str(out))
-    assert result.returncode == 2 and "load_in_4bit" in result.stderr and not out.exists()
+    assert result.returncode == 2 and "torch_dtype" in result.stderr and not out.exists()
 
 
 def test_import_of_a_recipe_does_not_import_torch():

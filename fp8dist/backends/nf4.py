@@ -1,0 +1,87 @@
+"""QLoRA's frozen base in NF4 (`adapter.base_dtype: nf4`): every frozen nn.Linear weight of an adapter run, but the
+output layer and MoE routers, quantized at load with torchao's NF4 (fp8dist/facts/torchao.py NF4_BLOCK: 4-bit codes,
+a scale per 64 values, the scales in int8 per 256), about 0.52 bytes per value instead of 2.
+
+Why torchao's NF4Tensor and not bitsandbytes' Params4bit: NF4Tensor is a tensor subclass FSDP2 shards and all-gathers
+itself (torchao 0.18 nf4_tensor.py `fsdp_pre_all_gather` / `fsdp_post_all_gather`: the codes, scales and factors each
+gathered, torchtune's QLoRA recipe), it runs forward and backward on any device in plain torch (`F.linear` of the
+weight dequantized to the input's dtype; no weight gradient), and it re-quantizes to the same bytes from the same
+weights (a resume reads the base again). Params4bit packs its codes into a float storage for FSDP (bitsandbytes
+docs/source/fsdp_qlora.md), which FSDP2's parameter handling corrupts (NaN canonicalisation of packed bf16 bytes,
+bitsandbytes#1945), and with the default uint8 storage FSDP2 trains silently wrong (accelerate#3983).
+
+A weight stays in its load dtype when it does not split into NF4's blocks on this mesh (`nf4_unfit`); the run says
+which. The base's bytes are what the audit reads back (fp8dist/backends/storage.py: NF4Tensor's buffers).
+"""
+from __future__ import annotations
+
+from fp8dist.backends.module_filter import linear_infos
+from fp8dist.facts.torchao import NF4_BLOCK, NF4_SCALER_BLOCK
+
+NF4_GROUP = NF4_BLOCK * NF4_SCALER_BLOCK  # values per scaler block: the unit a weight and each shard must hold
+
+
+def nf4_unfit(out_features: int, in_features: int, shards: int) -> str | None:
+    """Why a [out, in] weight cannot be an NF4 base sharded over `shards` ranks, or None when it can."""
+    numel = out_features * in_features
+    if numel % NF4_GROUP:
+        return f"{out_features}x{in_features} is not a whole number of NF4 scaler blocks ({NF4_BLOCK}x{NF4_SCALER_BLOCK})"
+    if (numel // NF4_GROUP) % shards or out_features % shards:
+        return (f"its {numel // NF4_GROUP} NF4 scaler block(s) and {out_features} rows do not split over {shards} "
+                "shards")
+    return None
+
+
+def output_layer_names(model) -> set[str]:
+    """The output projection (lm_head): QLoRA keeps it in 16 bit (bitsandbytes' llm_int8_skip_modules default,
+    transformers get_keys_to_not_convert)."""
+    get_output = getattr(model, "get_output_embeddings", None)
+    output = get_output() if callable(get_output) else None
+    return {name for name, module in model.named_modules() if output is not None and module is output}
+
+
+def nf4_linears(model, shards: int, frozen_only: bool = True) -> tuple[list[str], dict[str, str]]:
+    """(the Linears whose weights an NF4 base holds in NF4, name -> why each other one keeps its dtype): the frozen
+    ones (`frozen_only`; a base read again for export is all base) but the output layer and MoE routers, that fit."""
+    modules = dict(model.named_modules())
+    outputs = output_layer_names(model)
+    chosen, kept = [], {}
+    for info in linear_infos(model):
+        if frozen_only and modules[info.fqn].weight.requires_grad:
+            continue  # an adapter, or anything else the optimizer steps
+        why = ("the output layer stays in 16 bit, as in QLoRA" if info.fqn in outputs else
+               "an MoE router stays in high precision" if info.router else
+               nf4_unfit(info.out_features, info.in_features, shards))
+        if why:
+            kept[info.fqn] = why
+        else:
+            chosen.append(info.fqn)
+    return chosen, kept
+
+
+def quantize_frozen_base(model, shards: int) -> tuple[list[str], dict[str, str]]:
+    """Every frozen Linear weight that fits, in NF4, in place: (the names quantized, name -> why each other frozen
+    Linear kept its dtype)."""
+    import torch
+    from torchao.quantization import to_nf4
+
+    chosen, kept = nf4_linears(model, shards)
+    for name in chosen:
+        linear = model.get_submodule(name)
+        linear.weight = torch.nn.Parameter(to_nf4(linear.weight.detach(), NF4_BLOCK, NF4_SCALER_BLOCK),
+                                           requires_grad=False)
+    return chosen, kept
+
+
+def dequantize_like_training(model, shards: int) -> list[str]:
+    """The base as the run computed with it: each weight the run held in NF4 quantized and dequantized again (the
+    same bytes the run's `to_nf4` made from the same weights), in place, in its dtype. For a merged export."""
+    import torch
+    from torchao.quantization import to_nf4
+
+    chosen, _ = nf4_linears(model, shards, frozen_only=False)
+    with torch.no_grad():
+        for name in chosen:
+            weight = model.get_submodule(name).weight
+            weight.copy_(to_nf4(weight.detach(), NF4_BLOCK, NF4_SCALER_BLOCK).get_original_weight())
+    return chosen

@@ -1,0 +1,72 @@
+"""QLoRA on FSDP2 for real (2 gloo ranks, torchrun): an unseen Qwen2 shape whose Linears split into whole NF4 blocks,
+its frozen base in torchao's NF4 (configs/fsdp2-qlora.yaml). Against the same LoRA on a bf16 base (same weights,
+adapters and batches): the loss; the audit of what the base really holds; a resume from an adapter-only
+checkpoint; the merged export on the base the run computed with."""
+import json
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, run_cli
+from tests.distributed.launch import describe, torchrun
+
+pytestmark = pytest.mark.distributed
+MODEL = "tests.tp_models:unseen_qwen2_qlora"
+QLORA = ROOT / "configs" / "fsdp2-qlora.yaml"
+TRAIN = ROOT / "launch" / "train.py"
+
+
+def test_qlora_tracks_the_bf16_base_and_its_audit_reads_the_nf4_bytes(tmp_path):
+    bf16_base = tmp_path / "lora-bf16.yaml"
+    bf16_base.write_text(QLORA.read_text().replace("  base_dtype: nf4\n", ""))
+    result = run_cli("compare", "--config", QLORA, "--baseline", bf16_base, "--model", MODEL, "--steps", "8",
+                     "--nproc", "2", "--format", "json", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = json.loads(result.stdout)["losses"]
+    gaps = [abs(a - b) for a, b in zip(losses["config"], losses["baseline"])]
+    assert 0 < max(gaps) < 0.05, losses  # NF4's rounding, and no more
+    assert min(losses["config"][-3:]) < losses["config"][0]  # it trains
+    audit = run_cli("audit", MODEL, "--config", QLORA, "--nproc", "2", "--format", "json", timeout=600)
+    assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
+    report = json.loads(audit.stdout)
+    rows = {check["phase"]: check for check in report["checks"]}
+    assert rows["frozen_weights"]["observed"] == "bf16+nf4" and rows["frozen_state"]["observed"] == "none"
+    # the codes (0.5 byte), an int8 scale per 64 values and a bf16 factor per 64 x 256: 0.5166 measured
+    assert 0.51 < report["frozen_bytes_by_format"]["nf4"] < 0.53 and report["frozen_bytes_by_format"]["bf16"] == 2
+    # the adapters are all that trains: r=16 on 7 Linears of 2 layers
+    assert report["parameters"]["trainable"] == 2 * 16 * (256 + 256) * 2 + 2 * 16 * (256 + 128) * 2 \
+        + 2 * 16 * (256 + 512) * 3
+
+
+def test_qlora_resumes_bitwise_and_merges_into_the_base_it_computed_with(tmp_path):
+    checkpoints = tmp_path / "ckpt"
+    common = ["--model", MODEL, "--fp8dist-config", QLORA, "--checkpoint-dir", checkpoints]
+    straight = torchrun(TRAIN, "--model", MODEL, "--fp8dist-config", QLORA, "--steps", "6", timeout=600)
+    first = torchrun(TRAIN, *common, "--steps", "3", timeout=600)
+    resumed = torchrun(TRAIN, *common, "--steps", "6", "--resume", timeout=600)
+    for done in (straight, first, resumed):
+        assert done.returncode == 0, describe(done)
+    assert "14 frozen Linears in NF4; kept in their dtype: lm_head (the output layer" in straight.stdout + straight.stderr
+    final = [line for line in straight.stdout.splitlines() if line.startswith("final_loss=")]
+    assert final and final[0].split()[0] in resumed.stdout  # the same final loss, to the last digit printed
+    merged = tmp_path / "merged"
+    export = run_cli("export", checkpoints, merged, "--merge", "--dtype", "fp32", timeout=300)
+    assert export.returncode == 0, export.stderr[-3000:]
+    adapter = tmp_path / "adapter"
+    assert run_cli("export", checkpoints, adapter, timeout=300).returncode == 0
+    from peft import PeftModel
+    from torchao.quantization import to_nf4
+    from transformers import AutoModelForCausalLM
+
+    from fp8dist.runtime.models import load_model
+
+    base = load_model(MODEL, "bf16", seed=0).model
+    with torch.no_grad():  # the base the run computed with: every Linear but lm_head through NF4 and back
+        for name, module in base.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                module.weight.copy_(to_nf4(module.weight.detach(), 64, 256).get_original_weight())
+    expected = PeftModel.from_pretrained(base.float(), str(adapter)).merge_and_unload().state_dict()
+    got = AutoModelForCausalLM.from_pretrained(merged).state_dict()
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)

@@ -1,0 +1,66 @@
+"""The NF4 base of `adapter.base_dtype: nf4` (fp8dist/backends/nf4.py) below the engine: which Linears it quantizes
+on a real PEFT-adapted Llama, what the audit reads back as their bytes, and the export's dequantized base. The
+2-rank runs: tests/distributed/test_qlora.py."""
+import pytest
+import torch
+
+from fp8dist.backends.nf4 import dequantize_like_training, nf4_unfit, quantize_frozen_base
+from fp8dist.backends.storage import storage
+
+
+@pytest.mark.parametrize("shape, shards, fits", [((256, 256), 2, True), ((128, 256), 2, True),
+                                                  ((128, 128), 1, True), ((128, 128), 2, False),
+                                                  ((64, 64), 1, False), ((96, 256), 4, False)])
+def test_a_weight_fits_nf4_when_its_scaler_blocks_and_rows_split_over_the_shards(shape, shards, fits):
+    assert (nf4_unfit(*shape, shards) is None) == fits
+
+
+def _adapted_llama():
+    from transformers import AutoModelForCausalLM
+
+    from fp8dist.config.spec import AdapterSpec
+    from fp8dist.runtime.adapters import apply_adapter
+    from fp8dist.runtime.models import small_llama_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(small_llama_config()).to(torch.bfloat16)
+    adapter = AdapterSpec(kind="lora", r=4, alpha=8, dropout=0.0, target_modules=("q_proj", "v_proj"),
+                          base_dtype="nf4")
+    return apply_adapter(model, adapter, "fp32", seed=0)
+
+
+def test_the_frozen_linears_but_the_output_layer_become_nf4_and_read_back_at_their_bytes():
+    model = _adapted_llama()
+    before = model.model.layers[0].mlp.down_proj.weight.detach().clone()
+    quantized, kept = quantize_frozen_base(model, shards=2)
+    assert kept == {"lm_head": "the output layer stays in 16 bit, as in QLoRA"}
+    assert len(quantized) == 4 * 7  # q/v as .base_layer under their adapters, the other five as they are
+    assert "model.layers.0.self_attn.q_proj.base_layer" in quantized
+    assert not any("lora_" in name for name in quantized)  # adapters train in their own dtype
+    weight = model.model.layers[0].mlp.down_proj.weight
+    assert type(weight).__name__ == "NF4Tensor" and not weight.requires_grad and weight.dtype == torch.bfloat16
+    held = storage(weight)  # the appearance dtype says bf16; the storage is codes and scales
+    assert held.format == "nf4" and held.numel == before.numel()
+    assert held.nbytes == before.numel() // 2 + before.numel() // 64 + 2 * (before.numel() // (64 * 256)) + 2 + 32
+    error = (weight.get_original_weight().float() - before.float()).abs().max() / before.abs().max()
+    assert 0 < error < 0.2  # 4-bit codes: real rounding, bounded by a block's scale
+    ids = torch.randint(0, 1024, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert model.model.layers[0].self_attn.q_proj.lora_B.default.weight.grad is not None
+    assert weight.grad is None
+
+
+def test_the_export_base_is_the_dequantized_one_the_run_computed_with():
+    model = _adapted_llama()
+    quantize_frozen_base(model, shards=2)
+    trained = model.model.layers[1].mlp.up_proj.weight.get_original_weight()
+    from transformers import AutoModelForCausalLM
+
+    from fp8dist.runtime.models import small_llama_config
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(small_llama_config()).to(torch.bfloat16)
+    lm_head = base.lm_head.weight.detach().clone()
+    assert len(dequantize_like_training(base, shards=2)) == 4 * 7
+    assert torch.equal(base.model.layers[1].mlp.up_proj.weight, trained)
+    assert torch.equal(base.lm_head.weight, lm_head)
