@@ -53,6 +53,11 @@ def merge(*docs: dict) -> dict:
 
 
 RUNS = [
+    # QLoRA: every frozen Linear but lm_head in NF4 (small-llama's split into whole NF4 blocks on 2 ranks). First:
+    # a DeepSpeed ZeRO-3 engine built earlier in the same process leaves torch.nn.functional.linear patched
+    # (deepspeed/runtime/zero/linear.py zero3_linear_wrap), and NF4Tensor's linear calls F.linear.
+    Run("fsdp2-qlora-nf4", {"adapter": {"kind": "lora", "base_dtype": "nf4"}, "precision": {"preset": "bf16"}},
+        {**LORA_FACTS(adapted=28, frozen=39), "frozen_dtype": "bf16+nf4"}, model="small-llama"),
     Run("fsdp2-defaults", {}, {"optimizer": "AdamW", "local_dtype": "fp32"}),
     Run("fsdp2-fp32-adam", {"precision": {"preset": "fp32"},
                             "optimizer": {"name": "adam", "lr": 0.002, "weight_decay": 0.01, "betas": [0.8, 0.99],
@@ -184,9 +189,6 @@ RUNS = [
         {"float8_linears": 14, "float8_all_gather_weights": 14, **LORA_FACTS(adapted=6, frozen=21)}),
     Run("fsdp2-lora-bf16-qwen2", {"adapter": {"kind": "lora"}, "precision": {"preset": "bf16"}},
         LORA_FACTS(adapted=14, frozen=27), model="tiny-qwen2"),
-    # QLoRA: every frozen Linear but lm_head in NF4 (small-llama's split into whole NF4 blocks on 2 ranks)
-    Run("fsdp2-qlora-nf4", {"adapter": {"kind": "lora", "base_dtype": "nf4"}, "precision": {"preset": "bf16"}},
-        {**LORA_FACTS(adapted=28, frozen=39), "frozen_dtype": "bf16+nf4"}, model="small-llama"),
     Run("ds-zero2-lora-qwen2", {**DS, "adapter": {"kind": "lora"}, "deepspeed": {"zero_stage": 2}},
         {"zero_stage": 2, **LORA_FACTS(adapted=14, frozen=27)}, model="tiny-qwen2"),
     Run("ds-zero3-lora", {**DS, "adapter": {"kind": "lora", "target_modules": ["q_proj", "v_proj"]},

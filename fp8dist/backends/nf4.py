@@ -33,11 +33,13 @@ def nf4_unfit(out_features: int, in_features: int, shards: int) -> str | None:
 
 
 def output_layer_names(model) -> set[str]:
-    """The output projection (lm_head): QLoRA keeps it in 16 bit (bitsandbytes' llm_int8_skip_modules default,
-    transformers get_keys_to_not_convert)."""
+    """The output projection (lm_head), and its `.base_layer` where LoRA adapts it (PEFT's lora.Linear wraps it, and
+    get_output_embeddings returns the wrapper): QLoRA keeps it in 16 bit (bitsandbytes' llm_int8_skip_modules
+    default, transformers get_keys_to_not_convert); quantizing it would also untie it from tied input embeddings."""
     get_output = getattr(model, "get_output_embeddings", None)
     output = get_output() if callable(get_output) else None
-    return {name for name, module in model.named_modules() if output is not None and module is output}
+    names = {name for name, module in model.named_modules() if output is not None and module is output}
+    return names | {f"{name}.base_layer" for name in names if hasattr(output, "base_layer")}
 
 
 def nf4_linears(model, shards: int, frozen_only: bool = True) -> tuple[list[str], dict[str, str]]:

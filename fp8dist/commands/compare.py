@@ -117,6 +117,11 @@ def check_probes(specs: dict[str, Any], layer_steps: tuple[int, ...], fixed_rout
             raise Fp8distError(f"--layer-steps: the {role} splits each block's output over ranks ({', '.join(split)}: "
                                "sequence or head shards), and the report compares whole outputs per rank\n  fix: "
                                "compare configs without tensor or context parallel for the layer report")
+        if layer_steps and spec.adapter.enabled and spec.adapter.base_dtype == "nf4":
+            raise Fp8distError(f"--layer-steps: the {role} holds an NF4 base, which loading another run's weights "
+                               "would re-quantize shard by shard (torchao's NF4Tensor copy_, with a scale mean per "
+                               "shard) and not restore bitwise\n  fix: compare with adapter.base_dtype=auto for the "
+                               "layer report")
         if layer_steps and spec.fp8.backend in ("te", "msamp"):
             raise Fp8distError(f"--layer-steps: the {role} runs {spec.fp8.backend}, whose modules keep FP8 state "
                                "(amax histories, scales) that a probe pass would move and the weights swap cannot "

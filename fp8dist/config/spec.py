@@ -156,7 +156,7 @@ class AdapterSpec:
     alpha: float
     dropout: float
     target_modules: Any  # "auto" | tuple[str, ...]
-    base_dtype: str  # auto (nf4 / int8 are refused by the rules)
+    base_dtype: str  # auto | nf4 (fp8dist/backends/nf4.py; FSDP2 only) | int8 (refused by the rules)
 
     @property
     def enabled(self) -> bool:

@@ -66,6 +66,10 @@ def check_compatible(manifest: dict[str, Any], path: Path, engine: EngineCheckpo
                                f"adapters were trained under the scaling alpha / r, so another alpha makes the "
                                f"checkpoint another model\n  fix: resume with adapter.alpha={before}, or start a new "
                                "--checkpoint-dir")
+        if key == "adapter.base_dtype":  # the frozen base the adapters were trained on
+            raise Fp8distError(f"{path}: adapter.base_dtype is {before} in the checkpoint and {after} in this config; "
+                               "the adapters were trained on that base, so another one makes the checkpoint another "
+                               f"model\n  fix: resume with adapter.base_dtype={before}, or start a new --checkpoint-dir")
     if changes:
         notes.append("resumed with settings other than the checkpoint's: " + ", ".join(
             f"{key} {before!r} -> {after!r}" for key, before, after in changes))
@@ -82,4 +86,8 @@ def check_compatible(manifest: dict[str, Any], path: Path, engine: EngineCheckpo
                 "DeepSpeed's universal checkpoint support)")
         notes.append(f"written by {manifest['world_size']} ranks, resumed on {world}: weights and optimizer states "
                      "are resharded; RNG states and per-rank data differ, so the run is not an exact continuation")
+        if ((config or {}).get("adapter") or {}).get("base_dtype") == "nf4":
+            notes.append("adapter.base_dtype=nf4: which frozen Linears fit NF4's blocks depends on the shard count; "
+                         f"the base is quantized for this job's shards, not those of the {manifest['world_size']} "
+                         "ranks that trained so far (the start note lists what stayed in the load dtype)")
     return notes

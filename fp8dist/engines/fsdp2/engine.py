@@ -263,8 +263,13 @@ def _quantize_base(model, shards: int) -> None:
                            f"{shards} shard(s) ({'; '.join(f'{k}: {v}' for k, v in list(kept.items())[:3])})\n  fix: "
                            "adapter.base_dtype=auto for this model")
     if kept:
+        by_reason: dict[str, list[str]] = {}
+        for name, why in kept.items():
+            by_reason.setdefault(why, []).append(name)
         say("nf4_base", f"adapter.base_dtype=nf4: {len(quantized)} frozen Linears in NF4; kept in their dtype: "
-            + "; ".join(f"{name} ({why})" for name, why in kept.items()))
+            + "; ".join(f"{', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''} ({why})"
+                        for why, names in by_reason.items())
+            + "; biases, norms, embeddings and MoE experts (not Linears) stay in it too")
 
 
 def _check_tensor_parallel_model(model, spec: Spec, tp: int) -> None:

@@ -59,7 +59,7 @@ class FSDP2Facts:
         if spec.adapter.enabled and spec.adapter.base_dtype == "nf4":
             row["frozen_weights"] = ("+".join(sorted((p.load_dtype, "nf4"))), "adapter.base_dtype=nf4: the frozen "
                                      "Linears in NF4 (torchao's NF4Tensor codes and scales), the rest (embeddings, "
-                                     "norms, the output layer) in the load dtype")
+                                     "norms, biases, the output layer, MoE experts) in the load dtype")
         elif spec.adapter.enabled:
             row["frozen_weights"] = (p.load_dtype, "frozen base weights are not upcast: only trainable parameters get "
                                      "the master dtype (torchao float8 keeps their storage, casting on the fly)")

@@ -15,7 +15,7 @@ def test_a_weight_fits_nf4_when_its_scaler_blocks_and_rows_split_over_the_shards
     assert (nf4_unfit(*shape, shards) is None) == fits
 
 
-def _adapted_llama():
+def _adapted_llama(targets=("q_proj", "v_proj"), tied=False):
     from transformers import AutoModelForCausalLM
 
     from fp8dist.config.spec import AdapterSpec
@@ -23,9 +23,10 @@ def _adapted_llama():
     from fp8dist.runtime.models import small_llama_config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(small_llama_config()).to(torch.bfloat16)
-    adapter = AdapterSpec(kind="lora", r=4, alpha=8, dropout=0.0, target_modules=("q_proj", "v_proj"),
-                          base_dtype="nf4")
+    config = small_llama_config()
+    config.tie_word_embeddings = tied
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    adapter = AdapterSpec(kind="lora", r=4, alpha=8, dropout=0.0, target_modules=targets, base_dtype="nf4")
     return apply_adapter(model, adapter, "fp32", seed=0)
 
 
@@ -64,3 +65,13 @@ def test_the_export_base_is_the_dequantized_one_the_run_computed_with():
     assert len(dequantize_like_training(base, shards=2)) == 4 * 7
     assert torch.equal(base.model.layers[1].mlp.up_proj.weight, trained)
     assert torch.equal(base.lm_head.weight, lm_head)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_an_output_layer_lora_adapts_stays_16_bit_and_tied(tied):
+    model = _adapted_llama(targets=("q_proj", "lm_head"), tied=tied)
+    quantized, kept = quantize_frozen_base(model, shards=2)
+    assert "lm_head.base_layer" in kept and not any(name.startswith("lm_head") for name in quantized)
+    assert type(model.lm_head.base_layer.weight).__name__ == "Parameter"
+    if tied:
+        assert model.lm_head.base_layer.weight is model.model.embed_tokens.weight

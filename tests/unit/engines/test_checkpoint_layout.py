@@ -147,6 +147,13 @@ def test_a_resume_says_which_settings_it_changes_and_refuses_another_adapter_alp
     with pytest.raises(Fp8distError, match=r"(?s)adapter.alpha is 32 in the checkpoint and 8.*fix: resume with "
                                            r"adapter.alpha=32"):
         check_compatible(manifest, tmp_path, engine, 1, scaled)
+    qlora = load_config("configs/fsdp2-qlora.yaml").to_dict()
+    with pytest.raises(Fp8distError, match=r"(?s)adapter.base_dtype is auto in the checkpoint and nf4.*fix: resume "
+                                           r"with adapter.base_dtype=auto"):
+        check_compatible(manifest, tmp_path, engine, 1, qlora)
+    engine.reshardable = True  # as FSDP2's
+    on_two = {**manifest, "config": qlora}
+    assert any("depends on the shard count" in note for note in check_compatible(on_two, tmp_path, engine, 2, qlora))
 
 
 def test_merge_of_a_full_fine_tunes_checkpoint_is_refused(tmp_path):

@@ -62,7 +62,8 @@ def test_fp8_filter_skips_adapters_and_matches_exclusions_on_base_names():
 
 @pytest.mark.parametrize("config, key", [
     ({"adapter": {"alpha": 16}}, "adapter.alpha"),
-    ({"adapter": {"kind": "lora", "base_dtype": "nf4"}}, "adapter.base_dtype"),
+    ({"adapter": {"kind": "lora", "base_dtype": "int8"}}, "adapter.base_dtype"),
+    ({"engine": "deepspeed", "adapter": {"kind": "lora", "base_dtype": "nf4"}}, "adapter.base_dtype"),
     ({"adapter": {"kind": "lora"}, "precision": {"preset": "msamp-o1"}}, "precision.fp8.backend"),
     ({"adapter": {"kind": "lora"}, "parallel": {"cpu_ram_efficient_loading": True}},
      "parallel.cpu_ram_efficient_loading"),

@@ -236,6 +236,7 @@ def test_layer_steps_must_name_steps_of_the_run(text, says):
     (["--config", CONFIGS / "fsdp2-bf16.yaml", "--layer-steps", "30"], "between 1 and --steps"),
     (["--config", CONFIGS / "fsdp2-tp-float8.yaml", "--layer-steps", "1"], "parallel.tensor_size=2"),
     (["--config", CONFIGS / "te.yaml", "--layer-steps", "1"], "keep FP8 state"),
+    (["--config", CONFIGS / "fsdp2-qlora.yaml", "--layer-steps", "1"], "holds an NF4 base"),
 ])
 def test_the_parent_refuses_before_launching(args, says):
     result = run_cli("compare", "--baseline", CONFIGS / "fsdp2-bf16.yaml", *args, timeout=120)
