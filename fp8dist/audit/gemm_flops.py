@@ -32,6 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fp8dist.backends.module_filter import ROUTER_REASON, is_router
 from fp8dist.backends.storage import storage
+from fp8dist.engines.activation_checkpointing import in_backward
 
 LOW_PRECISION = ("fp8", "fp4")
 # Scale formats: an operand built from a low-precision payload and these block scales is a microscaled one.
@@ -204,18 +205,18 @@ class WeightGemmLedger:
             return
         flops = gemm_flops(name, args, out)
         fmt = self._operand_format(operands)
-        in_backward = torch._C._current_graph_task_id() != -1
+        backward = in_backward()
         mark = next((m for m in map(self._mark_of, operands) if m is not None), None)
         if mark is not None:
             if self.running[mark.module] > 0:  # forward, or its recompute in backward
-                if not in_backward:  # its weight gradient comes later (a recompute's belongs to the first forward,
+                if not backward:  # its weight gradient comes later (a recompute's belongs to the first forward,
                     # and checkpointing may stop recomputing before a block's last GEMM)
                     self._awaiting_wgrad[mark.shape].append(mark.module)
                 self._count(mark.module, fmt, "forward", flops)
             else:
                 self._count(mark.module, fmt, "input_gradient", flops)
             return
-        owner = self._weight_gradient_owner(out) if in_backward else None
+        owner = self._weight_gradient_owner(out) if backward else None
         if owner is None:
             self.activation_flops += flops
         else:

@@ -55,6 +55,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from fp8dist.audit.expected import HEALTHY, NOT_MEASURED_VALUE, OUTSIDE
 from fp8dist.audit.gemm_flops import clean_name, is_low_precision
 from fp8dist.audit.scaling_history import ScalingHistories
+from fp8dist.engines.activation_checkpointing import in_backward
 from fp8dist.backends.storage import short
 
 GEMMS = ("forward", "input_grad", "weight_grad")
@@ -168,11 +169,6 @@ def quiet(tally: Tally, name: str) -> Iterator[None]:
             yield
     except Exception as exc:  # noqa: BLE001 - any failure of the observer, reported instead of raised
         tally.unmeasured[name] = f"its probe failed: {type(exc).__name__}: {exc}"
-
-
-def _recomputing() -> bool:
-    """Inside backward: a forward running there is an activation-checkpoint recompute, measured the first time."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
@@ -405,7 +401,7 @@ class ExpertsProbe:
     def _forward(self, registered: partial, names: dict[int, str], module, *args, **kwargs):
         """The experts forward, its grouped GEMM wrapped for this call (the registered partial's first argument)."""
         owner = names.get(id(module))
-        if owner is None or not self.active() or _recomputing():
+        if owner is None or not self.active() or in_backward():
             return registered(module, *args, **kwargs)
         weights = iter(("gate_up_proj" if module.has_gate else "up_proj", "down_proj"))
         grouped_mm = registered.args[0]
@@ -471,7 +467,7 @@ class NumericsRecorder:
         return self
 
     def _forward(self, probe, module, args, output) -> None:
-        if not self._active or _recomputing() or not args or not isinstance(args[0], torch.Tensor):
+        if not self._active or in_backward() or not args or not isinstance(args[0], torch.Tensor):
             return
         saved = None
         with quiet(self.tally, probe.name):

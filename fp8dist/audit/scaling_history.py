@@ -43,12 +43,11 @@ from typing import Any, Iterator
 
 import torch
 
-SCALING_STATES = (("scaling_fwd", "forward"), ("scaling_bwd", "backward"))
-FORWARD_ROLES, BACKWARD_ROLES = ("input", "weight", "output"), ("grad_output", "grad_input")
-
+from fp8dist.engines.activation_checkpointing import in_backward
+from fp8dist.facts.transformer_engine import TE_QUANTIZER_ROLES, TE_SCALING_STATES
 
 def _role(direction: str, index: int) -> str:
-    roles = FORWARD_ROLES if direction == "forward" else BACKWARD_ROLES
+    roles = TE_QUANTIZER_ROLES[direction]
     return f"gemm{index // len(roles) + 1}_{roles[index % len(roles)]}"
 
 
@@ -65,7 +64,7 @@ def delayed_states(module: torch.nn.Module) -> Iterator[tuple[str, Any, Any]]:
     meta = getattr(module, "fp8_meta", None)
     if not isinstance(meta, dict):
         return
-    for key, direction in SCALING_STATES:
+    for key, direction in TE_SCALING_STATES:
         state = meta.get(key)
         recipe = getattr(state, "recipe", None) or meta.get("recipe")
         if (isinstance(getattr(state, "amax_history", None), torch.Tensor)
@@ -128,7 +127,7 @@ class ScalingHistories:
 
 
 def _count(start: Start) -> None:
-    if torch._C._current_graph_task_id() == -1:  # an activation-checkpoint recompute is not a pass
+    if not in_backward():  # an activation-checkpoint recompute is not a pass
         start.passes += 1
 
 

@@ -188,3 +188,13 @@ def te_removed_field_reason(field: str) -> str:
     """Why a DelayedScaling field TE has removed is refused (every supported TE but the oldest drops it)."""
     return (f"`{field}` was removed from Transformer Engine in {fmt(TE_REMOVED_FIELDS[field])}; newer TE would "
             f"silently drop it, so fp8dist refuses it")
+
+# Delayed scaling's state on a TE module (read by fp8dist/audit/scaling_history.py), TE 2.1 to 2.20.2
+# (transformer_engine/pytorch/quantization.py DelayedScalingRecipeState, _update_amax_history; the fused
+# tex.fused_amax_and_scale_update_after_reduction rolls the same way): `fp8_meta[key]` holds `scale` (one per
+# quantizer) and `amax_history` (length x quantizers); a pass writes its amax into row 0, the update computes the next
+# scale from all rows, moves row 0 to the last row and zeroes row 0. Quantizers by index
+# (transformer_engine/pytorch/csrc/common.h FP8FwdTensors / FP8BwdTensors): per GEMM, forward input, weight, output;
+# backward grad_output, grad_input.
+TE_SCALING_STATES = (("scaling_fwd", "forward"), ("scaling_bwd", "backward"))
+TE_QUANTIZER_ROLES = {"forward": ("input", "weight", "output"), "backward": ("grad_output", "grad_input")}

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fp8dist.backends.experts import experts_modules
+from fp8dist.engines.activation_checkpointing import in_backward
 from fp8dist.engines.blocks import wrap_units
 from fp8dist.errors import Fp8distError
 
@@ -92,7 +93,7 @@ class Taps:
                 self.tensors[key] = self.tensors[key] / gradient_scale
 
     def _forward(self, name: str, kind: str, out) -> None:
-        if torch._C._current_graph_task_id() != -1:  # an activation-checkpoint recompute: the forward was tapped
+        if in_backward():  # an activation-checkpoint recompute: the forward was tapped
             return
         output = out[0] if isinstance(out, (tuple, list)) else out
         if (name, kind) in self.tensors or not isinstance(output, torch.Tensor):  # a second call in one pass

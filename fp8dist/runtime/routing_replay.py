@@ -25,6 +25,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from fp8dist.backends.experts import experts_modules
+from fp8dist.engines.activation_checkpointing import in_backward
 from fp8dist.errors import Fp8distError
 from fp8dist.runtime.layer_probes import layer_name
 
@@ -47,10 +48,6 @@ def routers(model) -> list[tuple[str, torch.nn.Module]]:
         raise Fp8distError("--fixed-routing replays a Mixture-of-Experts model's expert choices, and this model has "
                            "no experts module\n  fix: drop --fixed-routing, or compare an MoE model")
     return found
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class _TopK(TorchFunctionMode):
@@ -96,7 +93,7 @@ class RoutingLog:
                                f"({left} left over): the two runs do not step alike")
 
     def _enter(self, key: str) -> None:
-        if _in_backward():
+        if in_backward():
             self._recomputed[key] = 0
         else:
             self._forward[key] = []
@@ -109,10 +106,10 @@ class RoutingLog:
     def top_k(self, key: str, func, args, kwargs):
         if not self.replaying:
             values, indices = func(*args, **kwargs)
-            if not _in_backward():
+            if not in_backward():
                 self.calls[key].append(indices.detach().to("cpu", torch.int32))
             return values, indices
-        if _in_backward():
+        if in_backward():
             indices = self._forward[key][self._recomputed[key]]
             self._recomputed[key] += 1
         elif self.calls[key]:
