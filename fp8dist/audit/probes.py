@@ -82,7 +82,7 @@ class MatmulRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         kwargs = kwargs or {}
-        if name in MATMULS:
+        if name in MATMULS and not _outer_product(name, args):
             tensors = [a for a in args[:3] if isinstance(a, torch.Tensor)]
             formats = (self.ledger.format_of(a) for a in tensors)
             operands = tuple(f for f in formats if f.startswith(FLOAT_FORMATS) or is_low_precision(f))
@@ -100,6 +100,16 @@ class MatmulRecorder(TorchDispatchMode):
         for (name, operands), n in self.calls.items():
             (fp8 if any(is_low_precision(o) for o in operands) else other)[(name, operands)] += n
         return fp8, other
+
+
+def _outer_product(name: str, args) -> bool:
+    """A matmul whose inner dimension is 1: an outer product, no GEMM. transformers before 5.2x computed the
+    rotary embedding's frequencies that way, in fp32 by design (transformers 5.17 models/llama/modeling_llama.py
+    LlamaRotaryEmbedding.forward: `inv_freq_expanded.float() @ position_ids_expanded.float()`, autocast off;
+    5.24 multiplies by broadcasting): it is not the training's compute dtype."""
+    first = args[1] if name in ("addmm", "baddbmm") else args[0] if args else None
+    return (name in ("mm", "addmm", "bmm", "baddbmm", "matmul") and isinstance(first, torch.Tensor)
+            and first.dim() >= 2 and first.shape[-1] == 1)
 
 
 def emulates(tensor, ledger: WeightGemmLedger) -> bool:

@@ -93,7 +93,9 @@ def experts_forward(grouped_mm, self, hidden_states, top_k_index, top_k_weights)
     out = _grouped_linear(grouped_mm, out, _local(self.down_proj), offsets, self.is_transposed)
     if self.has_bias:
         out = out + _local(self.down_proj_bias)[expert_of_sorted_row].to(out.dtype)
-    if self.has_post_expert_norm:
+    # transformers 5.24's experts decorator sets has_post_expert_norm (integrations/moe.py); 5.17's has none (seen
+    # on an H100 image with transformers 5.17.0): no norm after the experts there
+    if getattr(self, "has_post_expert_norm", False):
         out = self.post_expert_norm(out)
     if dispatch is not None:
         out = dispatch.receive(out, route)

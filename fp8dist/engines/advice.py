@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from fp8dist.config.spec import Spec
-from fp8dist.facts.torchao import torchao_too_small_to_gain
+from fp8dist.facts.torchao import torchao_fp8_hardware, torchao_too_small_to_gain
 
 _SAID: set[str] = set()
 
@@ -24,8 +24,10 @@ def say(key: str, message: str) -> None:
     _say(key, message, int(os.environ.get("RANK", "0")))
 
 
-def advise(spec: Spec, world: int, rank: int | None = None, cuda: bool | None = None) -> list[str]:
-    """The notes for this config on this machine (printed on rank 0 once per process); returns their keys."""
+def advise(spec: Spec, world: int, rank: int | None = None, cuda: bool | None = None,
+           capability: tuple[int, int] | None = None) -> list[str]:
+    """The notes for this config on this machine (printed on rank 0 once per process); returns their keys.
+    `cuda` and `capability` (the GPU's compute capability): this machine's unless given."""
     import os
 
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
@@ -33,7 +35,16 @@ def advise(spec: Spec, world: int, rank: int | None = None, cuda: bool | None = 
         import torch
 
         cuda = torch.cuda.is_available()
+        capability = tuple(torch.cuda.get_device_capability()) if cuda else None  # type: ignore[assignment]
     keys = []
+    ao = spec.fp8.torchao
+    if (spec.fp8.enabled and spec.fp8.backend == "torchao" and ao.emulate and capability is not None
+            and torchao_fp8_hardware(ao.recipe_name, capability)[0]):
+        keys.append("fp8-emulated-on-fp8-gpu")
+        _say(keys[-1], f"precision.fp8.torchao.emulate=true on a GPU of compute capability {capability[0]}."
+                       f"{capability[1]}, which runs torchao's '{ao.recipe_name}' FP8 GEMMs natively: they run "
+                       "emulated (FP8's rounding, high-precision matmuls: no speedup, the audit says 'emulated'); "
+                       "set precision.fp8.torchao.emulate=false", rank)
     for note in spec.notes:  # keys of the engine not selected (fp8dist.config.rules.notes)
         keys.append(note)
         _say(note, note, rank)

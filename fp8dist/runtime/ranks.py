@@ -65,7 +65,12 @@ def is_launcher_report(line: str) -> bool:
 
 
 def failure_tail(output: str, lines: int = 15) -> str:
-    kept = [line for line in output.strip().splitlines() if not is_launcher_report(line)]
+    """The end of what the ranks printed before torchrun's own report: the agent logs `failed (exitcode: N)` and
+    then raises ChildFailedError with its own traceback (torch/distributed/elastic/multiprocessing/api.py), which
+    would otherwise push the rank's error out of the tail."""
+    text = output.strip().splitlines()
+    report = next((i for i, line in enumerate(text) if "failed (exitcode:" in line), len(text))
+    kept = [line for line in text[:report] if not is_launcher_report(line)]
     return "\n".join(kept[-lines:])
 
 

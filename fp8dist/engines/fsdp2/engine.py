@@ -190,8 +190,9 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
                            f"model's sequence and gives it the whole sequence's positions and shifted labels; "
                            f"{type(model).__name__} is not a transformers model that takes them\n  fix: "
                            "parallel.context_size=1 for this model")
+    unsharded: set[torch.nn.Parameter] = set()
     if spec.adapter.enabled and spec.adapter.base_dtype == "nf4":  # QLoRA: the frozen base in NF4, before sharding
-        _quantize_base(model, dims.dp_shard * dims.cp)
+        unsharded = _quantize_base(model, dims.dp_shard * dims.cp)
     decisions = [] if backend.converts_after_tensor_parallel else backend.convert_module(model)
     if "tp" in (mesh.mesh_dim_names or ()):
         tp_plan = tensor_parallel.apply(model, mesh["tp"], sequence_parallel=sequence_parallel(spec))
@@ -228,9 +229,10 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
         expert_parallel.shard(model, expert_mesh, dims.dp_shard, mp_policy=block_policy,
                               reshard_after_forward=reshard, offload_policy=offload)
     for _, unit in units:
-        fully_shard(unit, mesh=shard_mesh, mp_policy=block_policy, reshard_after_forward=reshard, offload_policy=offload)
+        fully_shard(unit, mesh=shard_mesh, mp_policy=block_policy, reshard_after_forward=reshard, offload_policy=offload,
+                    ignored_params=unsharded)
     fully_shard(model, mesh=shard_mesh, mp_policy=root_policy, offload_policy=offload,
-                reshard_after_forward=plan.sharding.root_reshard_after_forward)
+                reshard_after_forward=plan.sharding.root_reshard_after_forward, ignored_params=unsharded)
     if materialize is not None:  # offloaded shards live on the CPU (torchtitan enable_cpu_offload)
         materialize.materialize(model, "cpu" if plan.offload_policy else device_type())
 
@@ -253,8 +255,13 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
                     cp_mesh=mesh["cp"] if "cp" in (mesh.mesh_dim_names or ()) else None, expert_parallel_plan=ep_plan)
 
 
-def _quantize_base(model, shards: int) -> None:
-    """The frozen Linears in NF4 (fp8dist/backends/nf4.py); the run says which stayed in their dtype and why."""
+def _quantize_base(model, shards: int) -> set[torch.nn.Parameter]:
+    """The frozen Linears in NF4 (fp8dist/backends/nf4.py); the run says which stayed in their dtype and why.
+    Returns the NF4 weights FSDP2 must leave alone: on a shard group of one rank, all of them. torch 2.13's FSDP2
+    skips the all-gather there and hands `fsdp_post_all_gather` only the first of the tensors NF4Tensor's
+    `fsdp_pre_all_gather` returns (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py wait_for_unshard;
+    open upstream: https://github.com/pytorch/pytorch/pull/197999), which fails; one rank's weights are whole
+    anyway, and frozen weights have no gradient to reduce."""
     from fp8dist.backends.nf4 import quantize_frozen_base
 
     quantized, kept = quantize_frozen_base(model, shards)
@@ -270,6 +277,10 @@ def _quantize_base(model, shards: int) -> None:
             + "; ".join(f"{', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''} ({why})"
                         for why, names in by_reason.items())
             + "; biases, norms, embeddings and MoE experts (not Linears) stay in it too")
+    if shards > 1:
+        return set()
+    modules = dict(model.named_modules())
+    return {modules[name].weight for name in quantized}
 
 
 def _check_tensor_parallel_model(model, spec: Spec, tp: int) -> None:

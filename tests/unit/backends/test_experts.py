@@ -42,6 +42,18 @@ def test_the_grouped_forward_computes_what_transformers_computes(arch):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_experts_of_a_transformers_without_post_expert_norms_run():
+    """transformers 5.17's experts decorator sets no `has_post_expert_norm` (5.24's does): seen on an H100 image
+    as an AttributeError in the first MoE step."""
+    config = tiny_config("mixtral")
+    name, module = experts.experts_modules(_from_hf_config(config, "fp32", 0))[0]
+    assert module.__dict__.pop("has_post_expert_norm") is False
+    hidden = torch.randn(12, config.hidden_size)
+    index = torch.stack([torch.randperm(module.num_experts)[:2] for _ in range(12)])
+    got = experts.experts_forward(_plain_grouped_mm, module, hidden, index, torch.rand(12, 2))
+    assert got.shape == hidden.shape and torch.isfinite(got).all()
+
+
 def test_experts_modules_finds_the_experts_and_nothing_else():
     model = _from_hf_config(tiny_config("mixtral"), "fp32", 0)
     assert [n for n, _ in experts.experts_modules(model)] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]

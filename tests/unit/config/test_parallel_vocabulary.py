@@ -5,6 +5,7 @@ import pytest
 from fp8dist.config.load import load_config
 from fp8dist.errors import ConfigError
 from fp8dist.translate import to_deepspeed, to_fsdp2
+from tests.conftest import ROOT
 
 
 @pytest.mark.parametrize("sharding,stage,reshard,mesh_shard", [
@@ -88,6 +89,12 @@ def test_notes_for_fp8_users():
     replicated = load_config({**float8, "compile": True, "parallel": {"sharding": "replicate"}})
     assert advise(replicated, 8, rank=1, cuda=True) == ["fp8-replicate-compile"]
     assert advise(load_config({}), 8, rank=1, cuda=True) == []
+    # the shipped configs emulate (for the CPU tests): on an H100 that is emulated FP8, no speedup (seen on one)
+    emulated = load_config(ROOT / "configs" / "fsdp2-torchao-float8.yaml")
+    assert "fp8-emulated-on-fp8-gpu" in advise(emulated, 1, rank=1, cuda=True, capability=(9, 0))
+    assert "fp8-emulated-on-fp8-gpu" not in advise(emulated, 1, rank=1, cuda=True, capability=(8, 0))  # A100
+    rowwise = load_config(ROOT / "configs" / "fsdp2-torchao-rowwise.yaml")
+    assert "fp8-emulated-on-fp8-gpu" not in advise(rowwise, 1, rank=1, cuda=True, capability=(8, 9))  # needs 9.0
 
 
 def test_a_preset_that_sets_the_stage_conflicts_like_a_written_key():
