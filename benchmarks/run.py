@@ -66,6 +66,9 @@ BENCHMARKS = {
     "lora": Benchmark("lora.py", ("--steps", "2"), (
         "lora_peak_fp8dist_over_accelerate_peft", "lora_peak_over_full_finetune", "lora_bytes_per_frozen_param",
         "lora_fp32_partition_per_trainable")),
+    "qlora": Benchmark("qlora.py", ("--steps", "2"), (
+        "qlora_frozen_bytes_over_bf16_base", "qlora_peak_over_accelerate_bnb", "qlora_peak_over_bf16_base_lora",
+        "qlora_after_steps_over_bf16_base_lora")),
     "tensor_parallel": Benchmark("tensor_parallel.py", ("--layers", "4", "--pairs", "6"), (
         "tp_allgather_bytes_fp8_vs_bf16_per_block", "tp_allgather_bytes_fp8_vs_bf16_whole_model",
         "tp_axis_bytes_fp8_vs_bf16", "tp_step_time_fp8dist_vs_hand", "tp_step_time_noise_floor_hand_vs_hand")),

@@ -194,6 +194,12 @@ RUNS = [
     Run("ds-zero3-lora", {**DS, "adapter": {"kind": "lora", "target_modules": ["q_proj", "v_proj"]},
                           "deepspeed": {"zero_stage": 3}},
         {"zero_stage": 3, **LORA_FACTS(adapted=4, frozen=21)}),
+    # modules_to_save (a new-token run): the embeddings and lm_head trained whole beside the adapters, each a trained
+    # copy stepped in the master dtype (2 more trainable tensors) beside PEFT's frozen original in bf16 (frozen count
+    # unchanged: the originals take the place of the base's two weights)
+    Run("fsdp2-lora-modules-to-save", {"adapter": {"kind": "lora", "modules_to_save": ["embed_tokens", "lm_head"]},
+                                       "precision": {"preset": "bf16"}},
+        {**LORA_FACTS(adapted=14, frozen=21), "trainable_tensors": 30, "stepped_tensors": 30}),
     # Last: after an AutoTP engine, DeepSpeed 0.19.8 keeps its tensor-parallel groups in module globals
     # (deepspeed/utils/groups.py, released only when the world group is destroyed), and the next engine built in the
     # same process fails in _configure_distributed_model (self.mpu is None). A run builds one engine per process.
@@ -396,6 +402,14 @@ REFUSALS = [
     Refusal("adapter-te", merge(te(), {"adapter": {"kind": "lora"}}), "Transformer Engine under LoRA"),
     Refusal("adapter-efficient-loading", {"adapter": {"kind": "lora"}, "parallel": {"cpu_ram_efficient_loading": True}},
             "the adapters are not in the model directory"),
+    Refusal("adapter-modules-to-save-without-kind", {"adapter": {"modules_to_save": ["lm_head"]}},
+            "adapter settings do nothing with adapter.kind=none"),
+    Refusal("adapter-modules-to-save-also-targeted",
+            {"adapter": {"kind": "lora", "target_modules": ["q_proj", "lm_head"], "modules_to_save": ["lm_head"]}},
+            "puts no adapter on a module to save"),
+    Refusal("adapter-modules-to-save-fp8", {"adapter": {"kind": "lora", "modules_to_save": ["lm_head"]},
+                                            "precision": {"preset": "torchao-float8", "fp8": {"torchao": EMULATE}}},
+            "would convert the trained copy"),
     Refusal("fsdp2-state-dtype-mismatch", {"optimizer": {"state_dtype": "bf16"}}, "torch.optim keeps states"),
     # Moved keys are refused with their new name.
     Refusal("moved-deepspeed-fp16", {**DS, "deepspeed": {"fp16": {"loss_scale": 0}}},

@@ -7,18 +7,19 @@ as aten matmuls (TorchDispatchMode) and, for Transformer Engine and MS-AMP, at t
 from __future__ import annotations
 
 from collections import Counter
-from typing import AbstractSet, Any, Iterable
+from dataclasses import asdict
+from typing import AbstractSet, Any, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fp8dist.backends.storage import is_tensor_like, short, storage
+from fp8dist.backends.storage import BlockLayout, Storage, is_tensor_like, short, storage
 from fp8dist.audit.gemm_flops import GROUPED, LOW_PRECISION, WeightGemmLedger, is_low_precision
 from fp8dist.audit.library_gemms import LibraryGemmRecorder
 
 __all__ = ["short", "summarize", "trainable", "MatmulRecorder", "emulates", "describe_fp8", "low_precision_format",
-           "compute_dtype", "optimizer_states", "state_tensors", "nbytes", "summarize_counts",
-           "bytes_per_param_by_format"]
+           "compute_dtype", "optimizer_states", "state_layouts", "describe_layouts", "state_tensors", "nbytes",
+           "numel", "summarize_counts", "bytes_per_param_by_format"]
 
 
 def summarize(tensors: Iterable) -> tuple[str, dict[str, int]]:
@@ -158,20 +159,42 @@ def compute_dtype(other: Counter) -> tuple[str, str]:
     return top[0][0] if len(top) == 1 else "+".join(sorted(dtypes)), ", ".join(f"{k}: {v}" for k, v in top)
 
 
+def _stored_states(optimizer, skip: AbstractSet[int]) -> Iterator[tuple[str, Storage]]:
+    """(state key, what it stores) for every tensor state but scalars (a step count) and the ids in `skip`."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if is_tensor_like(value) and value.numel() > 1 and id(value) not in skip:
+                yield key, storage(value)
+
+
 def optimizer_states(optimizer, skip: AbstractSet[int] = frozenset()) -> tuple[str, dict[str, Any]]:
     """Adam-like states as 'exp_avg+exp_avg_sq' storage formats; other optimizers: all tensor states.
     `skip`: ids of state tensors left out (those a low-bit optimizer keeps in full precision by design)."""
     per_key: dict[str, Counter] = {}
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if is_tensor_like(value) and value.numel() > 1 and id(value) not in skip:
-                s = storage(value)
-                per_key.setdefault(key, Counter())[s.format] += s.numel
+    for key, s in _stored_states(optimizer, skip):
+        per_key.setdefault(key, Counter())[s.format] += s.numel
     if not per_key:
         return "none", {}
     ordered: list[str] = [k for k in ("exp_avg", "exp_avg_sq") if k in per_key] or sorted(per_key)
     parts = ["+".join(sorted(per_key[k])) for k in ordered]
     return "+".join(parts), {k: dict(v) for k, v in per_key.items()}
+
+
+def state_layouts(optimizer, skip: AbstractSet[int] = frozenset()) -> dict[str, list[BlockLayout]]:
+    """Per state key, the distinct block layouts of its block-quantized states (torchao's low-bit AdamW: codes
+    dtype, block size, scale dtype, read from each state tensor); keys with none are left out."""
+    layouts: dict[str, dict[BlockLayout, None]] = {}
+    for key, s in _stored_states(optimizer, skip):
+        if s.layout is not None:
+            layouts.setdefault(key, {})[s.layout] = None
+    return {key: list(found) for key, found in layouts.items()}
+
+
+def describe_layouts(layouts: dict[str, list[BlockLayout]]) -> tuple[str, dict[str, list[dict[str, Any]]]]:
+    """The layouts in words ('exp_avg: int8 codes (uint8), block 256, fp32 scale per block; exp_avg_sq: ...') and
+    as the report's JSON holds them."""
+    words = "; ".join(f"{key}: {' / '.join(layout.describe() for layout in found)}" for key, found in layouts.items())
+    return words, {key: [asdict(layout) for layout in found] for key, found in layouts.items()}
 
 
 def state_tensors(optimizer) -> list:
@@ -180,6 +203,11 @@ def state_tensors(optimizer) -> list:
 
 def nbytes(tensors: Iterable) -> int:
     return sum(storage(t).nbytes for t in tensors)
+
+
+def numel(tensors: Iterable) -> int:
+    """Logical elements, where `.numel()` counts the packed storage (a bitsandbytes 4-bit weight's)."""
+    return sum(storage(t).numel for t in tensors)
 
 
 def bytes_per_param_by_format(tensors: Iterable) -> dict[str, float]:

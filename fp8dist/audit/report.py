@@ -16,7 +16,8 @@ def build(spec: Spec, model: str, observed: dict[str, Any], nproc: int,
     """One check per phase, the engine that ran first. A row is `ok` only when it was measured and matches:
     a value read from a setting, or no probe result at all, is NOT MEASURED and keeps the verdict from PASS.
     `outside`: phases that happen before the observed block (phase -> why), left out of the checks and said.
-    `data_size`: the data-parallel ranks, whose gradients reduce (default: all `nproc` ranks)."""
+    `data_size`: the data-parallel ranks, whose gradients reduce (default: all `nproc` ranks). A row whose cell has
+    `layouts` (the optimizer's block-quantized states: codes dtype, block size, scale dtype per state key) keeps them."""
     outside = outside or {}
     checks = []
     rows = {"engine": (spec.engine, "engine (recognised from the prepared model and optimizer)"),
@@ -31,7 +32,8 @@ def build(spec: Spec, model: str, observed: dict[str, Any], nproc: int,
         matches = normalize(got["observed"]) == normalize(want)
         status = NOT_MEASURED if not got["measured"] else (OK if matches else MISMATCH)
         checks.append({"phase": phase, "expected": want, "observed": got["observed"], "ok": status == OK,
-                       "status": status, "why": why, "detail": got["detail"], "measured": got["measured"]})
+                       "status": status, "why": why, "detail": got["detail"], "measured": got["measured"],
+                       **({"layouts": got["layouts"]} if "layouts" in got else {})})
     per_param = {k: round(v, 2) for k, v in observed.get("_bytes", {}).items()}
     return {"passed": all(c["ok"] for c in checks), "model": model, "engine": spec.engine,
             "config": spec.source, "preset": spec.precision.preset, "nproc": nproc, "checks": checks,

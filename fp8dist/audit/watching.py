@@ -21,24 +21,25 @@ cannot observe compiled graphs; the dtypes are those of the compiled run.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from typing import Any, Literal, cast
 
 import fp8dist.audit.probes as probes
 from fp8dist.audit.gemm_flops import clean_name, summarize as summarize_gemm_flops
 from fp8dist.audit.numerics import NumericsRecorder, observe as observe_numerics
-from fp8dist.backends.module_filter import LinearInfo, decide, is_adapter, linear_infos
+from fp8dist.backends.module_filter import LinearInfo, decide, linear_infos
 from fp8dist.audit.expected import expected, normalize
 from fp8dist.audit.report import build, table, verdict
 from fp8dist.audit.wire import DATA_AXES, REDUCTIONS, WireRecorder
-from fp8dist.backends.storage import is_scaling_tensor
+from fp8dist.backends.storage import bnb_4bit_quant_states, held_of, is_scaling_tensor
 from fp8dist.config.load import load_config
 from fp8dist.config.parallel import parallel_dims
 from fp8dist.config.spec import Spec
 from fp8dist.engines.optim import full_precision_by_design
 from fp8dist.engines.registry import inspector_for
 from fp8dist.facts.torchao import TORCHAO_HIGH_PRECISION_GEMMS
-from fp8dist.runtime.adapters import split_parameters
+from fp8dist.runtime.adapters import split_parameters, trained_beside_base
 from fp8dist.errors import ExitCode, Fp8distError
 from fp8dist.translate.fsdp2 import module_filter_plan
 
@@ -80,6 +81,7 @@ class Watch:
         self.report: dict[str, Any] | None = None
         self.passed: bool | None = None
         self._gradients: dict[str, Any] | None = None
+        self._bnb_states: dict[int, object] = {}  # id(weight) -> quant_state of bitsandbytes 4-bit modules
         self._stack: contextlib.ExitStack | None = None
         self.matmuls: probes.MatmulRecorder | None = None  # the step's recorders, from __enter__ to _release
         self.wire: WireRecorder | None = None
@@ -142,23 +144,40 @@ class Watch:
         self._observe_frozen()
 
     def _observe_frozen(self) -> None:
-        """Trainable vs frozen. Under `adapter` the base is every parameter that is not a LoRA adapter's (PEFT's
-        names, backends/module_filter.is_adapter), whatever the loop did with it: stored in the expected dtype
-        (an fp32 copy of a bf16 base is a mismatch), with no gradient and never stepped by the optimizer."""
+        """Trainable vs frozen. Under `adapter` the base is every parameter that is neither a LoRA adapter's nor a
+        module to save's trained copy (PEFT's names, runtime/adapters.trained_beside_base), whatever the loop did
+        with it: stored in the expected dtype (an fp32 copy of a bf16 base is a mismatch), with no gradient and
+        never stepped by the optimizer."""
         named = list(self.inspector.module.named_parameters())
         frozen = [(n, p) for n, p in named if not p.requires_grad]
         trainable, frozen_count = split_parameters(self.inspector.module)
+        self._bnb_states = bnb_4bit_quant_states(self.inspector.module)
+        # a bitsandbytes 4-bit weight's numel() counts its packed storage: its quant_state has the logical shape
+        frozen_count += sum(math.prod(self._bnb_states[id(p)].shape) - p.numel()  # type: ignore[attr-defined]
+                            for _, p in frozen if id(p) in self._bnb_states)
         self.observed["_parameters"] = {"trainable": trainable, "frozen": frozen_count}
-        stored = [self.inspector.stored(p) for _, p in frozen]
+        stored = [self._stored(p) for _, p in frozen]
         if stored:
-            self.observed["_frozen_bytes"] = round(probes.nbytes(stored) / max(sum(t.numel() for t in stored), 1), 2)
+            self.observed["_frozen_bytes"] = round(probes.nbytes(stored) / max(probes.numel(stored), 1), 2)
             self.observed["_frozen_bytes_by_format"] = probes.bytes_per_param_by_format(stored)
         if not self.spec.adapter.enabled:
             return
-        base = [(n, p) for n, p in named if not is_adapter(n)]
-        value, counts = probes.summarize(self.inspector.stored(p) for _, p in base)
-        self.observed["frozen_weights"] = _obs(value, f"the base weights (every parameter outside the adapters): "
-                                                      f"{counts}")
+        base = [(n, p) for n, p in named if not trained_beside_base(n)]
+        value, counts = probes.summarize(self._stored(p) for _, p in base)
+        detail = f"the base weights (every parameter outside the adapters): {counts}"
+        whole = self.inspector.left_whole([(n, p) for n, p in base if p.numel()])
+        if whole:  # stored as the config says, but on every rank whole: the bytes FSDP2 should divide are not
+            value += "+unsharded"
+            detail += (f"; {len(whole)} of them whole on every rank, left out of FSDP2 ({', '.join(whole[:3])}"
+                       f"{' ...' if len(whole) > 3 else ''})")
+            by_name = dict(base)
+            if any(id(by_name[name]) in self._bnb_states for name in whole):
+                detail += ("; a bitsandbytes 4-bit base in uint8 storage is (FSDP2 shards floating-point storage; "
+                           "accelerate#3983 reports such runs training wrong); fix: BitsAndBytesConfig("
+                           "bnb_4bit_quant_storage=torch.bfloat16), the dtype of the other weights")
+            else:
+                detail += "; fix: shard them with the rest (fully_shard's ignored_params, or a dtype it cannot shard?)"
+        self.observed["frozen_weights"] = _obs(value, detail)
         stepped = {id(p) for p in self.inspector.stepped()}
         kept = {"gradients": [n for n, p in base if p.requires_grad or p.grad is not None],
                 "optimizer": [n for n, p in base if id(p) in stepped]}
@@ -167,6 +186,11 @@ class Watch:
                            f"{' ...' if len(names) > 3 else ''})" for kind, names in kept.items())
         self.observed["frozen_state"] = _obs("+".join(kept) or "none", detail or
                                              f"{len(base)} base tensors: no gradient, not stepped by the optimizer")
+
+    def _stored(self, param):
+        """What this rank stores of a frozen parameter; a bitsandbytes 4-bit weight that FSDP2 sharded (a plain
+        tensor of packed codes now) read by its module's quant_state (fp8dist.backends.storage.bnb_4bit_shard)."""
+        return held_of(param, self.inspector.stored(param), self._bnb_states)
 
     def _record_gradients(self, grads: list, where: str) -> None:
         if self._gradients is None or (not self._gradients["numel"] and grads):  # the first step that has them
@@ -230,8 +254,11 @@ class Watch:
             holder = self.inspector.state_optimizer()
             kept = full_precision_by_design(holder)
             state, per_key = probes.optimizer_states(holder, skip=kept)
+            words, layouts = probes.describe_layouts(probes.state_layouts(holder, skip=kept))
             note = f"; {len(kept)} states of small tensors left out, kept in full precision by design" if kept else ""
-            out["optimizer"] = _obs(state, f"state storage: {per_key}{note}")
+            out["optimizer"] = _obs(state, f"state storage: {per_key}{f'; {words}' if words else ''}{note}")
+            if layouts:  # block-quantized states: codes dtype, block size and scale dtype per state key
+                out["optimizer"]["layouts"] = layouts
             self._bytes["optimizer"] = probes.nbytes(probes.state_tensors(holder)) / self._covered
         if self.nproc > 1:
             self._observe_wire()

@@ -1,6 +1,7 @@
 """QLoRA's frozen base in NF4 (`adapter.base_dtype: nf4`): every frozen nn.Linear weight of an adapter run, but the
-output layer and MoE routers, quantized at load with torchao's NF4 (fp8dist/facts/torchao.py NF4_BLOCK: 4-bit codes,
-a scale per 64 values, the scales in int8 per 256), about 0.52 bytes per value instead of 2.
+output layer, MoE routers and modules to save (adapter.modules_to_save), quantized at load with torchao's NF4
+(fp8dist/facts/torchao.py NF4_BLOCK: 4-bit codes, a scale per 64 values, the scales in int8 per 256), about 0.52
+bytes per value instead of 2.
 
 Why torchao's NF4Tensor and not bitsandbytes' Params4bit: NF4Tensor is a tensor subclass FSDP2 shards and all-gathers
 itself (torchao 0.18 nf4_tensor.py `fsdp_pre_all_gather` / `fsdp_post_all_gather`: the codes, scales and factors each
@@ -42,16 +43,34 @@ def output_layer_names(model) -> set[str]:
     return names | {f"{name}.base_layer" for name in names if hasattr(output, "base_layer")}
 
 
+SAVED_MODULE_REASON = ("a module to save (adapter.modules_to_save): PEFT's frozen copy of it stays in the load "
+                       "dtype, as the trained copy beside it")
+
+
+def saved_module_originals(model) -> set[int]:
+    """The ids of the frozen `original_module` of each module to save (adapter.modules_to_save: peft 0.21
+    utils/other.py ModulesToSaveWrapper, whose trained copy is not frozen, so no NF4 candidate). A module trained
+    whole stays out of NF4 in both copies: the frozen one runs only with the adapters disabled, where it stands for
+    the module as loaded, and QLoRA's modules to save (embeddings, the output layer) are those bitsandbytes leaves
+    unquantized."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    return {id(module.original_module) for module in model.modules() if isinstance(module, ModulesToSaveWrapper)}
+
+
 def nf4_linears(model, shards: int, frozen_only: bool = True) -> tuple[list[str], dict[str, str]]:
     """(the Linears whose weights an NF4 base holds in NF4, name -> why each other one keeps its dtype): the frozen
-    ones (`frozen_only`; a base read again for export is all base) but the output layer and MoE routers, that fit."""
+    ones (`frozen_only`; a base read again for export is all base) but the output layer, MoE routers and modules to
+    save, that fit."""
     modules = dict(model.named_modules())
     outputs = output_layer_names(model)
+    originals = saved_module_originals(model)
     chosen, kept = [], {}
     for info in linear_infos(model):
         if frozen_only and modules[info.fqn].weight.requires_grad:
             continue  # an adapter, or anything else the optimizer steps
         why = ("the output layer stays in 16 bit, as in QLoRA" if info.fqn in outputs else
+               SAVED_MODULE_REASON if id(modules[info.fqn]) in originals else
                "an MoE router stays in high precision" if info.router else
                nf4_unfit(info.out_features, info.in_features, shards))
         if why:

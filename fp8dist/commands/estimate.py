@@ -98,10 +98,28 @@ def _notes(result: Estimate) -> list[str]:
                  "tokens x top_k x hidden each)" if result.expert_parallel.ep > 1 else ""),
              f"fp8 extras: {result.fp8_extras_counted}"]
     if result.frozen_parameters:
-        notes.insert(0, f"adapter: {result.trainable_parameters / 1e6:,.2f}M trainable parameters carry masters, "
-                        f"gradients and optimizer states; {result.frozen_parameters / 1e6:,.2f}M frozen ones their "
-                        f"weights only, at {result.frozen_bytes_per_param:g} bytes per parameter")
+        notes.insert(0, _frozen_note(result))
     return notes
+
+
+def _frozen_note(result: Estimate) -> str:
+    """The adapter's split of the parameters, and the frozen base by storage format (the audit's
+    frozen_bytes_by_format): each format's parameters, bytes in one whole copy and per rank; an NF4 base's Linears
+    kept in the load dtype and why."""
+    formats = "; ".join(f"{fmt} {part.parameters / 1e6:,.2f}M at {part.bytes_per_param:g} bytes, "
+                        f"{human(part.bytes)} in all, {human(part.per_rank_bytes)} per rank"
+                        for fmt, part in result.frozen_bytes_by_format.items())
+    note = (f"adapter: {result.trainable_parameters / 1e6:,.2f}M trainable parameters carry masters, gradients and "
+            f"optimizer states; {result.frozen_parameters / 1e6:,.2f}M frozen ones their weights only, "
+            f"{result.frozen_bytes_per_param:g} bytes per parameter: {formats}")
+    if result.nf4_kept:
+        by_reason: dict[str, list[str]] = {}
+        for item in result.nf4_kept:
+            by_reason.setdefault(item.reason, []).append(item.fqn)
+        note += (f"; {len(result.nf4_kept)} frozen Linears kept out of NF4: "
+                 + "; ".join(f"{', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''} "
+                             f"({why})" for why, names in by_reason.items()))
+    return note
 
 
 def render_table(result: Estimate, markdown: bool = False) -> str:

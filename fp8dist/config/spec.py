@@ -157,6 +157,8 @@ class AdapterSpec:
     dropout: float
     target_modules: Any  # "auto" | tuple[str, ...]
     base_dtype: str  # auto | nf4 (fp8dist/backends/nf4.py; FSDP2 only) | int8 (refused by the rules)
+    # trained whole beside the adapters (PEFT modules_to_save); the schema's default, for a spec built by hand
+    modules_to_save: tuple[str, ...] = ()
 
     @property
     def enabled(self) -> bool:

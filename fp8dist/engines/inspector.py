@@ -73,6 +73,23 @@ class Inspector:
         """What this rank stores of `param` (frozen ones too): FSDP2's local shard, else the tensor."""
         return local(param)
 
+    def left_whole(self, params: list[tuple[str, torch.Tensor]]) -> list[str]:
+        """The names among `params` that every rank holds whole while FSDP2 shards the module's other parameters
+        over more than one rank: fully_shard left them out (e.g. a bitsandbytes 4-bit weight in uint8 storage,
+        which Accelerate keeps out of FSDP2), so their bytes do not fall with the world size. None when nothing
+        is sharded (DDP, one rank, DeepSpeed, whose partitions are no DTensors)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        def sharded(param) -> bool:  # split on a mesh dim of more than one rank (HSDP's (N, 1) mesh splits nothing)
+            mesh = getattr(param, "device_mesh", None)
+            return mesh is not None and any(placement.is_shard() and mesh.size(dim) > 1
+                                            for dim, placement in enumerate(param.placements))
+
+        if not any(isinstance(m, FSDPModule) for m in self.module.modules()) or \
+                not any(sharded(p) for p in self.module.parameters()):
+            return []
+        return [name for name, param in params if getattr(param, "device_mesh", None) is None]
+
     def stepped(self) -> list:
         """The module parameters the optimizer steps (its param groups)."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]

@@ -3,9 +3,9 @@ world size (see fp8dist/estimate/__init__.py for what is counted and how)."""
 from __future__ import annotations
 
 import math
-from typing import cast
+from typing import Mapping, cast
 
-from fp8dist.audit.expected import expected, frozen_bytes_per_param, implied_bytes_per_param
+from fp8dist.audit.expected import expected, implied_bytes_per_param
 from fp8dist.config.parallel import AXES, check_model_fits, parallel_dims, sequence_parallel
 from fp8dist.config.spec import Spec
 from fp8dist.dtypes import get as dtype_info
@@ -13,6 +13,7 @@ from fp8dist.engines.registry import facts_for
 from fp8dist.errors import Fp8distError
 from fp8dist.estimate.coverage import fp8_coverage, fp8_extra_bytes
 from fp8dist.estimate.expert_parallel import expert_split
+from fp8dist.estimate.frozen import frozen_base
 from fp8dist.estimate.model import MetaModel, activation_bytes, adapted_counts, blocks, build_meta_model
 from fp8dist.estimate.result import (ActivationBytes, CheckpointingMode, Estimate, ExpertParallelCounted, Phase,
                                      ShardedStore, Store, STORES, TensorParallelCounted, TransientBytes)
@@ -51,23 +52,29 @@ def masters_note(spec: Spec, per_param: dict[ShardedStore, float]) -> str | None
     return f"the sharded {cell} parameters are the master weights (counted under weights; no copy beside them)"
 
 
-def transient_bytes(meta: MetaModel, spec: Spec, shards: dict[ShardedStore, int], gathered: dict[str, int],
+def compute_bytes(spec: Spec) -> int:
+    """Bytes per value of the compute dtype (compute dtypes are whole bytes)."""
+    return int(dtype_info(spec.precision.compute_dtype).bits) // 8
+
+
+def transient_bytes(meta: MetaModel, spec: Spec, shards: dict[ShardedStore, int], gathered: Mapping[str, int],
                     all_to_all: int = 0) -> TransientBytes:
     """Bytes that exist only for a moment of the step, on top of the stores: the gathered weights of the wrap units
     in flight when weights are sharded (the unit computing and the one prefetched: FSDP2's default prefetch of
     one, torch 2.13 _fully_shard/_fsdp_state.py; ZeRO-3 prefetches likewise), gathered over the data axes only:
     a unit's tensor-parallel shards, and its E / ep experts under expert parallel, which gathers them over efsdp
-    (`gathered`: parameter fqn -> the elements a rank gathers, expert_parallel.ExpertSplit.gathered_numels); and
+    (`gathered`: parameter fqn -> the bytes a rank gathers: of the elements expert_parallel.ExpertSplit.gathered_numels
+    counts, in the compute dtype, an NF4 base's weights in NF4: frozen.FrozenBase.gathered_bytes); and
     the gradient of the logits of the rank's `seq_len / cp` tokens, which a causal LM's loss upcasts to fp32
     (transformers 5 loss/loss_utils.py ForCausalLMLoss) and which reaches the bf16 lm_head output as a
     compute-dtype copy (the whole vocabulary: a split LM head gathers its logits); under expert parallel, the
     all-to-all buffers of the MoE layer in flight (`all_to_all`, measured: MeasuredActivations.all_to_all)."""
-    compute = int(dtype_info(spec.precision.compute_dtype).bits) // 8  # compute dtypes are whole bytes
+    compute = compute_bytes(spec)
     units = 0
     if shards["weights"] > 1:
         sizes = sorted((sum(gathered[f"{name}.{param}"] for param, _ in block.named_parameters())
                         for name, block in blocks(meta.model, spec)), reverse=True)
-        units = sum(sizes[:2]) * compute
+        units = sum(sizes[:2])
     logits = 0
     vocab = getattr(meta.config, "vocab_size", 0)
     if meta.causal_lm and vocab:
@@ -92,10 +99,6 @@ def estimate(name: str, spec: Spec, world: int) -> Estimate:
     `spec` on `world` ranks."""
     if world < 1:
         raise Fp8distError(f"--world-size must be at least 1, got {world}")
-    if spec.adapter.enabled and spec.adapter.base_dtype == "nf4":
-        raise Fp8distError("fp8dist estimate does not model an NF4 base yet (which frozen Linears fit NF4's blocks on "
-                           "the mesh, their 0.52 bytes per value)\n  fix: estimate with adapter.base_dtype=auto: an "
-                           "upper bound, the base at 2 bytes per parameter")
     shards = shard_counts(spec, world)  # refuses a world the config's parallel dims do not fit, before the build
     dims = parallel_dims(spec, world)
     meta = build_meta_model(name, spec.precision.compute_dtype)
@@ -107,13 +110,14 @@ def estimate(name: str, spec: Spec, world: int) -> Estimate:
     experts = expert_split(meta.model, spec)
     params = list(meta.model.named_parameters())
     trainable_local = sum(local[fqn] for fqn, param in params if param.requires_grad)
-    frozen_local = sum(local[fqn] for fqn, param in params if not param.requires_grad)
     per_param = bytes_per_param(spec)
-    # the trainable parameters carry every store; the frozen ones (an adapter run's base) their weight only; each
-    # store of a tp rank's shards divided over the store's data-parallel ranks
+    # the trainable parameters carry every store; the frozen ones (an adapter run's base) their weight only, by
+    # storage format (frozen.py: an NF4 base's Linears in NF4); each store of a tp rank's shards divided over the
+    # store's data-parallel ranks
     per_rank: dict[Store, int] = {store: math.ceil(trainable_local * per_param[store] / shards[store])
                                   for store in per_param}
-    per_rank["weights"] += math.ceil(frozen_local * frozen_bytes_per_param(spec) / shards["weights"])
+    base = frozen_base(meta, spec, local, shards["weights"])
+    per_rank["weights"] += base.per_rank_bytes
     mode = cast(CheckpointingMode, spec.parallel.activation_checkpointing)
     measured = activation_bytes(meta, spec, split, experts)
     coverage = fp8_coverage(meta, spec)
@@ -124,7 +128,9 @@ def estimate(name: str, spec: Spec, world: int) -> Estimate:
     per_rank["activations"] = measured.per_rank(mode)
     host = offloaded(spec)
     device: dict[Store, int] = {store: 0 if store in host else per_rank[store] for store in STORES}
-    transient = transient_bytes(meta, spec, shards, experts.gathered_numels(local), measured.all_to_all)
+    compute = compute_bytes(spec)
+    gathered = {fqn: base.gathered_bytes(fqn, numel, compute) for fqn, numel in experts.gathered_numels(local).items()}
+    transient = transient_bytes(meta, spec, shards, gathered, measured.all_to_all)
     tensor_parallel = TensorParallelCounted(
         plan=split.plan, split_parameters=sum(param.numel() for fqn, param in params if local[fqn] < param.numel()),
         vocabulary_split=split.vocabulary is not None, sequence_parallel=split.tp > 1 and sequence_parallel(spec))
@@ -134,7 +140,8 @@ def estimate(name: str, spec: Spec, world: int) -> Estimate:
         moe_layers=len(experts.modules), dispatch_kept=measured.dispatch_kept)
     return Estimate(
         model=name, shape_only=meta.shape_only, world_size=world, mesh={axis: getattr(dims, axis) for axis in AXES},
-        trainable_parameters=trainable, frozen_parameters=frozen, frozen_bytes_per_param=frozen_bytes_per_param(spec),
+        trainable_parameters=trainable, frozen_parameters=frozen, frozen_bytes_per_param=base.bytes_per_param,
+        frozen_bytes_by_format=base.by_format, nf4_kept=base.nf4_kept,
         engine=spec.engine, config=spec.source, preset=spec.precision.preset,
         micro_batch_size=spec.train.micro_batch_size, seq_len=spec.train.seq_len, bytes_per_param=per_param,
         master_weights_note=masters_note(spec, per_param), shards=shards, tensor_parallel=tensor_parallel,

@@ -68,6 +68,16 @@ class LeftOut:
 
 
 @dataclass(frozen=True)
+class FrozenFormat:
+    """The part of an adapter run's frozen base held in one storage format (fp8dist/estimate/frozen.py): `nf4` (an
+    NF4 base's quantized Linears) or a dtype (the rest), as the audit's `frozen_bytes_by_format` names them."""
+    parameters: int  # elements held in this format, the whole model
+    bytes: int  # what they hold in one whole copy of the model (one process, unsharded)
+    per_rank_bytes: int  # a rank's share of them (its shards)
+    bytes_per_param: float  # a rank's bytes per element it holds: what the audit's frozen_bytes_by_format reads
+
+
+@dataclass(frozen=True)
 class Fp8Coverage:
     """Share of one token's weight-GEMM FLOPs that run in FP8, the Linears and MoE experts modules counted, those left
     in high precision and why, and the converted Linears below torchao's size heuristics."""
@@ -93,7 +103,9 @@ class Estimate:
     mesh: Mapping[str, int]  # the size of each mesh axis (config/parallel.py AXES), outermost first
     trainable_parameters: int
     frozen_parameters: int  # an adapter run's base: weights only
-    frozen_bytes_per_param: float
+    frozen_bytes_per_param: float  # a rank's frozen bytes per frozen element it holds, every format together
+    frozen_bytes_by_format: Mapping[str, FrozenFormat]  # the frozen base by storage format ({} without an adapter)
+    nf4_kept: tuple[LeftOut, ...]  # an NF4 base: the frozen Linears kept in the load dtype, and why
     engine: str
     config: str
     preset: str | None
@@ -136,6 +148,8 @@ class Estimate:
             "model": self.model, "shape_only": self.shape_only, "parameters": self.parameters,
             "world_size": self.world_size, "mesh": dict(self.mesh), "trainable_parameters": self.trainable_parameters,
             "frozen_parameters": self.frozen_parameters, "frozen_bytes_per_param": self.frozen_bytes_per_param,
+            "frozen_bytes_by_format": {fmt: asdict(part) for fmt, part in self.frozen_bytes_by_format.items()},
+            "nf4_kept": [asdict(item) for item in self.nf4_kept],
             "engine": self.engine, "config": self.config, "preset": self.preset,
             "micro_batch_size": self.micro_batch_size, "seq_len": self.seq_len,
             "bytes_per_param": dict(self.bytes_per_param), "master_weights_note": self.master_weights_note,

@@ -17,8 +17,14 @@ import fp8dist.config.reading as reading
 import fp8dist.dtypes as dtypes
 from fp8dist.config.spec import weight_dtype_of
 from fp8dist.errors import ConfigError, Fp8distError, Issue
+from fp8dist.facts.torchao import NF4_BLOCK, NF4_SCALER_BLOCK
 
 KINDS = ("accelerate", "axolotl", "deepspeed", "trl", "peft")
+# bitsandbytes' 4-bit options (transformers BitsAndBytesConfig) that have no effect on the NF4 base fp8dist builds
+NF4_SCALES = (f"fp8dist's NF4 always quantizes its scales (torchao to_nf4: one scale per {NF4_BLOCK} values, the "
+              f"scales in int8 per {NF4_SCALER_BLOCK})")
+NF4_STORAGE = ("the dtype bitsandbytes packs its 4-bit codes into for FSDP / DeepSpeed; fp8dist's NF4 keeps its "
+               "codes in uint8 and FSDP2 shards them itself")
 TITLE = {"accelerate": "Accelerate config", "axolotl": "Axolotl config", "deepspeed": "DeepSpeed config",
          "trl": "TRL / alignment-handbook recipe", "peft": "PEFT adapter_config.json"}
 
@@ -44,6 +50,15 @@ def integer(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().lstrip("-").isdigit():
         raise WrongShape(key, value, "an integer")
     return int(value)
+
+
+def module_names(value: Any, key: str) -> list[str]:
+    """A list of module names (PEFT's modules_to_save as the tools pass it on); None: empty."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(name, str) and name for name in value):
+        raise WrongShape(key, value, "a list of module names")
+    return list(value)
 
 
 def parallel_size(value: Any, key: str) -> int:

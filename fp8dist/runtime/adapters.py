@@ -6,18 +6,28 @@ The engines get the model PEFT injected the adapters into (`PeftModel.get_base_m
 wrapper: the module names stay those of the base model plus `.base_layer` / `.lora_A.default` /
 `.lora_B.default`, so exclusion patterns, activation checkpointing and FSDP2's units find the same blocks as
 in a full fine-tune. The LoraConfig rides along as `model.fp8dist_lora_config` (export writes it back).
+
+`adapter.modules_to_save` trains whole modules beside the adapters, as PEFT's LoraConfig(modules_to_save=...) does
+(peft 0.21 utils/other.py ModulesToSaveWrapper): `<module>` becomes a wrapper holding the frozen
+`<module>.original_module` and the trained copy `<module>.modules_to_save.default`, which the engines step with the
+adapters (every parameter with requires_grad) and the checkpoint and export keep with them.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Sequence
 
-from fp8dist.backends.module_filter import linear_infos
+from fp8dist.backends.module_filter import is_adapter, linear_infos
+from fp8dist.config.load import load_config
 from fp8dist.config.spec import AdapterSpec
 from fp8dist.dtypes import torch_dtype
 from fp8dist.errors import Fp8distError
 from fp8dist.facts.peft import PEFT_ALL_LINEAR
 
+ADAPTER_NAME = "default"  # the adapter PEFT's get_peft_model creates
+# peft 0.21 utils/other.py ModulesToSaveWrapper: the trained copy of a module to save is
+# `<module>.modules_to_save.<adapter>`
+SAVED_COPY = "modules_to_save"
 
 
 def lora_config(adapter: AdapterSpec, exclude: Sequence[str] = ()):
@@ -30,7 +40,53 @@ def lora_config(adapter: AdapterSpec, exclude: Sequence[str] = ()):
     # scaling = lora_alpha / r): a fractional alpha is a valid scale.
     return LoraConfig(r=adapter.r, lora_alpha=adapter.alpha,  # type: ignore[arg-type]
                       lora_dropout=adapter.dropout, target_modules=targets,
-                      exclude_modules=list(exclude) or None, bias="none")
+                      exclude_modules=list(exclude) or None, bias="none",
+                      modules_to_save=list(adapter.modules_to_save) or None)
+
+
+def is_saved_module(name: str) -> bool:
+    """A parameter (or module) of the trained copy of a module to save (adapter.modules_to_save), by PEFT's names."""
+    return f".{SAVED_COPY}.{ADAPTER_NAME}." in f".{name}."
+
+
+def trained_beside_base(name: str) -> bool:
+    """What an adapter run trains (and its checkpoint holds): the adapters and the modules to save."""
+    return is_adapter(name) or is_saved_module(name)
+
+
+def _check_modules_to_save(model, names: Sequence[str]) -> None:
+    """Each module to save names modules of `model` by their last name parts, as PEFT wraps them, and none holds a
+    weight tied to a module outside it. PEFT matches the end of each module's name (peft 0.21 utils/other.py
+    _set_trainable): a name it would match inside a part (`head` in lm_head) is refused, and so is one it matches
+    nowhere, which PEFT skips in silence. PEFT copies a module to save alone (ModulesToSaveWrapper.update: deepcopy),
+    which unties a tied pair: the output layer would train while the embedding it shares stays frozen, and a merged
+    export would hold two matrices where the model has one; PEFT's ensure_weight_tying (one trained copy shared by
+    both modules) is not a path fp8dist runs."""
+    modules = [name for name, _ in model.named_modules()]
+    owners: dict[int, list[str]] = {}
+    for pname, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(pname)
+    key, fix = f"adapter.modules_to_save={list(names)!r}", "name modules of this model by their last name parts"
+    for name in names:
+        matched = [module for module in modules if module.endswith(name)]
+        exact = [module for module in matched if module == name or module.endswith(f".{name}")]
+        if matched != exact:
+            raise Fp8distError(f"{key}: PEFT matches the end of every module name, so {name!r} would also train "
+                               f"{', '.join(m for m in matched if m not in exact)} whole\n  fix: {fix}")
+        if not exact:
+            raise Fp8distError(f"{key}: no module of {type(model).__name__} is named {name!r}\n  fix: {fix} (e.g. "
+                               "lm_head, embed_tokens), or remove it")
+        for module in exact:
+            for pname, param in model.get_submodule(module).named_parameters(prefix=module, remove_duplicate=False):
+                tied = [other for other in owners[id(param)] if not other.startswith(f"{module}.")]
+                if tied:
+                    raise Fp8distError(
+                        f"{key}: {pname} is tied to {tied[0]} (tied weights, e.g. tie_word_embeddings), and PEFT "
+                        f"trains a copy of {module} alone, which unties them: {module} would train while {tied[0]} stays "
+                        "frozen, and a merged export would hold two matrices where the model has one (fp8dist does "
+                        "not run PEFT's ensure_weight_tying)\n  fix: train a copy of the model saved untied "
+                        "(tie_word_embeddings=false, both weights written), or remove "
+                        f"{name} from adapter.modules_to_save")
 
 
 def _routers(model) -> list[str]:
@@ -40,23 +96,28 @@ def _routers(model) -> list[str]:
 
 
 def apply_adapter(model, adapter: AdapterSpec, weight_dtype: str, seed: int):
-    """`model` with LoRA adapters on `adapter.target_modules` and every other parameter frozen (kind none: the
-    model as it is). The adapters' initial values (lora_A's) are drawn after seeding with `seed`, so every rank and
-    every run of a config starts from the same ones. PEFT creates the adapters in fp32 over a 16-bit base (peft
-    0.21 get_peft_model `autocast_adapter_dtype=True`); they are then given the dtype the optimizer steps,
-    `weight_dtype` (the master dtype, or the load dtype without masters), as every trainable parameter has it."""
+    """`model` with LoRA adapters on `adapter.target_modules`, a trained copy of each of `adapter.modules_to_save`,
+    and every other parameter frozen (kind none: the model as it is). The adapters' initial values (lora_A's) are
+    drawn after seeding with `seed`, so every rank and every run of a config starts from the same ones. PEFT creates
+    the adapters in fp32 over a 16-bit base (peft 0.21 get_peft_model `autocast_adapter_dtype=True`); they and the
+    modules' copies are then given the dtype the optimizer steps, `weight_dtype` (the master dtype, or the load
+    dtype without masters), as every trainable parameter has it."""
     if not adapter.enabled:
         return model
     import torch
     from peft import get_peft_model
 
     config = lora_config(adapter, _routers(model) if adapter.target_modules == "auto" else ())
+    if adapter.modules_to_save:
+        _check_modules_to_save(model, adapter.modules_to_save)
     torch.manual_seed(seed)
     try:
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as exc:  # PEFT's "Target modules {...} not found in the base model"
         named = adapter.target_modules if adapter.target_modules == "auto" else list(adapter.target_modules)
-        raise Fp8distError(f"adapter.target_modules={named!r}: {str(exc).splitlines()[0]}\n  fix: "
+        saved = (f" (adapter.modules_to_save={list(adapter.modules_to_save)!r} train whole, with no adapter on or "
+                 "inside them)") if adapter.modules_to_save else ""
+        raise Fp8distError(f"adapter.target_modules={named!r}: {str(exc).splitlines()[0]}{saved}\n  fix: "
                            "name modules of this model (e.g. q_proj, v_proj), or use adapter.target_modules=auto") \
             from None
     base = peft_model.get_base_model()
@@ -80,19 +141,22 @@ def split_parameters(model) -> tuple[int, int]:
     return trainable, frozen
 
 
-def peft_key(name: str, adapter_name: str = "default") -> str:
+def peft_key(name: str, adapter_name: str = ADAPTER_NAME) -> str:
     """A parameter name of the adapted model -> its key in PEFT's adapter_model.safetensors: the PeftModel's
-    `base_model.model.` in front, the adapter's name left out (peft 0.21 utils/save_and_load.py
-    get_peft_model_state_dict)."""
+    `base_model.model.` in front, the adapter's name left out, and a module to save under its own name (peft 0.21
+    utils/save_and_load.py get_peft_model_state_dict, ModulesToSaveWrapper.adapter_state_dict:
+    `lm_head.modules_to_save.default.weight` is saved as `base_model.model.lm_head.weight`)."""
+    name = f".{name}".replace(f".{SAVED_COPY}.{adapter_name}.", ".")[1:]
     return "base_model.model." + name.replace(f".{adapter_name}.", ".")
 
 
 def write_adapter(tensors: dict, config: dict, model_name: str, directory: Path) -> None:
     """A PEFT adapter directory that `PeftModel.from_pretrained(base, directory)` loads: adapter_config.json (the
-    run's LoraConfig, naming the base it was trained on) and adapter_model.safetensors."""
+    run's LoraConfig, naming the base it was trained on and the modules it trained whole) and
+    adapter_model.safetensors (the adapters and those modules)."""
     from safetensors.torch import save_file
 
-    lora = lora_config(AdapterSpec(**config["adapter"]))
+    lora = lora_config(load_config(config).adapter)  # a checkpoint's config: keys added since, at their defaults
     lora.base_model_name_or_path = model_name
     lora.save_pretrained(str(directory))
     save_file({peft_key(name): value.contiguous() for name, value in tensors.items()},
@@ -118,7 +182,6 @@ def write_merged(adapter_dir: Path, config: dict, model_name: str, dtype: str, d
                       seed=config["train"]["seed"]).model
     if nf4:  # merge into the base the run computed with: its NF4 weights, dequantized, then in the export dtype
         from fp8dist.backends.nf4 import dequantize_like_training
-        from fp8dist.config.load import load_config
         from fp8dist.config.parallel import parallel_dims
 
         dims = parallel_dims(load_config(config), world_size)

@@ -60,9 +60,9 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
               shard_bytes: int = HF_MAX_SHARD_BYTES, merge: bool = False) -> Exported:
     """Write the model of `checkpoint` (one checkpoint, or a --checkpoint-dir: its newest complete one) to
     `out_dir` in Hugging Face format, in `dtype` (fp32 | bf16 | fp16; default the run's load dtype). An adapter
-    run's checkpoint holds the adapters only: it is written as a PEFT adapter directory (default dtype: the
-    adapters' master dtype, as trained), or with `merge` as the base (read again from the run's MODEL) with the
-    adapters merged in."""
+    run's checkpoint holds the adapters (and its modules_to_save) only: it is written as a PEFT adapter directory
+    (default dtype: the adapters' master dtype, as trained), or with `merge` as the base (read again from the run's
+    MODEL) with the adapters merged in and the trained modules in place of the base's."""
     from fp8dist.engines.checkpoint import HF_CONFIG_DIR, find_latest, read_manifest
 
     if not Path(checkpoint).is_dir():
@@ -152,12 +152,12 @@ def _publish(scratch: Path, out: Path, path: Path, manifest: dict, dtype: str, n
 
 
 def _export_adapter(reader, manifest: dict, path: Path, scratch: Path, out: Path, dtype: str, merge: bool) -> Exported:
-    """The adapters of the checkpoint (the frozen base is not in it) as a PEFT adapter directory, or merged."""
-    from fp8dist.backends.module_filter import is_adapter
+    """The adapters and the modules trained whole beside them (adapter.modules_to_save) of the checkpoint (the frozen
+    base is not in it) as a PEFT adapter directory, or merged."""
     from fp8dist.dtypes import torch_dtype
-    from fp8dist.runtime.adapters import write_adapter, write_merged
+    from fp8dist.runtime.adapters import trained_beside_base, write_adapter, write_merged
 
-    keys = [key for key in reader.sizes(torch_dtype(dtype)) if is_adapter(key)]
+    keys = [key for key in reader.sizes(torch_dtype(dtype)) if trained_beside_base(key)]
     tensors = _unless_unreadable(path, lambda: {key: _plain(value, torch_dtype(dtype))
                                                 for key, value in reader.read(keys)})
     model_name = manifest["model"]["name"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, run_cli
-from tests.distributed.launch import describe, torchrun
+from tests.distributed.launch import cases, describe, torchrun
 
 pytestmark = pytest.mark.distributed
 MODEL = "tests.tp_models:unseen_qwen2_qlora"
@@ -82,3 +82,23 @@ def test_qlora_resumes_bitwise_and_merges_into_the_base_it_computed_with(tmp_pat
     assert set(got) == set(expected)
     for key, value in expected.items():
         torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_accelerate_peft_bitsandbytes_loops_audit_by_what_the_base_holds(tmp_path):
+    """The QLoRA loop people write (Accelerate FSDP2 + PEFT + bitsandbytes 4-bit), watched against the fsdp2-qlora
+    config: bf16 quant storage passes (its codes read as nf4 though FSDP2 made them a plain bf16 shard); uint8
+    storage fails naming the unsharded base; PEFT's prepare_model_for_kbit_training fails naming the fp32 norms."""
+    from tests.tp_models import unseen_qwen2_qlora
+
+    unseen_qwen2_qlora()["model"].to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    found = cases(ROOT / "tests" / "distributed" / "scripts" / "qlora_loops.py", tmp_path / "model", nproc=2)
+    recipe, uint8, upcast = found["bf16-storage"], found["uint8-storage"], found["peft-upcast"]
+    assert recipe["passed"] and recipe["frozen_weights"] == "bf16+nf4", recipe
+    # this rank's half of the codes (0.5 byte per value) and bitsandbytes' fp32 absmax per 64 values whole (the
+    # module's attribute: FSDP2 does not shard it): 0.5 + 2 * 4 / 64 = 0.625 bytes per value held
+    assert 0.62 < recipe["frozen_bytes_by_format"]["nf4"] < 0.63, recipe
+    # the logical elements of the base, as fp8dist's own NF4 run counts them (not the packed storage's)
+    assert recipe["parameters"]["frozen"] == uint8["parameters"]["frozen"] == 1_444_096, recipe["parameters"]
+    assert uint8["failing"] == ["frozen_weights"] and uint8["frozen_weights"] == "bf16+nf4+unsharded", uint8
+    assert "whole on every rank" in uint8["detail"] and "bnb_4bit_quant_storage=torch.bfloat16" in uint8["detail"]
+    assert upcast["failing"] == ["frozen_weights"] and upcast["frozen_weights"] == "fp32+nf4", upcast

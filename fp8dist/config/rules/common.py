@@ -116,6 +116,29 @@ def _quantized_base(spec: Spec) -> list[Issue]:
     return issues
 
 
+def _modules_to_save(spec: Spec) -> list[Issue]:
+    """adapter.modules_to_save as PEFT runs it (peft 0.21 LoraConfig modules_to_save): what would change its meaning
+    is refused here; a name the model lacks and a weight tied to another module, when the model loads
+    (fp8dist/runtime/adapters.py)."""
+    ad, issues = spec.adapter, []
+    saved = list(ad.modules_to_save)
+    adapted = sorted(set(saved) & set(ad.target_modules)) if ad.target_modules != "auto" else []
+    if adapted:
+        issues.append(Issue("adapter.modules_to_save", f"{', '.join(adapted)} also in adapter.target_modules: PEFT "
+                            "puts no adapter on a module to save (peft 0.21 tuners/tuners_utils.py "
+                            "check_target_module_exists excludes it) and trains it whole, so the target would "
+                            "silently get no adapter", saved, "name each module in one of the two lists"))
+    if saved and spec.fp8.enabled:
+        issues.append(Issue("adapter.modules_to_save", "PEFT renames a module to save (lm_head becomes "
+                            "lm_head.modules_to_save.default, trained, beside the frozen lm_head.original_module), "
+                            "and the FP8 module filter matches precision.fp8.modules against those names: "
+                            f"precision.fp8.backend={spec.fp8.backend} would convert the trained copy of a Linear "
+                            "its exclusions name", saved,
+                            "precision.fp8.backend=none with adapter.modules_to_save (preset bf16), or remove "
+                            "adapter.modules_to_save"))
+    return issues
+
+
 def _adapter(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
     """LoRA composes with torchao's float8 conversion (the frozen base Linears convert, the adapters do not: a
     module filter on the names). MS-AMP and Transformer Engine replace or wrap every Linear's weight in their
@@ -130,7 +153,7 @@ def _adapter(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
                                 f"({', '.join('adapter.' + k for k in extra)})", settings[extra[0]],
                                 "set adapter.kind=lora, or remove them"))
         return issues
-    issues += _quantized_base(spec)
+    issues += _quantized_base(spec) + _modules_to_save(spec)
     backend = spec.fp8.backend
     if backend == "msamp":
         issues.append(Issue("precision.fp8.backend", "MS-AMP casts every Linear weight to its ScalingTensor and its "

@@ -18,6 +18,7 @@ Axolotl trains through transformers' Trainer and Accelerate, so its precision is
 - `adapter: qlora` + `load_in_4bit: true` is LoRA over a bitsandbytes NF4 base with its scales quantized too
   (loaders/model.py _set_quantization_config: bnb_4bit_quant_type nf4, bnb_4bit_use_double_quant true, overridden by
   bnb_config_kwargs): fp8dist's adapter.base_dtype nf4 (torchao's NF4, whose scales are always quantized);
+- `lora_modules_to_save` is PEFT's modules_to_save (loaders/adapter.py load_lora): fp8dist's adapter.modules_to_save;
 - `model_quantization_config: Mxfp4Config` with `model_quantization_config_kwargs: {dequantize: true}` (the gpt-oss
   examples) dequantizes the MXFP4 checkpoint at load: the run trains 16-bit weights.
 Every key is in KEYS with its class (fp8dist/formats/keys.py: kept, no effect, refused); docs/import.md prints it.
@@ -28,10 +29,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fp8dist.errors import Issue
-from fp8dist.facts.torchao import NF4_BLOCK, NF4_SCALER_BLOCK
 from fp8dist.formats.accelerate.sections import fsdp_settings, note_accelerate_refusals
-from fp8dist.formats.common import (HF_OPTIMIZERS, Imported, ImportProblem, Notes, WrongShape, dtype_name, hf_optimizer,
-                                   integer, mapping, parallel_size, read_beside, stepped_dtype, truthy, yaml11_number)
+from fp8dist.formats.common import (HF_OPTIMIZERS, NF4_SCALES, NF4_STORAGE, Imported, ImportProblem, Notes, WrongShape,
+                                   dtype_name, hf_optimizer, integer, mapping, module_names, parallel_size, read_beside,
+                                   stepped_dtype, truthy, yaml11_number)
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
 from fp8dist.formats.keys import Table, disabled, kept, no_effect, refused
 
@@ -54,12 +55,6 @@ _DEEPEP = "DeepEP's {what}; fp8dist sends the tokens to their experts with torch
 _ADAPTER = ("trains another kind of adapter than LoRA (llama-adapter, a plugin's), which fp8dist's `adapter` section "
             "does not run")
 _WITH_QLORA = "read only with `adapter: qlora` and `load_in_4bit: true` (loaders/model.py _set_quantization_config)"
-# bitsandbytes' 4-bit options (transformers BitsAndBytesConfig) that bnb_config_kwargs may override: what each
-# changes in a QLoRA run fp8dist builds with torchao's NF4
-_NF4_SCALES = (f"fp8dist's NF4 always quantizes its scales (torchao to_nf4: one scale per {NF4_BLOCK} values, the "
-               f"scales in int8 per {NF4_SCALER_BLOCK})")
-_NF4_STORAGE = ("the dtype bitsandbytes packs its 4-bit codes into for FSDP / DeepSpeed; fp8dist's NF4 keeps its "
-                "codes in uint8 and FSDP2 shards them itself")
 _BNB_8BIT = "an option of bitsandbytes' 8-bit base (LLM.int8), read only with load_in_8bit"
 # What Axolotl uses for a left-out key (axolotl src/axolotl/utils/schemas/training.py HyperparametersConfig:
 # micro_batch_size 1, gradient_accumulation_steps 1; schemas/config.py sequence_len 512, bf16 `auto`), and what the
@@ -142,9 +137,8 @@ KEYS = Table("Axolotl", {
     "peft_use_rslora": refused("rank-stabilised LoRA: scales the update by alpha / sqrt(r), not alpha / r",
                                "remove it (or scale adapter.alpha by sqrt(r) yourself)", unless=disabled,
                                otherwise="off", example=True),
-    "lora_modules_to_save": refused("trains whole modules beside the adapters (PEFT modules_to_save)",
-                                    "remove it, or train the full model", unless=disabled, otherwise="none",
-                                    example=["lm_head"]),
+    "lora_modules_to_save": kept("adapter.modules_to_save (modules trained whole beside the adapters: PEFT "
+                                 "modules_to_save, e.g. embed_tokens and lm_head for new tokens)", example=["lm_head"]),
     "lora_target_parameters": refused("adapters on parameters (PEFT target_parameters, e.g. MoE experts), which "
                                       "fp8dist's `adapter` does not run", "remove it", unless=disabled,
                                       otherwise="none", example=["experts.gate_up_proj"]),
@@ -360,6 +354,9 @@ def _adapter(cfg: dict[str, Any], out: dict[str, Any], load_dtype: str, notes: N
     mapped = {key: cfg.pop(key) for key in [*_LORA, *_LORA_TARGETS] if key in cfg}
     adapter = {"kind": "lora", **{_LORA[key]: value for key, value in mapped.items() if key in _LORA
                                   and value is not None}}
+    saved = module_names(cfg.pop("lora_modules_to_save", None), "lora_modules_to_save")
+    if saved:  # Axolotl passes an empty list to PEFT as None (loaders/adapter.py load_lora)
+        adapter["modules_to_save"] = saved
     if nf4:
         cfg.pop("load_in_4bit")
         adapter["base_dtype"] = "nf4"
@@ -399,9 +396,9 @@ def _nf4_options(options: Any, load_dtype: str, notes: Notes, issues: list[Issue
             issues.append(Issue(shown, "bitsandbytes' FP4 data type, not NF4: fp8dist's 4-bit base is NF4 only",
                                 value, "write nf4 (Axolotl's default), or remove it"))
         elif key == "bnb_4bit_use_double_quant" and not truthy(value):
-            notes.dropped(shown, value, _NF4_SCALES)
+            notes.dropped(shown, value, NF4_SCALES)
         elif key == "bnb_4bit_quant_storage":
-            notes.dropped(shown, value, _NF4_STORAGE)
+            notes.dropped(shown, value, NF4_STORAGE)
         elif key == "bnb_4bit_compute_dtype" and dtype_name(value) != load_dtype:
             issues.append(Issue(shown, f"computes the 4-bit GEMMs in another dtype than the model loads in "
                                 f"({load_dtype}); fp8dist dequantizes its NF4 base to the run's compute dtype", value,

@@ -4,11 +4,16 @@ The file is PEFT's LoraConfig as JSON (peft 0.21 tuners/lora/config.py LoraConfi
 PEFT wrote fewer keys, PEFT < 0.3 also `enable_lora` and `merge_weights`). It says which adapter trains and nothing
 else: the output is an fp8dist config whose `adapter` section has the file's meaning, every other section at
 fp8dist's defaults (said in a `# resolved:` comment). What runs, with the sources this rests on:
-- fp8dist builds `LoraConfig(r, lora_alpha, lora_dropout, target_modules, bias="none")` with every other field at
-  PEFT's default (fp8dist/runtime/adapters.py lora_config): the default initialisation (`init_lora_weights: true`,
-  lora_B zero), the update scaled by alpha / r, LoRA on the named modules only. Keys that change one of those
-  (rsLoRA, DoRA, modules_to_save, per-layer ranks or layer selection, a trained bias, another initialisation...)
-  are refused where their value does so, and noted where it does not (`use_dora: false`, `rank_pattern: {}`);
+- fp8dist builds `LoraConfig(r, lora_alpha, lora_dropout, target_modules, bias="none", modules_to_save)` with every
+  other field at PEFT's default (fp8dist/runtime/adapters.py lora_config): the default initialisation
+  (`init_lora_weights: true`, lora_B zero), the update scaled by alpha / r, LoRA on the named modules only, the
+  modules to save trained whole. Keys that change one of those (rsLoRA, DoRA, per-layer ranks or layer selection, a
+  trained bias, another initialisation...) are refused where their value does so, and noted where it does not
+  (`use_dora: false`, `rank_pattern: {}`);
+- the file is the same over a 16-bit and over a bitsandbytes 4-bit base (QLoRA): only the base's config.json says
+  which (transformers writes `quantization_config` there when it saves a quantized model). Where
+  `base_model_name_or_path` is a local model directory, its NF4 base is adapter.base_dtype nf4, another quantization
+  is refused; a base fp8dist cannot read (a Hub id) is noted: its quantization is unknown;
 - `target_modules`: a list is matched by PEFT against module-name suffixes, as fp8dist's list is; the string
   `all-linear` is fp8dist's `auto`; any other string is a regular expression PEFT fullmatches against the full
   module name (peft tuners_utils check_target_module_exists), which fp8dist's list does not express;
@@ -21,12 +26,14 @@ Every key is in KEYS with its class (fp8dist/formats/keys.py: kept, no effect, r
 from __future__ import annotations
 
 import math
-from typing import Any
+from pathlib import Path
+from typing import Any, Mapping
 
 import fp8dist.config.schema as schema
 from fp8dist.errors import Issue
 from fp8dist.facts.peft import PEFT_ALL_LINEAR
-from fp8dist.formats.common import Imported, ImportProblem, Notes, WrongShape, integer
+from fp8dist.formats.common import (NF4_SCALES, NF4_STORAGE, Imported, ImportProblem, Notes, WrongShape, integer,
+                                   module_names, read_document, truthy)
 from fp8dist.formats.keys import Table, disabled, kept, no_effect, refused
 
 # LoraConfig's defaults for r, lora_alpha and lora_dropout (peft 0.21 tuners/lora/config.py): what an
@@ -54,9 +61,12 @@ KEYS = Table("PEFT", {
                           "remove it (or scale lora_alpha by sqrt(r) yourself)", unless=disabled, otherwise="off: changes nothing"),
     "use_dora": refused("DoRA adapters (a trained magnitude vector beside LoRA)", "remove it", unless=disabled,
                         otherwise="off: changes nothing"),
-    "modules_to_save": refused("trains whole modules beside the adapters (PEFT modules_to_save)",
-                               "remove it, or train the full model", unless=disabled, otherwise="empty or unset: changes nothing",
-                               example=["lm_head"]),
+    "modules_to_save": kept("adapter.modules_to_save (modules trained whole beside the adapters, e.g. embed_tokens "
+                            "and lm_head for new tokens)", example=["lm_head"]),
+    "base_model_name_or_path": kept("adapter.base_dtype nf4 where it is a local model directory whose config.json "
+                                    "holds a bitsandbytes 4-bit NF4 quantization_config (QLoRA; other quantizations "
+                                    "are refused); elsewhere its quantization is unknown (noted); the model itself: "
+                                    "the script loads it", example="x/y"),
     "layers_to_transform": refused("adapters on some layers only, which fp8dist's target_modules (every layer's "
                                    "modules of that name) does not express", "remove it (adapters on every layer)",
                                    unless=disabled, otherwise="empty or unset: changes nothing", example=[0, 1]),
@@ -116,8 +126,6 @@ KEYS = Table("PEFT", {
                                 example={"ephemeral_gpu_offload": False}),
     "merge_weights": no_effect("PEFT < 0.3: merge the adapters into the weights for evaluation; not training"),
     "inference_mode": no_effect("how PEFT loads the saved adapter (frozen for inference); fp8dist trains it"),
-    "base_model_name_or_path": no_effect("which model: fp8dist's config describes how it is trained, the script "
-                                         "loads it", example="x/y"),
     "revision": no_effect("which revision of the model: the script loads it", example="main"),
     "auto_mapping": no_effect("the classes of a custom base model: " + _BOOKKEEPING,
                               example={"base_model_class": "X"}),
@@ -144,6 +152,10 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
         else:
             adapter[target] = value
     _targets(cfg, adapter, notes, issues)
+    saved = module_names(cfg.pop("modules_to_save", None), "modules_to_save")
+    if saved:
+        adapter["modules_to_save"] = saved
+    _base(cfg.pop("base_model_name_or_path", None), adapter, notes, issues)
     for key, value in cfg.items():
         KEYS.settle(key, value, notes, issues)
     if issues:
@@ -188,3 +200,78 @@ def _targets(cfg: dict[str, Any], adapter: dict[str, Any], notes: Notes, issues:
         adapter["target_modules"] = list(modules)
     else:
         raise WrongShape("target_modules", modules, "all-linear or a list of module names")
+
+
+# transformers' BitsAndBytesConfig (quantizers/quantization_config.py): the quant_method it writes into config.json,
+# and its default 4-bit data type
+_BITSANDBYTES, _BNB_DEFAULT_4BIT = "bitsandbytes", "fp4"
+_UNKNOWN_BASE = ("so whether the adapter was trained over a quantized base (QLoRA: bitsandbytes 4-bit) is unknown; "
+                 "fp8dist trains over the base as it loads, in 16 bit: if it was NF4, set adapter.base_dtype: nf4")
+
+
+def _base(name: Any, adapter: dict[str, Any], notes: Notes, issues: list[Issue]) -> None:
+    """`base_model_name_or_path` (PEFT's from_pretrained loads the adapter onto it): a local model directory whose
+    config.json holds a bitsandbytes quantization_config (transformers writes it when it saves a quantized model;
+    a path as transformers' from_pretrained opens it) -> adapter.base_dtype; another base is noted as unknown."""
+    config_file = Path(name) / "config.json" if isinstance(name, str) and name else None
+    if config_file is None or not config_file.is_file():
+        where = (f"{name!r} is not a local model directory with a config.json fp8dist can read" if name else
+                 "the file does not name its base")
+        notes.resolved("base_model_name_or_path", "adapter.base_dtype auto", f"{where}, {_UNKNOWN_BASE}")
+        return
+    document, _ = read_document(config_file)
+    quantization = document.get("quantization_config") if isinstance(document, Mapping) else None
+    if quantization is None:
+        notes.resolved("base_model_name_or_path", "adapter.base_dtype auto", f"{config_file} has no "
+                       "quantization_config: the adapter was trained over the base as it loads")
+        return
+    if not isinstance(quantization, Mapping):
+        raise WrongShape(f"{config_file} quantization_config", quantization, "a mapping")
+    shown = f"{config_file} quantization_config."
+    method = quantization.get("quant_method")
+    four_bit, eight_bit = truthy(quantization.get("load_in_4bit")), truthy(quantization.get("load_in_8bit"))
+    kind = quantization.get("bnb_4bit_quant_type", _BNB_DEFAULT_4BIT)
+    if method != _BITSANDBYTES:
+        issues.append(Issue(shown + "quant_method", f"the base is quantized with {method}, and fp8dist's only "
+                            "quantized base is NF4 (bitsandbytes' QLoRA base)", method, "train over the "
+                            "unquantized model (adapter.base_dtype auto), or an NF4 one (adapter.base_dtype nf4)"))
+    elif eight_bit:
+        issues.append(Issue(shown + "load_in_8bit", "an 8-bit bitsandbytes base (LLM.int8; fp8dist's "
+                            "adapter.base_dtype int8), which fp8dist does not build", True, "train over the "
+                            "unquantized model (adapter.base_dtype auto), or a 4-bit NF4 one (adapter.base_dtype nf4)"))
+    elif not four_bit:
+        issues.append(Issue(shown + "load_in_4bit", "a bitsandbytes quantization_config that is neither 4-bit nor "
+                            "8-bit: not one fp8dist can tell the meaning of", quantization.get("load_in_4bit"),
+                            "train over the unquantized model (adapter.base_dtype auto)"))
+    elif kind != "nf4":
+        issues.append(Issue(shown + "bnb_4bit_quant_type", "bitsandbytes' FP4 data type" + (
+            " (left out: BitsAndBytesConfig's default)" if "bnb_4bit_quant_type" not in quantization else "") +
+                            ", not NF4: fp8dist's 4-bit base is NF4 only", kind,
+                            "train over an NF4 base (bnb_4bit_quant_type nf4), or the unquantized model"))
+    else:
+        _nf4_base(quantization, shown, adapter, notes, issues)
+
+
+def _nf4_base(quantization: Mapping[str, Any], shown: str, adapter: dict[str, Any], notes: Notes,
+              issues: list[Issue]) -> None:
+    """A bitsandbytes 4-bit NF4 base -> adapter.base_dtype nf4, with what of its options fp8dist's NF4 changes."""
+    adapter["base_dtype"] = "nf4"
+    compute = quantization.get("bnb_4bit_compute_dtype")
+    notes.resolved(shown + "bnb_4bit_quant_type nf4", "adapter.base_dtype=nf4", "QLoRA: the adapter was trained over "
+                   "a bitsandbytes NF4 base; fp8dist quantizes the frozen Linears but the output layer, MoE routers "
+                   "and modules to save with torchao's NF4 at load (FSDP2 only), and dequantizes them to the run's "
+                   f"compute dtype (bitsandbytes computed in {compute or 'float32, its default'})")
+    if not truthy(quantization.get("bnb_4bit_use_double_quant", False)):
+        notes.dropped(shown + "bnb_4bit_use_double_quant", quantization.get("bnb_4bit_use_double_quant", False),
+                      NF4_SCALES)
+    if quantization.get("bnb_4bit_quant_storage") not in (None, "uint8"):
+        notes.dropped(shown + "bnb_4bit_quant_storage", quantization["bnb_4bit_quant_storage"], NF4_STORAGE)
+    skipped = quantization.get("llm_int8_skip_modules") or []
+    if not isinstance(skipped, list):
+        raise WrongShape(shown + "llm_int8_skip_modules", skipped, "a list of module names")
+    beyond = [name for name in skipped if name not in ("lm_head", *adapter.get("modules_to_save", ()))]
+    if beyond:
+        issues.append(Issue(shown + "llm_int8_skip_modules", "keeps these modules of the base out of 4 bit; fp8dist's "
+                            "NF4 base covers every frozen Linear but the output layer, MoE routers and "
+                            "adapter.modules_to_save", skipped, "train over a base that quantizes them, or the "
+                            "unquantized model (adapter.base_dtype auto)"))

@@ -20,7 +20,8 @@ transformers 5.24 training_args.py):
   nothing sharded. The alignment-handbook picks FSDP or ZeRO-3 with `accelerate launch --config_file`, which the
   recipe does not name: import that file too (`fp8dist import recipes/accelerate_configs/zero3.yaml`);
 - `use_peft: true` is TRL's get_peft_model_config -> peft.LoraConfig(r=lora_r (16), lora_alpha (32),
-  lora_dropout (0.05), target_modules=lora_target_modules, ...) (trl/trainer/utils.py get_peft_config); PEFT makes
+  lora_dropout (0.05), target_modules=lora_target_modules, modules_to_save=lora_modules_to_save, ...)
+  (trl/trainer/utils.py get_peft_config); PEFT makes
   the adapters fp32 over a 16-bit base (peft get_peft_model autocast_adapter_dtype=True; TRL turns that off only
   under ZeRO-3, trl/trainer/sft_trainer.py);
 - `load_in_4bit: true` with `use_peft: true` is QLoRA: get_quantization_config builds BitsAndBytesConfig(load_in_4bit,
@@ -36,10 +37,10 @@ from typing import Any, Mapping
 
 from fp8dist.errors import Issue
 from fp8dist.facts.peft import PEFT_ALL_LINEAR
-from fp8dist.facts.torchao import NF4_BLOCK, NF4_SCALER_BLOCK
 from fp8dist.formats.accelerate.sections import fsdp_settings, note_accelerate_refusals
-from fp8dist.formats.common import (Imported, ImportProblem, Notes, WrongShape, dtype_name, hf_optimizer, integer,
-                                   mapping, read_beside, stepped_dtype, truthy, yaml11_number)
+from fp8dist.formats.common import (NF4_SCALES, NF4_STORAGE, Imported, ImportProblem, Notes, WrongShape, dtype_name,
+                                   hf_optimizer, integer, mapping, module_names, read_beside, stepped_dtype, truthy,
+                                   yaml11_number)
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
 from fp8dist.formats.keys import Table, disabled, kept, no_effect, refused
 
@@ -65,10 +66,6 @@ _TF32 = ("with fp32 compute it turns every matmul into TF32 (10-bit mantissa; tr
          "enable_tf32), which fp8dist does not do")
 _WITH_PEFT = "read only with `use_peft: true` (trl/trainer/utils.py get_peft_config)"
 _WITH_4BIT = "read only with load_in_4bit and use_peft (trl get_quantization_config)"
-_NF4_SCALES = (f"fp8dist's NF4 always quantizes its scales (torchao to_nf4: one scale per {NF4_BLOCK} values, the "
-               f"scales in int8 per {NF4_SCALER_BLOCK})")
-_NF4_STORAGE = ("the dtype bitsandbytes packs its 4-bit codes into for FSDP / DeepSpeed; fp8dist's NF4 keeps its "
-                "codes in uint8 and FSDP2 shards them itself")
 _VLLM = ("the tensor parallel of vLLM's generation (trl/scripts/vllm_serve.py ScriptArguments; GRPOConfig's "
          "vllm_tensor_parallel_size), not the trainer's: the training layout does not change")
 
@@ -107,7 +104,8 @@ KEYS = Table("TRL", {
                   " / _8bit: that AdamW, paging being memory management)",
                   example="adamw_torch"),
     # adapters (ModelConfig)
-    "use_peft": kept("adapter.kind lora (with lora_r, lora_alpha, lora_dropout, lora_target_modules)"),
+    "use_peft": kept("adapter.kind lora (with lora_r, lora_alpha, lora_dropout, lora_target_modules, "
+                     "lora_modules_to_save)"),
     "lora_r": kept("adapter.r (TRL's default 16)", example=8),
     "lora_alpha": kept("adapter.alpha (TRL's default 32)", example=16),
     "lora_dropout": kept("adapter.dropout (TRL's default 0.05)", example=0.1),
@@ -125,9 +123,8 @@ KEYS = Table("TRL", {
                         otherwise="off"),
     "use_rslora": refused("rank-stabilised LoRA: scales the update by alpha / sqrt(r), not alpha / r",
                           "remove it (or scale lora_alpha by sqrt(r) yourself)", unless=disabled, otherwise="off"),
-    "lora_modules_to_save": refused("trains whole modules beside the adapters (PEFT modules_to_save)",
-                                    "remove it, or train the full model", unless=disabled, otherwise="none",
-                                    example=["lm_head"]),
+    "lora_modules_to_save": kept("adapter.modules_to_save (modules trained whole beside the adapters: PEFT "
+                                 "modules_to_save, e.g. embed_tokens and lm_head for new tokens)", example=["lm_head"]),
     "lora_target_parameters": refused("adapters on parameters (PEFT target_parameters, e.g. MoE experts), which "
                                       "fp8dist's `adapter` does not run", "remove it", unless=disabled,
                                       otherwise="none", example=["experts.down_proj"]),
@@ -569,10 +566,10 @@ def _nf4_base(cfg: dict[str, Any], out: dict[str, Any], load_dtype: str, notes: 
     nested = cfg.pop("use_bnb_nested_quant", None)
     if not truthy(nested):
         notes.dropped("use_bnb_nested_quant", False if nested is None else nested,
-                      ("left out: TRL's default false; " if nested is None else "") + _NF4_SCALES)
+                      ("left out: TRL's default false; " if nested is None else "") + NF4_SCALES)
     storage = cfg.pop("bnb_4bit_quant_storage", None)
     if storage is not None:
-        notes.dropped("bnb_4bit_quant_storage", storage, _NF4_STORAGE)
+        notes.dropped("bnb_4bit_quant_storage", storage, NF4_STORAGE)
 
 
 def _bf16_adapters(precision: dict[str, Any], load_dtype: str, notes: Notes, issues: list[Issue]) -> None:
@@ -625,4 +622,7 @@ def _adapter(cfg: dict[str, Any], out: dict[str, Any], notes: Notes, issues: lis
         adapter["target_modules"] = list(modules)
     else:
         raise WrongShape("lora_target_modules", modules, "all-linear or a list of module names")
+    saved = module_names(cfg.pop("lora_modules_to_save", None), "lora_modules_to_save")
+    if saved:  # get_peft_config passes it to LoraConfig(modules_to_save=...) as it is
+        adapter["modules_to_save"] = saved
     out["adapter"] = adapter

@@ -14,13 +14,13 @@ from fp8dist.errors import Fp8distError
 from fp8dist.estimate.memory import estimate, phases
 from fp8dist.estimate.model import MeasuredActivations
 from fp8dist.estimate.result import (PHASES, STORES, ActivationBytes, Estimate, ExpertParallelCounted, Fp8Coverage,
-                                     LeftOut, TensorParallelCounted, TransientBytes)
+                                     FrozenFormat, LeftOut, TensorParallelCounted, TransientBytes)
 from tests.conftest import ROOT
 
 # The documented keys of `fp8dist estimate --format json`, in order (README: "Estimate memory before a run").
 JSON_KEYS = ["model", "shape_only", "parameters", "world_size", "mesh", "trainable_parameters", "frozen_parameters",
-             "frozen_bytes_per_param", "engine", "config", "preset", "micro_batch_size", "seq_len", "bytes_per_param",
-             "master_weights_note", "shards", "tensor_parallel", "expert_parallel", "per_rank_bytes",
+             "frozen_bytes_per_param", "frozen_bytes_by_format", "nf4_kept", "engine", "config", "preset",
+             "micro_batch_size", "seq_len", "bytes_per_param", "master_weights_note", "shards", "tensor_parallel", "expert_parallel", "per_rank_bytes",
              "offloaded_to_host", "host_bytes", "activations_bytes", "phases_bytes", "highest_phase", "peak_bytes",
              "fp8_extras_counted", "transient_bytes", "fp8_coverage"]
 
@@ -31,7 +31,9 @@ def _estimate(**changes) -> Estimate:
     fields = dict(
         model="m", shape_only=True, world_size=4, mesh={"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2},
         trainable_parameters=10, frozen_parameters=5,
-        frozen_bytes_per_param=2.0, engine="deepspeed", config="c.yaml", preset=None, micro_batch_size=2, seq_len=8,
+        frozen_bytes_per_param=2.0,
+        frozen_bytes_by_format={"bf16": FrozenFormat(parameters=5, bytes=10, per_rank_bytes=10, bytes_per_param=2.0)},
+        nf4_kept=(), engine="deepspeed", config="c.yaml", preset=None, micro_batch_size=2, seq_len=8,
         bytes_per_param={"weights": 2.0, "master_weights": 4.0, "gradients": 2.0, "optimizer": 8.0},
         master_weights_note=None, shards={"weights": 1, "master_weights": 2, "gradients": 2, "optimizer": 2},
         tensor_parallel=TensorParallelCounted(plan="LlamaConfig.base_model_tp_plan", split_parameters=8,
@@ -58,6 +60,9 @@ def test_the_json_document_keeps_its_keys_and_derives_the_totals():
     assert document["offloaded_to_host"] == ["master_weights", "optimizer"]
     assert document["activations_bytes"] == {"none": 64, "full_checkpointing": 16, "selective_checkpointing": 32,
                                              "mode": "none"}
+    assert document["frozen_bytes_by_format"] == {"bf16": {"parameters": 5, "bytes": 10, "per_rank_bytes": 10,
+                                                           "bytes_per_param": 2.0}}
+    assert document["nf4_kept"] == []
     assert document["fp8_coverage"]["left_out"] == [{"fqn": "lm_head", "reason": "excluded by pattern 'lm_head'"}]
     assert document["fp8_coverage"]["too_small_to_gain"] == ["layers.0.q"]
     assert list(document["per_rank_bytes"]) == list(STORES) and list(document["phases_bytes"]) == list(PHASES)

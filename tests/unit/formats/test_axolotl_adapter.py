@@ -26,6 +26,21 @@ def test_lora_keys_become_the_adapter_section(tmp_path, targets, expected):
         ("lora", 16, 32, 0.05, expected)
 
 
+def test_lora_modules_to_save_train_whole_modules_beside_the_adapters(tmp_path):
+    """A new-token run trains the embeddings and the output layer whole (Axolotl's load_lora: PEFT modules_to_save),
+    over an NF4 base too."""
+    for kind, extra, base in (("lora", {}, "auto"), ("qlora", {"load_in_4bit": True}, "nf4")):
+        text = _import(tmp_path, {"adapter": kind, "lora_target_linear": True, **extra,
+                                  "lora_modules_to_save": ["embed_tokens", "lm_head"]})
+        adapter = load_config(yaml.safe_load(text)).adapter
+        assert (adapter.modules_to_save, adapter.target_modules, adapter.base_dtype) == \
+            (("embed_tokens", "lm_head"), "auto", base)
+        assert "# not kept: lora_modules_to_save" not in text
+    for empty in (None, []):  # Axolotl passes an empty list to PEFT as None: nothing trains whole
+        text = _import(tmp_path, {"adapter": "lora", "lora_target_linear": True, "lora_modules_to_save": empty})
+        assert load_config(yaml.safe_load(text)).adapter.modules_to_save == ()
+
+
 def test_lora_keys_without_an_adapter_are_noted(tmp_path):
     text = _import(tmp_path, {"lora_r": 16})
     assert "# not kept: lora_r: 16 - read only with `adapter: lora`" in text
@@ -43,8 +58,10 @@ def test_lora_keys_without_an_adapter_are_noted(tmp_path):
     # Axolotl adapts the union: every Linear and the output layer, which auto leaves out
     ({"adapter": "lora", "lora_target_linear": True, "lora_target_modules": ["lm_head"]}, {"lora_target_modules"}),
     ({"adapter": "lora", "lora_target_linear": True, "peft_use_rslora": True}, {"peft_use_rslora"}),
-    ({"adapter": "lora", "lora_target_linear": True, "lora_modules_to_save": ["embed_tokens"]},
-     {"lora_modules_to_save"}),
+    ({"adapter": "lora", "lora_target_linear": True, "lora_modules_to_save": "lm_head"}, {"lora_modules_to_save"}),
+    # lm_head would train whole and get no adapter (fp8dist's rule, named through the imported key)
+    ({"adapter": "lora", "lora_target_modules": ["q_proj", "lm_head"], "lora_modules_to_save": ["lm_head"]},
+     {"adapter.modules_to_save"}),
     ({"adapter": "lora", "lora_target_linear": True, "lora_target_parameters": ["experts.down_proj"]},
      {"lora_target_parameters"}),
     ({"adapter": "lora", "lora_target_linear": True, "peft_layers_to_transform": [0]}, {"peft_layers_to_transform"}),

@@ -67,7 +67,8 @@ REFUSED = {
     "trl/alignment-handbook__recipes_zephyr-7b-beta_dpo_config_lora.yaml": ["torch_dtype", "optim"],
     # QLoRA: TRL casts the adapters to bf16 over the 4-bit base, and paged_adamw_32bit keeps fp32 states over them
     "trl/alignment-handbook__recipes_zephyr-7b-beta_dpo_config_qlora.yaml": ["optim"],
-    "peft/bert-gpt2-multitask-finetuning__adapter_config.json": ["modules_to_save", "task_type"],
+    # modules_to_save imports (adapter.modules_to_save); the SEQ_CLS head PEFT adds to it is refused by task_type
+    "peft/bert-gpt2-multitask-finetuning__adapter_config.json": ["task_type"],
     "peft/fine-tuning-gemma-2-9b-it-on-healthcare-dataset-using-qlora-trl-kaggle-p100-__adapter_config.json":
         ["layers_to_transform"],
 }

@@ -160,8 +160,8 @@ def test_the_tables_refuse_what_the_issue_names():
                        (DEEPSPEED_KEYS, "tensor_parallel.partition_config"), (DEEPSPEED_KEYS, "amp"),
                        (TRL_KEYS, "parallelism_config"),
                        (TRL_KEYS, "load_in_4bit"), (TRL_KEYS, "load_in_8bit"), (TRL_KEYS, "use_dora"),
-                       (TRL_KEYS, "use_rslora"), (TRL_KEYS, "lora_modules_to_save"), (TRL_KEYS, "tf32"),
-                       (PEFT_KEYS, "use_rslora"), (PEFT_KEYS, "use_dora"), (PEFT_KEYS, "modules_to_save"),
+                       (TRL_KEYS, "use_rslora"), (TRL_KEYS, "tf32"),
+                       (PEFT_KEYS, "use_rslora"), (PEFT_KEYS, "use_dora"),
                        (PEFT_KEYS, "layers_to_transform"), (PEFT_KEYS, "rank_pattern"), (PEFT_KEYS, "bias"),
                        (PEFT_KEYS, "init_lora_weights"), (PEFT_KEYS, "target_parameters")):
         assert table.rules[key].cls is KeyClass.REFUSED, key

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from fp8dist.config.load import load_config
+from fp8dist.formats.common import ImportProblem
 from fp8dist.formats.importing import detect, import_file
 from fp8dist.formats.keys import KeyClass
 from fp8dist.formats.peft.importer import KEYS
@@ -71,7 +72,7 @@ def test_target_modules(tmp_path, targets, expected):
     ({"peft_type": "LORA", "target_modules": []}, {"target_modules"}),
     ({**LORA, "use_rslora": True}, {"use_rslora"}),
     ({**LORA, "use_dora": True}, {"use_dora"}),
-    ({**LORA, "modules_to_save": ["lm_head"]}, {"modules_to_save"}),
+    ({**LORA, "modules_to_save": "lm_head"}, {"modules_to_save"}),  # PEFT's field is a list
     ({**LORA, "layers_to_transform": [0, 1], "layers_pattern": "layers"}, {"layers_to_transform", "layers_pattern"}),
     ({**LORA, "rank_pattern": {"q_proj": 4}, "alpha_pattern": {"q_proj": 4}}, {"rank_pattern", "alpha_pattern"}),
     ({**LORA, "bias": "lora_only"}, {"bias"}),
@@ -104,10 +105,12 @@ def test_the_values_that_change_nothing_are_noted(tmp_path):
     for key in ("use_dora: false - off: changes nothing", "rank_pattern: {} - empty or unset: changes nothing",
                 "bias: none", "init_lora_weights: true",
                 "fan_in_fan_out: true - PEFT sets it from the layer's class", "task_type: CAUSAL_LM",
-                "eva_config: ", "base_model_name_or_path: meta-llama/Llama-2-7b-hf", "inference_mode: true",
-                "merge_weights: false"):
+                "eva_config: ", "inference_mode: true", "merge_weights: false"):
         assert f"# not kept: {key}" in text, key
     assert "modules_to_save" not in text  # null sets nothing
+    # a Hub id: the base cannot be read, so whether it was quantized is unknown
+    assert "# resolved: base_model_name_or_path -> adapter.base_dtype auto ('meta-llama/Llama-2-7b-hf' is not a " \
+           "local model directory" in text and "is unknown" in text
 
 
 def test_the_table_covers_peft_021s_lora_config():
@@ -134,10 +137,62 @@ def test_a_real_saved_config_round_trips_through_peft(tmp_path):
     saved = json.loads(KEPT_FILE.read_text())
     for key, value in saved.items():
         rule = KEYS.rules[key]
-        if rule.cls is not KeyClass.NO_EFFECT and key != "task_type":
+        # task_type: no head for CAUSAL_LM; base_model_name_or_path: fp8dist reads the base's quantization from it
+        if rule.cls is not KeyClass.NO_EFFECT and key not in ("task_type", "base_model_name_or_path"):
             built_value = sorted(built[key]) if isinstance(built[key], (set, list)) else built[key]
             saved_value = sorted(value) if isinstance(value, list) else value
             assert built_value == saved_value, key
+
+
+def test_modules_to_save_train_whole_modules_beside_the_adapters(tmp_path):
+    spec = _spec(tmp_path, {**LORA, "modules_to_save": ["embed_tokens", "lm_head"]})
+    assert spec.adapter.modules_to_save == ("embed_tokens", "lm_head")
+    assert spec == load_config({"adapter": {"kind": "lora", "target_modules": ["q_proj", "v_proj"],
+                                            "modules_to_save": ["embed_tokens", "lm_head"]}})
+
+
+# -- the base: QLoRA's adapter_config.json is LoRA's, its base's config.json says bitsandbytes 4-bit --------------
+def _base(tmp_path, quantization: dict | None) -> str:
+    """A local model directory whose config.json holds `quantization_config` (as transformers saves it)."""
+    base = tmp_path / "base"
+    base.mkdir(exist_ok=True)
+    config = {"model_type": "llama", **({"quantization_config": quantization} if quantization is not None else {})}
+    (base / "config.json").write_text(json.dumps(config))
+    return str(base)
+
+
+NF4 = {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False, "bnb_4bit_quant_type": "nf4",
+       "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8",
+       "llm_int8_skip_modules": None}
+
+
+def test_an_adapter_over_a_local_nf4_base_imports_an_nf4_base(tmp_path):
+    text = _import(tmp_path, {**LORA, "base_model_name_or_path": _base(tmp_path, NF4)})
+    assert load_config(yaml.safe_load(text)).adapter.base_dtype == "nf4"
+    assert "bnb_4bit_quant_type nf4 -> adapter.base_dtype=nf4 (QLoRA" in text and "computed in bfloat16" in text
+    nested = _import(tmp_path, {**LORA, "base_model_name_or_path": _base(tmp_path, {
+        **NF4, "bnb_4bit_use_double_quant": False, "llm_int8_skip_modules": ["lm_head"]})})
+    assert "quantization_config.bnb_4bit_use_double_quant: false - fp8dist's NF4 always quantizes its scales" in nested
+
+
+def test_an_unquantized_local_base_stays_as_it_loads(tmp_path):
+    text = _import(tmp_path, {**LORA, "base_model_name_or_path": _base(tmp_path, None)})
+    assert load_config(yaml.safe_load(text)).adapter.base_dtype == "auto" and "has no quantization_config" in text
+
+
+@pytest.mark.parametrize("quantization, key, value", [
+    ({**NF4, "bnb_4bit_quant_type": "fp4"}, "bnb_4bit_quant_type", "fp4"),
+    ({key: value for key, value in NF4.items() if key != "bnb_4bit_quant_type"}, "bnb_4bit_quant_type", "fp4"),
+    ({**NF4, "load_in_4bit": False, "load_in_8bit": True}, "load_in_8bit", True),
+    ({"quant_method": "gptq", "bits": 4}, "quant_method", "gptq"),
+    ({**NF4, "llm_int8_skip_modules": ["lm_head", "mlp"]}, "llm_int8_skip_modules", ["lm_head", "mlp"]),
+])
+def test_another_quantized_base_is_refused_naming_the_key_and_value(tmp_path, quantization, key, value):
+    base = _base(tmp_path, quantization)
+    with pytest.raises(ImportProblem) as err:
+        _import(tmp_path, {**LORA, "base_model_name_or_path": base})
+    [issue] = err.value.issues
+    assert issue.path == f"{base}/config.json quantization_config.{key}" and issue.value == value and issue.fix
 
 
 # -- detection and the command line ----------------------------------------------------------------------

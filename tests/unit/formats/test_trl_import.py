@@ -161,6 +161,15 @@ def test_lora_keys_and_all_linear(tmp_path):
     assert _spec(tmp_path, {"use_peft": True, "lora_target_modules": ["all-linear"]}).adapter.target_modules == "auto"
 
 
+def test_lora_modules_to_save_train_whole_modules_beside_the_adapters(tmp_path):
+    """get_peft_config passes lora_modules_to_save to LoraConfig(modules_to_save=...): trained whole."""
+    a = _spec(tmp_path, {"use_peft": True, "lora_target_modules": "all-linear",
+                         "lora_modules_to_save": ["embed_tokens", "lm_head"]}).adapter
+    assert (a.modules_to_save, a.target_modules) == (("embed_tokens", "lm_head"), "auto")
+    text = _import(tmp_path, {"lora_modules_to_save": ["lm_head"]})  # without use_peft TRL reads none of it
+    assert "# not kept: lora_modules_to_save: " in text
+
+
 def test_lora_keys_without_use_peft_are_noted(tmp_path):
     text = _import(tmp_path, {"lora_r": 16, "lora_target_modules": ["q_proj", "v_proj"]})
     assert "# not kept: lora_r: 16 - read only with `use_peft: true`" in text
@@ -172,7 +181,7 @@ def test_lora_keys_without_use_peft_are_noted(tmp_path):
     ({"load_in_8bit": True, **LORA}, {"load_in_8bit"}),
     ({"use_dora": True, **LORA}, {"use_dora"}),
     ({"use_rslora": True, **LORA}, {"use_rslora"}),
-    ({"lora_modules_to_save": ["lm_head"], **LORA}, {"lora_modules_to_save"}),
+    ({"lora_modules_to_save": "lm_head", **LORA}, {"lora_modules_to_save"}),  # ModelConfig: a list
     ({"lora_target_parameters": ["experts.down_proj"], **LORA}, {"lora_target_parameters"}),
     ({"lora_task_type": "SEQ_CLS", **LORA}, {"lora_task_type"}),
     ({"use_peft": True}, {"lora_target_modules"}),  # None: PEFT's per-architecture default, not guessed

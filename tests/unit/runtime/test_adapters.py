@@ -95,3 +95,112 @@ def test_a_model_without_generation_methods_takes_adapters():
     model = apply_adapter(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
                           spec.adapter, "fp32", 0)
     assert any(p.requires_grad for p in model.parameters()) and not all(p.requires_grad for p in model.parameters())
+
+
+# -- adapter.modules_to_save: whole modules trained beside the adapters (PEFT's ModulesToSaveWrapper) --------------
+def _step(model, spec):
+    """One AdamW step of `model` on a tiny-llama batch (the trainable parameters only, as the engines build it)."""
+    from fp8dist.runtime.models import causal_lm_batch
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    batch = causal_lm_batch(256)(2, 16, spec.train.seed)
+    model(**batch).loss.backward()
+    optimizer.step()
+
+
+def test_modules_to_save_train_whole_and_export_as_peft_saves_them(tmp_path):
+    """lm_head trained whole beside the adapters: a trainable copy in the master dtype next to PEFT's frozen original;
+    the adapter export is a directory PeftModel loads to the same logits, the merged export a model transformers
+    loads with the trained lm_head."""
+    import json
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from fp8dist.runtime.adapters import trained_beside_base, write_adapter, write_merged
+    from fp8dist.runtime.models import load_model
+
+    spec = load_config({"adapter": {"kind": "lora", "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"],
+                                    "modules_to_save": ["lm_head"]}, "precision": {"preset": "fp32"}})
+    model = load_for_run("tiny-llama", spec).model
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, _ in model.named_parameters() if trained_beside_base(n)}
+    assert "lm_head.modules_to_save.default.weight" in trainable and len(trainable) == 2 * 2 * 2 + 1
+    frozen = dict(model.named_parameters())["lm_head.original_module.weight"]
+    assert not frozen.requires_grad and model.fp8dist_lora_config.modules_to_save == ["lm_head"]
+    before = frozen.detach().clone()
+    _step(model, spec)
+    trained = model.get_submodule("lm_head.modules_to_save.default").weight
+    assert not torch.equal(trained, before) and torch.equal(frozen, before)
+
+    tensors = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
+    adapter_dir.mkdir()
+    write_adapter(tensors, spec.to_dict(), "tiny-llama", adapter_dir)
+    assert json.loads((adapter_dir / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head"]
+    saved = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    assert torch.equal(saved["base_model.model.lm_head.weight"], trained)  # PEFT's key for a module to save
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        base = load_model("tiny-llama", "fp32", seed=spec.train.seed).model
+        loaded = PeftModel.from_pretrained(base, str(adapter_dir))
+        torch.testing.assert_close(loaded(input_ids=ids).logits, want)
+
+    write_merged(adapter_dir, spec.to_dict(), "tiny-llama", "fp32", merged_dir)
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir))
+    assert torch.equal(merged.lm_head.weight, trained)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, want)
+
+
+def test_a_module_to_save_the_model_lacks_or_ties_is_refused_at_load():
+    """PEFT skips a name it matches nowhere and matches the end of any module name; a tied output layer would be
+    untied by PEFT's copy (tie_word_embeddings): each refused naming the key."""
+    from transformers import AutoModelForCausalLM
+
+    from fp8dist.runtime.models import _llama_config
+
+    for names, says in ((["score"], "no module of LlamaForCausalLM is named 'score'"),
+                        (["head"], "would also train lm_head whole")):
+        spec = load_config({"adapter": {"kind": "lora", "modules_to_save": names}})
+        with pytest.raises(Fp8distError, match=rf"(?s)adapter.modules_to_save=.*{says}.*fix:"):
+            load_for_run("tiny-llama", spec)
+    spec = load_config({"adapter": {"kind": "lora", "modules_to_save": ["embed_tokens", "lm_head"]}})
+    tied = AutoModelForCausalLM.from_config(_llama_config(tie_word_embeddings=True))
+    with pytest.raises(Fp8distError, match=r"(?s)embed_tokens.weight is tied to lm_head.weight.*tie_word_embeddings"
+                                           r".*fix: train a copy of the model saved untied"):
+        apply_adapter(tied, spec.adapter, "fp32", 0)
+
+
+def test_auto_targets_train_a_module_to_save_whole_and_nf4_leaves_both_copies():
+    """Under target_modules auto PEFT puts no adapter on a module to save; an NF4 base leaves its frozen original in
+    the load dtype (fp8dist/backends/nf4.py), and its trained copy is no frozen Linear."""
+    from fp8dist.backends.nf4 import SAVED_MODULE_REASON, nf4_linears, nf4_unfit
+
+    spec = load_config({"adapter": {"kind": "lora", "base_dtype": "nf4", "modules_to_save": ["o_proj", "lm_head"]},
+                        "precision": {"preset": "bf16"}})
+    model = load_for_run("tiny-llama", spec).model
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "model.layers.0.self_attn.o_proj.modules_to_save.default.weight" in names
+    assert not any(n.startswith("model.layers.0.self_attn.o_proj.") and ".lora_" in n for n in names)
+    chosen, kept = nf4_linears(model, shards=1)
+    for name in ("model.layers.0.self_attn.o_proj.original_module", "lm_head.original_module"):
+        assert kept[name] == SAVED_MODULE_REASON and name not in chosen
+    assert not any(".modules_to_save." in name for name in chosen)
+    assert nf4_unfit(256, 64, shards=1) is None  # lm_head's frozen original would fit NF4's blocks: left alone
+
+
+@pytest.mark.parametrize("config, says", [
+    ({"adapter": {"modules_to_save": ["lm_head"]}}, "adapter settings do nothing with adapter.kind=none"),
+    ({"adapter": {"kind": "lora", "target_modules": ["q_proj", "lm_head"], "modules_to_save": ["lm_head"]}},
+     "lm_head also in adapter.target_modules"),
+    ({"adapter": {"kind": "lora", "modules_to_save": ["lm_head"]}, "precision": {"preset": "torchao-float8"}},
+     "would convert the trained copy"),
+])
+def test_modules_to_save_refusals_name_the_key_and_a_fix(config, says):
+    with pytest.raises(ConfigError) as err:
+        load_config(config)
+    assert err.value.exit_code == 2 and "adapter.modules_to_save:" in str(err.value) and says in str(err.value)
+    assert "fix:" in str(err.value)
