@@ -200,6 +200,10 @@ RUNS = [
     Run("fsdp2-lora-modules-to-save", {"adapter": {"kind": "lora", "modules_to_save": ["embed_tokens", "lm_head"]},
                                        "precision": {"preset": "bf16"}},
         {**LORA_FACTS(adapted=14, frozen=21), "trainable_tensors": 30, "stepped_tensors": 30}),
+    Run("ds-zero3-lora-modules-to-save", {**DS, "adapter": {"kind": "lora", "target_modules": ["q_proj", "v_proj"],
+                                                           "modules_to_save": ["lm_head"]},
+                                          "deepspeed": {"zero_stage": 3}},
+        {"zero_stage": 3, **LORA_FACTS(adapted=4, frozen=21), "trainable_tensors": 9, "stepped_tensors": 9}),
     # Last: after an AutoTP engine, DeepSpeed 0.19.8 keeps its tensor-parallel groups in module globals
     # (deepspeed/utils/groups.py, released only when the world group is destroyed), and the next engine built in the
     # same process fails in _configure_distributed_model (self.mpu is None). A run builds one engine per process.

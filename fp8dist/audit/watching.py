@@ -164,7 +164,7 @@ class Watch:
             return
         base = [(n, p) for n, p in named if not trained_beside_base(n)]
         value, counts = probes.summarize(self._stored(p) for _, p in base)
-        detail = f"the base weights (every parameter outside the adapters): {counts}"
+        detail = f"the base weights (every parameter outside the adapters and the modules to save): {counts}"
         whole = self.inspector.left_whole([(n, p) for n, p in base if p.numel()])
         if whole:  # stored as the config says, but on every rank whole: the bytes FSDP2 should divide are not
             value += "+unsharded"

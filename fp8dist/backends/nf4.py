@@ -48,14 +48,15 @@ SAVED_MODULE_REASON = ("a module to save (adapter.modules_to_save): PEFT's froze
 
 
 def saved_module_originals(model) -> set[int]:
-    """The ids of the frozen `original_module` of each module to save (adapter.modules_to_save: peft 0.21
+    """The ids of the frozen `original_module` of each module to save and of every module inside it (adapter.modules_to_save: peft 0.21
     utils/other.py ModulesToSaveWrapper, whose trained copy is not frozen, so no NF4 candidate). A module trained
     whole stays out of NF4 in both copies: the frozen one runs only with the adapters disabled, where it stands for
     the module as loaded, and QLoRA's modules to save (embeddings, the output layer) are those bitsandbytes leaves
     unquantized."""
     from peft.utils.other import ModulesToSaveWrapper
 
-    return {id(module.original_module) for module in model.modules() if isinstance(module, ModulesToSaveWrapper)}
+    return {id(inner) for module in model.modules() if isinstance(module, ModulesToSaveWrapper)
+            for inner in module.original_module.modules()}  # a saved block's Linears too, not only a saved Linear
 
 
 def nf4_linears(model, shards: int, frozen_only: bool = True) -> tuple[list[str], dict[str, str]]:

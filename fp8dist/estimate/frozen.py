@@ -4,7 +4,8 @@ them (audit/expected.py `frozen_weights`).
 
 An NF4 base (`adapter.base_dtype: nf4`, QLoRA) holds in NF4 exactly the frozen Linear weights that
 fp8dist/backends/nf4.py `nf4_linears` picks for the shard count, on the meta model as on the loaded one (it reads
-names, shapes and requires_grad only): every frozen nn.Linear weight but the output layer and MoE routers, that
+names, shapes and requires_grad only): every frozen nn.Linear weight but the output layer, MoE routers and the
+modules to save (adapter.modules_to_save: both PEFT copies), that
 splits into whole NF4 scaler blocks over the ranks FSDP2 shards weights on (dp_shard x cp, the count
 engines/fsdp2/engine.py quantizes for). Biases, norms, embeddings, MoE experts and the Linears that do not fit stay
 in the load dtype (the other part of the audit's `frozen_weights` cell, e.g. `bf16+nf4`). An NF4 weight's bytes:

@@ -14,6 +14,8 @@ adapters (every parameter with requires_grad) and the checkpoint and export keep
 """
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Sequence
 
@@ -28,6 +30,10 @@ ADAPTER_NAME = "default"  # the adapter PEFT's get_peft_model creates
 # peft 0.21 utils/other.py ModulesToSaveWrapper: the trained copy of a module to save is
 # `<module>.modules_to_save.<adapter>`
 SAVED_COPY = "modules_to_save"
+# the module names PEFT adds around an adapted Linear (peft 0.21 tuners/lora/layer.py LoraLayer.adapter_layer_names /
+# other_param_names, utils/other.py ModulesToSaveWrapper), which its modules_to_save matching also sees
+PEFT_MODULE_NAMES = ("lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B",
+                     "lora_magnitude_vector", "base_layer", "default", "original_module", SAVED_COPY)
 
 
 def lora_config(adapter: AdapterSpec, exclude: Sequence[str] = ()):
@@ -45,8 +51,9 @@ def lora_config(adapter: AdapterSpec, exclude: Sequence[str] = ()):
 
 
 def is_saved_module(name: str) -> bool:
-    """A parameter (or module) of the trained copy of a module to save (adapter.modules_to_save), by PEFT's names."""
-    return f".{SAVED_COPY}.{ADAPTER_NAME}." in f".{name}."
+    """A parameter (or module) of the trained copy of a module to save (adapter.modules_to_save), by PEFT's names,
+    whatever the adapter's name (a loop fp8dist.audit.watch sees may name it otherwise than `default`)."""
+    return f".{SAVED_COPY}." in f".{name}."
 
 
 def trained_beside_base(name: str) -> bool:
@@ -62,6 +69,13 @@ def _check_modules_to_save(model, names: Sequence[str]) -> None:
     which unties a tied pair: the output layer would train while the embedding it shares stays frozen, and a merged
     export would hold two matrices where the model has one; PEFT's ensure_weight_tying (one trained copy shared by
     both modules) is not a path fp8dist runs."""
+    for name in names:  # PEFT wraps after injecting LoRA: its own modules' names are matched too
+        own = [part for part in PEFT_MODULE_NAMES if part.endswith(name)]
+        if own:
+            raise Fp8distError(f"adapter.modules_to_save={list(names)!r}: PEFT matches the end of every module name "
+                               f"once the adapters are in, so {name!r} would also train PEFT's own {own[0]} modules "
+                               f"whole\n  fix: name modules of this model by their last name parts, not a suffix of "
+                               f"{', '.join(PEFT_MODULE_NAMES)}")
     modules = [name for name, _ in model.named_modules()]
     owners: dict[int, list[str]] = {}
     for pname, param in model.named_parameters(remove_duplicate=False):
@@ -121,11 +135,31 @@ def apply_adapter(model, adapter: AdapterSpec, weight_dtype: str, seed: int):
                            "name modules of this model (e.g. q_proj, v_proj), or use adapter.target_modules=auto") \
             from None
     base = peft_model.get_base_model()
+    if adapter.modules_to_save and adapter.target_modules != "auto":
+        _check_targets_outside_saved(base, adapter)
     for param in base.parameters():
         if param.requires_grad:
             param.data = param.data.to(torch_dtype(weight_dtype))
     base.fp8dist_lora_config = peft_model.peft_config["default"]
     return base
+
+
+def _check_targets_outside_saved(model, adapter: AdapterSpec) -> None:
+    """A listed target inside a module to save gets no adapter: PEFT leaves out of LoRA every module under one it
+    saves whole (peft 0.21 tuners/tuners_utils.py _check_target_module_exists with modules_to_save), so the list
+    would not mean what it says for those (e.g. target_modules [q_proj] with modules_to_save [self_attn])."""
+    from peft.tuners.lora import LoraLayer
+
+    targets = set(adapter.target_modules)
+    inside = [name for name, module in model.named_modules() if name.rpartition(".")[2] in targets
+              and f".{SAVED_COPY}." not in f".{name}." and ".original_module." in f".{name}."
+              and not isinstance(module, LoraLayer)]
+    if inside:
+        raise Fp8distError(f"adapter.target_modules={list(adapter.target_modules)!r} with adapter.modules_to_save="
+                           f"{list(adapter.modules_to_save)!r}: {inside[0].replace('.original_module', '')}"
+                           f"{f' and {len(inside) - 1} more' if len(inside) > 1 else ''} lie inside a module trained "
+                           "whole, where PEFT puts no adapter\n  fix: leave those targets out, or save smaller "
+                           "modules")
 
 
 def split_parameters(model) -> tuple[int, int]:
@@ -156,11 +190,34 @@ def write_adapter(tensors: dict, config: dict, model_name: str, directory: Path)
     adapter_model.safetensors (the adapters and those modules)."""
     from safetensors.torch import save_file
 
-    lora = lora_config(load_config(config).adapter)  # a checkpoint's config: keys added since, at their defaults
+    spec = load_config(config)  # a checkpoint's config: keys added since, at their defaults
+    lora = lora_config(spec.adapter)
     lora.base_model_name_or_path = model_name
     lora.save_pretrained(str(directory))
     save_file({peft_key(name): value.contiguous() for name, value in tensors.items()},
               str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (directory / "README.md").write_text(model_card(spec, model_name), encoding="utf-8")
+
+
+def model_card(spec, model_name: str) -> str:
+    """The adapter's model card, as PEFT writes one (peft 0.21 peft_model.py create_or_update_model_card: the
+    `library_name: peft` and `base_model` metadata, the quantization used during training under "## Training
+    procedure"). adapter_config.json has no field for the base's quantization: the card is where PEFT records
+    it, and a user who loads the adapter onto a 16-bit base must know the run computed with an NF4 one."""
+    precision, adapter = spec.precision, spec.adapter
+    base = f"base_model: {json.dumps(model_name)}\n" if model_name else ""  # JSON's string: a YAML one too
+    if adapter.base_dtype == "nf4":
+        from fp8dist.facts.torchao import NF4_BLOCK, NF4_SCALER_BLOCK
+
+        held = (f"torchao NF4 (`torchao.quantization.to_nf4`, block_size {NF4_BLOCK}, scaler_block_size "
+                f"{NF4_SCALER_BLOCK}) on every frozen Linear but the output layer and MoE routers (fp8dist "
+                f"adapter.base_dtype: nf4), the rest in {precision.load_dtype}; `fp8dist export --merge` merges into "
+                "that NF4-dequantized base")
+    else:
+        held = precision.load_dtype
+    return (f"---\nlibrary_name: peft\n{base}tags:\n- lora\n- fp8dist\n---\n\n# LoRA adapter trained with fp8dist\n\n"
+            f"## Training procedure\n\n- adapter: LoRA r={adapter.r}, alpha={adapter.alpha:g}, trained in "
+            f"{precision.weight_dtype}, computed in {precision.compute_dtype}\n- frozen base during training: {held}\n")
 
 
 def write_merged(adapter_dir: Path, config: dict, model_name: str, dtype: str, directory: Path,

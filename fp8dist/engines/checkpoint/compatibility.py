@@ -23,11 +23,22 @@ def _leaves(document: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: document}
 
 
+def _with_defaults(document: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's config with the keys added to fp8dist since at their defaults (a key the old file lacks is no
+    change when this run leaves it at its default); the document as saved where it no longer loads."""
+    from fp8dist.config.load import load_config
+
+    try:
+        return load_config(document).to_dict()
+    except Fp8distError:
+        return document
+
+
 def config_changes(saved: dict[str, Any] | None, here: dict[str, Any] | None) -> list[tuple[str, Any, Any]]:
     """The settings (dotted keys) a resumed run changes from the checkpoint's config: (key, saved, here)."""
     if not saved or not here:
         return []
-    before, after = _leaves(saved), _leaves(here)
+    before, after = _leaves(_with_defaults(saved)), _leaves(here)
     return [(key, before.get(key), after.get(key)) for key in sorted(set(before) | set(after))
             if key not in _BOOKKEEPING and not key.startswith(_BOOKKEEPING_SECTIONS)
             and before.get(key) != after.get(key)]

@@ -362,8 +362,8 @@ def _adapter(cfg: dict[str, Any], out: dict[str, Any], load_dtype: str, notes: N
         adapter["base_dtype"] = "nf4"
         notes.resolved("adapter: qlora, load_in_4bit", "adapter.kind=lora, base_dtype=nf4", "Axolotl's QLoRA: "
                        "bitsandbytes NF4 with double quantization for every Linear but the output layer, computed in "
-                       "the load dtype; fp8dist quantizes the frozen Linears but the output layer and MoE routers "
-                       "with torchao's NF4 at load (FSDP2 only)")
+                       "the load dtype; fp8dist quantizes the frozen Linears but the output layer, MoE routers and "
+                       "modules to save with torchao's NF4 at load (FSDP2 only)")
         _nf4_options(bnb_options, load_dtype, notes, issues)
     modules = mapped.get("lora_target_modules")
     modules = [modules] if isinstance(modules, str) else list(modules or [])

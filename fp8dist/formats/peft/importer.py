@@ -231,7 +231,9 @@ def _base(name: Any, adapter: dict[str, Any], notes: Notes, issues: list[Issue])
     method = quantization.get("quant_method")
     four_bit, eight_bit = truthy(quantization.get("load_in_4bit")), truthy(quantization.get("load_in_8bit"))
     kind = quantization.get("bnb_4bit_quant_type", _BNB_DEFAULT_4BIT)
-    if method != _BITSANDBYTES:
+    # transformers 5.24 quantizers/auto.py AutoQuantizationConfig.from_dict: load_in_4bit / load_in_8bit mean
+    # bitsandbytes whatever quant_method says (an older config has none)
+    if method != _BITSANDBYTES and not (four_bit or eight_bit):
         issues.append(Issue(shown + "quant_method", f"the base is quantized with {method}, and fp8dist's only "
                             "quantized base is NF4 (bitsandbytes' QLoRA base)", method, "train over the "
                             "unquantized model (adapter.base_dtype auto), or an NF4 one (adapter.base_dtype nf4)"))
@@ -252,6 +254,13 @@ def _base(name: Any, adapter: dict[str, Any], notes: Notes, issues: list[Issue])
         _nf4_base(quantization, shown, adapter, notes, issues)
 
 
+# Skip-list names fp8dist's NF4 base leaves in 16 bit anyway: output layers by the names transformers' models give
+# them (lm_head; GPT-NeoX embed_out; output), MoE routers (gate, router: backends/module_filter.is_router), and
+# embeddings, which no 4-bit base quantizes (bitsandbytes replaces Linears only: transformers 5.24
+# integrations/bitsandbytes.py replace_with_bnb_linear).
+KEPT_OUT_OF_NF4 = ("lm_head", "embed_out", "output", "gate", "router", "embed_tokens", "wte", "wpe", "word_embeddings")
+
+
 def _nf4_base(quantization: Mapping[str, Any], shown: str, adapter: dict[str, Any], notes: Notes,
               issues: list[Issue]) -> None:
     """A bitsandbytes 4-bit NF4 base -> adapter.base_dtype nf4, with what of its options fp8dist's NF4 changes."""
@@ -269,7 +278,7 @@ def _nf4_base(quantization: Mapping[str, Any], shown: str, adapter: dict[str, An
     skipped = quantization.get("llm_int8_skip_modules") or []
     if not isinstance(skipped, list):
         raise WrongShape(shown + "llm_int8_skip_modules", skipped, "a list of module names")
-    beyond = [name for name in skipped if name not in ("lm_head", *adapter.get("modules_to_save", ()))]
+    beyond = [name for name in skipped if name not in (*KEPT_OUT_OF_NF4, *adapter.get("modules_to_save", ()))]
     if beyond:
         issues.append(Issue(shown + "llm_int8_skip_modules", "keeps these modules of the base out of 4 bit; fp8dist's "
                             "NF4 base covers every frozen Linear but the output layer, MoE routers and "

@@ -214,3 +214,16 @@ def test_the_same_step_saved_again_replaces_it_and_older_ones_are_pruned(tmp_pat
     path = save(FileCheckpointing(model), tmp_path, 4, spec=spec)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004"]  # no .replaced or .partial left
     assert torch.load(path / "weights.pt", weights_only=True)["weight"].eq(7.0).all()
+
+
+def test_a_key_added_since_the_checkpoint_is_no_change_at_its_default():
+    """A checkpoint written before adapter.modules_to_save existed resumes without a note about it; a key this run
+    sets away from its default is still said."""
+    from fp8dist.config.load import load_config
+    from fp8dist.engines.checkpoint.compatibility import config_changes
+
+    here = load_config({"adapter": {"kind": "lora"}}).to_dict()
+    older = {**here, "adapter": {k: v for k, v in here["adapter"].items() if k != "modules_to_save"}}
+    assert config_changes(older, here) == []
+    saving = load_config({"adapter": {"kind": "lora", "modules_to_save": ["lm_head"]}}).to_dict()
+    assert config_changes(older, saving) == [("adapter.modules_to_save", [], ["lm_head"])]

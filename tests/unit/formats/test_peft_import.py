@@ -175,6 +175,15 @@ def test_an_adapter_over_a_local_nf4_base_imports_an_nf4_base(tmp_path):
     assert "quantization_config.bnb_4bit_use_double_quant: false - fp8dist's NF4 always quantizes its scales" in nested
 
 
+def test_an_older_nf4_base_without_quant_method_and_a_skip_list_of_what_stays_16_bit_import(tmp_path):
+    """transformers takes load_in_4bit for bitsandbytes whatever quant_method says (quantizers/auto.py from_dict),
+    and a skip list of modules fp8dist keeps out of NF4 anyway (embeddings, the output layer, routers) is no change."""
+    older = {key: value for key, value in NF4.items() if key != "quant_method"}
+    for quantization in (older, {**NF4, "llm_int8_skip_modules": ["lm_head", "embed_tokens", "gate"]}):
+        text = _import(tmp_path, {**LORA, "base_model_name_or_path": _base(tmp_path, quantization)})
+        assert load_config(yaml.safe_load(text)).adapter.base_dtype == "nf4"
+
+
 def test_an_unquantized_local_base_stays_as_it_loads(tmp_path):
     text = _import(tmp_path, {**LORA, "base_model_name_or_path": _base(tmp_path, None)})
     assert load_config(yaml.safe_load(text)).adapter.base_dtype == "auto" and "has no quantization_config" in text

@@ -204,3 +204,47 @@ def test_modules_to_save_refusals_name_the_key_and_a_fix(config, says):
         load_config(config)
     assert err.value.exit_code == 2 and "adapter.modules_to_save:" in str(err.value) and says in str(err.value)
     assert "fix:" in str(err.value)
+
+
+def test_the_adapter_export_records_the_bases_quantization_in_its_model_card(tmp_path):
+    """adapter_config.json has no field for it: PEFT records the quantization used in training in the model card
+    (peft 0.21 create_or_update_model_card); loading the adapter onto a 16-bit base is then a choice, not a surprise."""
+    from huggingface_hub import ModelCard
+
+    from fp8dist.runtime.adapters import write_adapter
+    from tests.conftest import ROOT
+
+    qlora, lora = tmp_path / "qlora", tmp_path / "lora"
+    qlora.mkdir()
+    lora.mkdir()
+    write_adapter({}, load_config(ROOT / "configs" / "fsdp2-qlora.yaml").to_dict(), "org/base: v1", qlora)
+    write_adapter({}, load_config({"adapter": {"kind": "lora"}}).to_dict(), "tiny-llama", lora)
+    card = ModelCard.load(qlora / "README.md")
+    assert card.data.library_name == "peft" and card.data.base_model == "org/base: v1"
+    assert "torchao NF4 (`torchao.quantization.to_nf4`, block_size 64, scaler_block_size 256)" in card.text
+    plain = ModelCard.load(lora / "README.md")
+    assert plain.data.base_model == "tiny-llama" and "frozen base during training: bf16" in plain.text
+    assert "NF4" not in plain.text
+
+
+def test_modules_to_save_that_peft_would_match_beyond_their_meaning_are_refused():
+    """PEFT matches modules to save by the end of every name once LoRA is in (`dropout` would train each
+    lora_dropout whole), and puts no adapter on a listed target inside a saved module."""
+    for adapter, says in (({"target_modules": ["q_proj"], "modules_to_save": ["dropout"]},
+                           "would also train PEFT's own lora_dropout modules whole"),
+                          ({"target_modules": ["q_proj", "up_proj"], "modules_to_save": ["self_attn"]},
+                           "model.layers.0.self_attn.q_proj and 1 more lie inside a module trained whole")):
+        with pytest.raises(Fp8distError, match=rf"(?s){says}.*fix:"):
+            load_for_run("tiny-llama", load_config({"adapter": {"kind": "lora", **adapter}}))
+
+
+def test_an_nf4_base_keeps_every_linear_of_a_saved_block_in_its_dtype():
+    from fp8dist.backends.nf4 import SAVED_MODULE_REASON, nf4_linears
+    from tests.tp_models import unseen_qwen2_qlora
+
+    spec = load_config({"adapter": {"kind": "lora", "target_modules": ["q_proj"], "modules_to_save": ["mlp"]}})
+    model = apply_adapter(unseen_qwen2_qlora()["model"], spec.adapter, "fp32", 0)
+    chosen, kept = nf4_linears(model, 2)
+    inside = {name for name in kept if ".mlp.original_module." in name}
+    assert len(inside) == 6 and {kept[name] for name in inside} == {SAVED_MODULE_REASON}
+    assert not [name for name in chosen if ".mlp." in name] and "model.layers.0.self_attn.k_proj" in chosen
