@@ -106,3 +106,15 @@ def launcher_losses(config: str, steps: int, model: str = "tiny-llama") -> list[
     if done.returncode != 0 or len(values) != steps:
         raise SystemExit(f"{config}: exit {done.returncode}, {len(values)} losses\n{done.stderr[-3000:]}")
     return values
+
+
+def measure_side(script: str, side: str, *args: str) -> dict:
+    """One side of a side-by-side benchmark in its own 2-rank torchrun launch (`script --side SIDE *args`), so that
+    each process's high-water mark is its own: the payload rank 0 printed for it (fp8dist.runtime.ranks.emit)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script,
+               "--side", side, *args]
+    done = subprocess.run(command, capture_output=True, text=True, env=cpu_env(), cwd=ROOT)
+    found = dict(results(done.stdout, "side"))
+    if done.returncode != 0 or side not in found:
+        raise SystemExit(f"{side}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    return found[side]

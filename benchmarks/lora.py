@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (ROOT, SMOKE_HELP, cpu_env, quiet_libraries, reset_peak_resident, result, status_kib,  # noqa: E402
-                     under_torchrun)
+from _common import (ROOT, SMOKE_HELP, measure_side, quiet_libraries, reset_peak_resident, result,  # noqa: E402
+                     status_kib, under_torchrun)
 
 CONFIG = str(ROOT / "configs" / "deepspeed-lora-zero3.yaml")
 SIDES = ("fp8dist", "accelerate", "fp8dist-full")
@@ -99,17 +98,6 @@ def run_side(side: str, model_name: str, steps: int) -> None:
     process_group.leave(0)
 
 
-def measure(side: str, model_name: str, steps: int) -> dict:
-    from fp8dist.runtime.ranks import results
-
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-               "--side", side, "--model", model_name, "--steps", str(steps)]
-    done = subprocess.run(command, capture_output=True, text=True, env=cpu_env(), cwd=ROOT)
-    found = dict(results(done.stdout, "side"))
-    if done.returncode != 0 or side not in found:
-        raise SystemExit(f"{side}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    return found[side]
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -123,7 +111,7 @@ def main() -> None:
     if args.side:
         assert under_torchrun(), "--side runs under torchrun (python benchmarks/lora.py launches it)"
         return run_side(args.side, args.model, args.steps)
-    sides = {side: measure(side, args.model, args.steps) for side in SIDES}
+    sides = {side: measure_side(__file__, side, "--model", args.model, "--steps", str(args.steps)) for side in SIDES}
     mib = {side: facts["peak"] / 2 ** 20 for side, facts in sides.items()}
     print(f"peak resident bytes per rank above the imported baseline, {args.model}, {args.steps} steps, 2 ranks: "
           + ", ".join(f"{side} {value:.1f} MiB" for side, value in mib.items()))

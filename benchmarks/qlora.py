@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -36,8 +35,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (ROOT, SMOKE_HELP, cpu_env, quiet_libraries, reset_peak_resident, result, status_kib,  # noqa: E402
-                     under_torchrun)
+from _common import (ROOT, SMOKE_HELP, measure_side, quiet_libraries, reset_peak_resident, result,  # noqa: E402
+                     status_kib, under_torchrun)
 
 CONFIG = ROOT / "configs" / "fsdp2-qlora.yaml"
 SIDES = ("qlora", "lora", "accelerate-bnb")
@@ -145,17 +144,6 @@ def run_side(side: str, model_dir: str, steps: int) -> None:
     process_group.leave(0)
 
 
-def measure(side: str, model_dir: str, steps: int) -> dict:
-    from fp8dist.runtime.ranks import results
-
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-               "--side", side, "--model-dir", model_dir, "--steps", str(steps)]
-    done = subprocess.run(command, capture_output=True, text=True, env=cpu_env(), cwd=ROOT)
-    found = dict(results(done.stdout, "side"))
-    if done.returncode != 0 or side not in found:
-        raise SystemExit(f"{side}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    return found[side]
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -172,7 +160,7 @@ def main() -> None:
         return run_side(args.side, args.model_dir, args.steps)
     with tempfile.TemporaryDirectory(prefix="fp8dist-qlora-bench-") as model_dir:
         save_model(model_dir, args.layers, args.smoke)
-        sides = {side: measure(side, model_dir, args.steps) for side in SIDES}
+        sides = {side: measure_side(__file__, side, "--model-dir", model_dir, "--steps", str(args.steps)) for side in SIDES}
     mib = 2 ** 20
     print(f"per rank, {args.layers}-layer Llama (hidden 1024), {args.steps} steps, 2 ranks (MiB above the imported "
           "baseline): " + "; ".join(f"{side}: peak {f['peak'] / mib:.1f}, after the steps {f['after'] / mib:.1f}, "

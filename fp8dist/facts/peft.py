@@ -27,3 +27,12 @@ def peft_base_name(fqn: str) -> str:
     patterns written for the base model match the same modules in an adapter run."""
     fqn = fqn[len(PEFT_MODEL_PREFIX):] if fqn.startswith(PEFT_MODEL_PREFIX) else fqn
     return fqn.replace(".base_layer", "")
+
+# utils/other.py ModulesToSaveWrapper: the trained copy of a module to save is `<module>.modules_to_save.<adapter>`,
+# the frozen one `<module>.original_module`.
+SAVED_COPY = "modules_to_save"
+# The module names PEFT adds around an adapted Linear (tuners/lora/layer.py LoraLayer.adapter_layer_names /
+# other_param_names) and a module to save, which its modules_to_save matching (utils/other.py _set_trainable:
+# key.endswith(name)) also sees.
+PEFT_MODULE_NAMES = ("lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B",
+                     "lora_magnitude_vector", "base_layer", "default", "original_module", SAVED_COPY)

@@ -24,16 +24,9 @@ from fp8dist.config.load import load_config
 from fp8dist.config.spec import AdapterSpec
 from fp8dist.dtypes import torch_dtype
 from fp8dist.errors import Fp8distError
-from fp8dist.facts.peft import PEFT_ALL_LINEAR
+from fp8dist.facts.peft import PEFT_ALL_LINEAR, PEFT_MODULE_NAMES, SAVED_COPY
 
 ADAPTER_NAME = "default"  # the adapter PEFT's get_peft_model creates
-# peft 0.21 utils/other.py ModulesToSaveWrapper: the trained copy of a module to save is
-# `<module>.modules_to_save.<adapter>`
-SAVED_COPY = "modules_to_save"
-# the module names PEFT adds around an adapted Linear (peft 0.21 tuners/lora/layer.py LoraLayer.adapter_layer_names /
-# other_param_names, utils/other.py ModulesToSaveWrapper), which its modules_to_save matching also sees
-PEFT_MODULE_NAMES = ("lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B",
-                     "lora_magnitude_vector", "base_layer", "default", "original_module", SAVED_COPY)
 
 
 def lora_config(adapter: AdapterSpec, exclude: Sequence[str] = ()):
