@@ -108,12 +108,21 @@ def launcher_losses(config: str, steps: int, model: str = "tiny-llama") -> list[
     return values
 
 
+# glibc malloc raises its mmap threshold each time a mapped block is freed (mallopt(3), M_MMAP_THRESHOLD: dynamic up
+# to 32 MiB), after which freed tensors stay in the heap of whichever thread's arena held them: a process's resident
+# high-water mark then varies run to run by more than the difference measured (seen here: one side 433 and 616 MiB in
+# two runs). A fixed threshold (setting it turns the dynamic one off) maps every tensor of 64 KiB or more on its own
+# and returns it when freed, so VmHWM follows the bytes alive.
+FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
 def measure_side(script: str, side: str, *args: str) -> dict:
     """One side of a side-by-side benchmark in its own 2-rank torchrun launch (`script --side SIDE *args`), so that
-    each process's high-water mark is its own: the payload rank 0 printed for it (fp8dist.runtime.ranks.emit)."""
+    each process's high-water mark is its own (and follows the bytes alive: FIXED_MMAP_THRESHOLD): the payload rank 0
+    printed for it (fp8dist.runtime.ranks.emit)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script,
                "--side", side, *args]
-    done = subprocess.run(command, capture_output=True, text=True, env=cpu_env(), cwd=ROOT)
+    done = subprocess.run(command, capture_output=True, text=True, env={**cpu_env(), **FIXED_MMAP_THRESHOLD}, cwd=ROOT)
     found = dict(results(done.stdout, "side"))
     if done.returncode != 0 or side not in found:
         raise SystemExit(f"{side}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")

@@ -9,7 +9,8 @@ Llama of hidden 1024, MLP 2816, 16 heads over 8 KV heads of 64, vocabulary 8192 
 parameters; every Linear splits into whole NF4 blocks on 2 ranks), saved once as a Hugging Face directory that
 every side loads; 2 gloo ranks, N steps (default 3), each side in its own torchrun launch so that each process's
 high-water mark is its own:
-- qlora: fp8dist, `adapter.base_dtype: nf4` (torchao NF4, quantized after loading, before sharding);
+- qlora: fp8dist, `adapter.base_dtype: nf4` (torchao NF4, each weight quantized as it is read from the directory,
+  before sharding: fp8dist.runtime.loading.load_nf4_base);
 - lora: fp8dist, the same file without `base_dtype` (the base in bf16);
 - accelerate-bnb: the script a user writes for the same run: `from_pretrained(..., quantization_config=
   BitsAndBytesConfig(load_in_4bit, nf4, bf16 compute, bf16 quant storage))` (bf16 storage: FSDP2 needs one dtype;

@@ -204,6 +204,21 @@ RUNS = [
                                                            "modules_to_save": ["lm_head"]},
                                           "deepspeed": {"zero_stage": 3}},
         {"zero_stage": 3, **LORA_FACTS(adapted=4, frozen=21), "trainable_tensors": 9, "stepped_tensors": 9}),
+    # DoRA: a magnitude vector per adapted Linear beside lora_A / lora_B (3 trained tensors each, stepped in the
+    # master dtype); the frozen base unchanged
+    Run("fsdp2-lora-dora", {"adapter": {"kind": "lora", "use_dora": True}, "precision": {"preset": "bf16"}},
+        {**LORA_FACTS(adapted=14, frozen=21), "trainable_tensors": 42, "stepped_tensors": 42}),
+    # DoRA over a float8 base: the frozen Linears' GEMMs in FP8, DoRA scaling their output (dropout 0: no second
+    # GEMM) and reading the bf16 base weight for its norms (the all-gather in bf16: rules/common.py _dora)
+    Run("fsdp2-lora-dora-float8",
+        {"adapter": {"kind": "lora", "r": 4, "target_modules": ["q_proj", "v_proj", "up_proj"], "use_dora": True},
+         "precision": {"preset": "torchao-float8",
+                       "fp8": {"torchao": {**EMULATE, "enable_fsdp_float8_all_gather": False}}}},
+        {**LORA_FACTS(adapted=6, frozen=21), "trainable_tensors": 18, "stepped_tensors": 18}),
+    Run("ds-zero3-lora-dora", {**DS, "adapter": {"kind": "lora", "target_modules": ["q_proj", "v_proj"],
+                                                "use_dora": True},
+                               "deepspeed": {"zero_stage": 3}},
+        {"zero_stage": 3, **LORA_FACTS(adapted=4, frozen=21), "trainable_tensors": 12, "stepped_tensors": 12}),
     # Last: after an AutoTP engine, DeepSpeed 0.19.8 keeps its tensor-parallel groups in module globals
     # (deepspeed/utils/groups.py, released only when the world group is destroyed), and the next engine built in the
     # same process fails in _configure_distributed_model (self.mpu is None). A run builds one engine per process.
@@ -414,6 +429,18 @@ REFUSALS = [
     Refusal("adapter-modules-to-save-fp8", {"adapter": {"kind": "lora", "modules_to_save": ["lm_head"]},
                                             "precision": {"preset": "torchao-float8", "fp8": {"torchao": EMULATE}}},
             "would convert the trained copy"),
+    Refusal("adapter-dora-without-kind", {"adapter": {"use_dora": True}},
+            "adapter settings do nothing with adapter.kind=none"),
+    Refusal("adapter-dora-nf4", {"adapter": {"kind": "lora", "use_dora": True, "base_dtype": "nf4"},
+                                 "precision": {"preset": "bf16"}}, "NF4Tensor.dequantize does not take"),
+    Refusal("adapter-dora-float8-all-gather", {"adapter": {"kind": "lora", "use_dora": True},
+                                               "precision": {"preset": "torchao-float8", "fp8": {"torchao": EMULATE}}},
+            "the frozen weights are all-gathered in float8"),
+    Refusal("adapter-dora-fp8-dropout",
+            {"adapter": {"kind": "lora", "use_dora": True, "dropout": 0.05},
+             "precision": {"preset": "torchao-float8",
+                           "fp8": {"torchao": {**EMULATE, "enable_fsdp_float8_all_gather": False}}}},
+            "a second GEMM of every FP8 Linear"),
     Refusal("fsdp2-state-dtype-mismatch", {"optimizer": {"state_dtype": "bf16"}}, "torch.optim keeps states"),
     # Moved keys are refused with their new name.
     Refusal("moved-deepspeed-fp16", {**DS, "deepspeed": {"fp16": {"loss_scale": 0}}},

@@ -32,9 +32,22 @@ def loading_cell(loaded) -> dict[str, Any]:
         value, counts = probes.summarize_counts(loaded.materialize.file_formats())
         return {"observed": value, "detail": f"RAM-efficient loading: read shard by shard from the safetensors "
                 f"files, which hold {counts}", "measured": True}
-    if any(not p.requires_grad for p in loaded.model.parameters()):  # adapter runs: the adapters are made, not loaded
-        value, counts = probes.summarize(p for p in loaded.model.parameters() if not p.requires_grad)
-        return {"observed": value, "detail": f"the frozen base after loading (the adapters are new): {counts}",
+    frozen = [p for p in loaded.model.parameters() if not p.requires_grad]
+    if frozen:  # adapter runs: the adapters are made, not loaded
+        from fp8dist.backends.nf4 import is_nf4
+        from fp8dist.backends.storage import short
+
+        # an NF4 base read tensor by tensor (fp8dist.runtime.loading.load_nf4_base) holds weights read in the load
+        # dtype and quantized as they were read: the dtype they were read in (an NF4Tensor's own) is loading's;
+        # what they hold, the frozen_weights row's
+        read_as: dict[str, int] = {}
+        for param in frozen:
+            fmt = short(param.dtype) if is_nf4(param) else probes.storage(param).format
+            read_as[fmt] = read_as.get(fmt, 0) + param.numel()
+        value, counts = probes.summarize_counts(read_as)
+        quantized = sum(param.numel() for param in frozen if is_nf4(param))
+        read = f"; {quantized} values quantized to NF4 as they were read" if quantized else ""
+        return {"observed": value, "detail": f"the frozen base after loading (the adapters are new): {counts}{read}",
                 "measured": True}
     value, counts = probes.summarize(probes.trainable(loaded.model))
     return {"observed": value, "detail": f"parameters after loading: {counts}", "measured": True}

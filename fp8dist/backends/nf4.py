@@ -16,7 +16,10 @@ which. The base's bytes are what the audit reads back (fp8dist/backends/storage.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 from fp8dist.backends.module_filter import linear_infos
+from fp8dist.errors import Fp8distError
 from fp8dist.facts.torchao import NF4_BLOCK, NF4_SCALER_BLOCK
 
 NF4_GROUP = NF4_BLOCK * NF4_SCALER_BLOCK  # values per scaler block: the unit a weight and each shard must hold
@@ -59,10 +62,21 @@ def saved_module_originals(model) -> set[int]:
             for inner in module.original_module.modules()}  # a saved block's Linears too, not only a saved Linear
 
 
-def nf4_linears(model, shards: int, frozen_only: bool = True) -> tuple[list[str], dict[str, str]]:
+def inside_saved_module(fqn: str, saved: Sequence[str]) -> bool:
+    """Whether the module `fqn` is, or is inside, a module PEFT will wrap to save (adapter.modules_to_save, by PEFT's
+    match on the end of a module's name, peft 0.21 utils/other.py _set_trainable): for a model the adapters are not
+    in yet."""
+    parts = fqn.split(".")
+    prefixes = [".".join(parts[:end]) for end in range(1, len(parts) + 1)]
+    return any(prefix == name or prefix.endswith(f".{name}") for prefix in prefixes for name in saved)
+
+
+def nf4_linears(model, shards: int, frozen_only: bool = True,
+                saved: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
     """(the Linears whose weights an NF4 base holds in NF4, name -> why each other one keeps its dtype): the frozen
-    ones (`frozen_only`; a base read again for export is all base) but the output layer, MoE routers and modules to
-    save, that fit."""
+    ones (`frozen_only`; a base read again for export, or read before the adapters are in, is all base) but the
+    output layer, MoE routers and modules to save (PEFT's originals; before the adapters, those `saved` names), that
+    fit."""
     modules = dict(model.named_modules())
     outputs = output_layer_names(model)
     originals = saved_module_originals(model)
@@ -71,7 +85,7 @@ def nf4_linears(model, shards: int, frozen_only: bool = True) -> tuple[list[str]
         if frozen_only and modules[info.fqn].weight.requires_grad:
             continue  # an adapter, or anything else the optimizer steps
         why = ("the output layer stays in 16 bit, as in QLoRA" if info.fqn in outputs else
-               SAVED_MODULE_REASON if id(modules[info.fqn]) in originals else
+               SAVED_MODULE_REASON if id(modules[info.fqn]) in originals or inside_saved_module(info.fqn, saved) else
                "an MoE router stays in high precision" if info.router else
                nf4_unfit(info.out_features, info.in_features, shards))
         if why:
@@ -83,16 +97,32 @@ def nf4_linears(model, shards: int, frozen_only: bool = True) -> tuple[list[str]
 
 def quantize_frozen_base(model, shards: int) -> tuple[list[str], dict[str, str]]:
     """Every frozen Linear weight that fits, in NF4, in place: (the names quantized, name -> why each other frozen
-    Linear kept its dtype)."""
+    Linear kept its dtype). Weights already in NF4 (quantized as the base was read: fp8dist.runtime.loading) stay."""
+    chosen, kept = nf4_linears(model, shards)
+    for name in kept:  # quantized as the base was read (fp8dist.runtime.loading) for another shard count
+        if is_nf4(model.get_submodule(name).weight):
+            raise Fp8distError(f"adapter.base_dtype=nf4: {name} was quantized to NF4 when the model was read, but on "
+                               f"{shards} shard(s) it cannot be one: {kept[name]}\n  fix: load the model (fp8dist."
+                               "load_model) on the world size and parallel settings the run has")
+    for name in chosen:
+        linear = model.get_submodule(name)
+        if not is_nf4(linear.weight):  # else quantized as the base was read
+            linear.weight = quantize_weight(linear.weight)
+    return chosen, kept
+
+
+def is_nf4(tensor) -> bool:
+    from torchao.quantization import NF4Tensor
+
+    return isinstance(tensor, NF4Tensor)
+
+
+def quantize_weight(weight):
+    """One weight as an NF4 base holds it: a frozen Parameter of torchao's NF4Tensor (NF4_BLOCK, NF4_SCALER_BLOCK)."""
     import torch
     from torchao.quantization import to_nf4
 
-    chosen, kept = nf4_linears(model, shards)
-    for name in chosen:
-        linear = model.get_submodule(name)
-        linear.weight = torch.nn.Parameter(to_nf4(linear.weight.detach(), NF4_BLOCK, NF4_SCALER_BLOCK),
-                                           requires_grad=False)
-    return chosen, kept
+    return torch.nn.Parameter(to_nf4(weight.detach(), NF4_BLOCK, NF4_SCALER_BLOCK), requires_grad=False)
 
 
 def dequantize_like_training(model, shards: int) -> list[str]:

@@ -95,7 +95,11 @@ def _notes(result: Estimate) -> list[str]:
              f"transient in backward: {human(transient.unsharded_units)} of gathered weights, "
              f"{human(transient.logits_gradient)} of logits gradient" + (
                  f", {human(transient.all_to_all)} of all-to-all buffers (one MoE layer's send and receive, "
-                 "tokens x top_k x hidden each)" if result.expert_parallel.ep > 1 else ""),
+                 "tokens x top_k x hidden each)" if result.expert_parallel.ep > 1 else "") + (
+                 f", {human(transient.nf4_dequantize)} to dequantize the largest NF4 weight for its GEMM (eager; "
+                 "int64 code indices and three copies)" if transient.nf4_dequantize else "") + (
+                 f", {human(transient.dora)} of DoRA's update in the largest adapted Linear (an in x in identity "
+                 "and three out x in copies)" if transient.dora else ""),
              f"fp8 extras: {result.fp8_extras_counted}"]
     if result.frozen_parameters:
         notes.insert(0, _frozen_note(result))

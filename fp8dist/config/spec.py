@@ -159,6 +159,8 @@ class AdapterSpec:
     base_dtype: str  # auto | nf4 (fp8dist/backends/nf4.py; FSDP2 only) | int8 (refused by the rules)
     # trained whole beside the adapters (PEFT modules_to_save); the schema's default, for a spec built by hand
     modules_to_save: tuple[str, ...] = ()
+    # DoRA (PEFT use_dora): a trained magnitude vector beside each adapter; the schema's default, as above
+    use_dora: bool = False
 
     @property
     def enabled(self) -> bool:

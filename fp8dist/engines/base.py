@@ -115,6 +115,15 @@ class Engine:
             self.audit_report = audit.report
 
 
+def training_mode(model) -> None:
+    """`model` (and every submodule) in training mode, as a trainer puts it (transformers 5 Trainer.training_step:
+    `model.train()`). from_pretrained returns a model in eval mode (modeling_utils.py from_pretrained: `model.eval()`),
+    where dropout does nothing: the config's attention / hidden dropout would silently not act for a model loaded
+    from a directory or the Hub, while acting for one built from a config (PEFT's adapters, made after loading, are
+    in training mode either way)."""
+    model.train()
+
+
 def forward_loss(model, batch: dict):
     """Loss of one batch, as every engine computes it: Hugging Face models return `.loss`; plain modules return the
     loss (or a tensor, whose mean is taken)."""

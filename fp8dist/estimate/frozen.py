@@ -23,7 +23,8 @@ from fp8dist.dtypes import FAMILY_BYTES
 from fp8dist.errors import Fp8distError
 from fp8dist.estimate.model import MetaModel
 from fp8dist.estimate.result import FrozenFormat, LeftOut
-from fp8dist.facts.torchao import NF4_BLOCK, NF4_SCALER_BLOCK
+from fp8dist.facts.torchao import (NF4_BLOCK, NF4_DEQUANTIZE_INDEX_BYTES, NF4_DEQUANTIZE_VALUE_COPIES,
+                                   NF4_SCALER_BLOCK)
 
 NF4 = "nf4"  # the format name fp8dist.backends.storage gives an NF4Tensor, and the audit's frozen_weights cell
 NF4_TABLE_ENTRIES = 16  # the NF4 code book every NF4Tensor holds (`nf4`: 16 values, in the weight's dtype)
@@ -46,6 +47,14 @@ def nf4_tensor_bytes(numel: int, value_bytes: int, shards: int = 1) -> int:
     return (codes + scalers + factors) // shards + (1 + NF4_TABLE_ENTRIES) * value_bytes
 
 
+def nf4_dequantize_bytes(numel: int, value_bytes: int) -> int:
+    """The bytes an eager GEMM of an NF4 weight of `numel` values (quantized from `value_bytes`-byte values) allocates
+    for a moment to dequantize it (fp8dist.facts.torchao NF4_DEQUANTIZE_*). A cast to another compute dtype comes
+    after get_original_weight's temporaries are freed, and its two copies (value_bytes + compute bytes, at most 2 + 4)
+    stay below them."""
+    return numel * (NF4_DEQUANTIZE_INDEX_BYTES + NF4_DEQUANTIZE_VALUE_COPIES * value_bytes)
+
+
 @dataclass(frozen=True)
 class FrozenBase:
     by_format: Mapping[str, FrozenFormat]  # {} when nothing is frozen
@@ -53,6 +62,11 @@ class FrozenBase:
     bytes_per_param: float  # a rank's bytes per frozen element it holds, every format together
     nf4_weights: frozenset[str] = frozenset()  # the parameters held in NF4
     nf4_value_bytes: int = 0  # the bytes of the dtype they were quantized from
+    largest_nf4_numel: int = 0  # a rank's elements of the largest NF4 weight, gathered whole to compute
+
+    def dequantize_bytes(self) -> int:
+        """The transient of dequantizing the largest NF4 weight for its GEMM (one at a time)."""
+        return nf4_dequantize_bytes(self.largest_nf4_numel, self.nf4_value_bytes)
 
     @property
     def per_rank_bytes(self) -> int:
@@ -96,7 +110,8 @@ def frozen_base(meta: MetaModel, spec: Spec, local: Mapping[str, int], shards: i
     elements = {NF4: held, rest: sum(local[fqn] for fqn, _ in frozen if fqn not in weights) / shards}
     mean = sum(by_format[fmt].bytes_per_param * elements[fmt] for fmt in by_format) / sum(elements.values())
     return FrozenBase({fmt: part for fmt, part in sorted(by_format.items()) if part.parameters}, tuple(
-        LeftOut(name, why) for name, why in kept.items()), round(mean, 4), frozenset(weights), value_bytes)
+        LeftOut(name, why) for name, why in kept.items()), round(mean, 4), frozenset(weights), value_bytes,
+        max(local[fqn] for fqn, _ in quantized))
 
 
 def _plain_format(params: list[tuple[str, int]], local: Mapping[str, int], bytes_per_param: float,

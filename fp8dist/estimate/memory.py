@@ -13,6 +13,7 @@ from fp8dist.engines.registry import facts_for
 from fp8dist.errors import Fp8distError
 from fp8dist.estimate.coverage import fp8_coverage, fp8_extra_bytes
 from fp8dist.estimate.expert_parallel import expert_split
+from fp8dist.estimate.dora import dora_transient_bytes
 from fp8dist.estimate.frozen import frozen_base
 from fp8dist.estimate.model import MetaModel, activation_bytes, adapted_counts, blocks, build_meta_model
 from fp8dist.estimate.result import (ActivationBytes, CheckpointingMode, Estimate, ExpertParallelCounted, Phase,
@@ -58,7 +59,7 @@ def compute_bytes(spec: Spec) -> int:
 
 
 def transient_bytes(meta: MetaModel, spec: Spec, shards: dict[ShardedStore, int], gathered: Mapping[str, int],
-                    all_to_all: int = 0) -> TransientBytes:
+                    all_to_all: int = 0, nf4_dequantize: int = 0, dora: int = 0) -> TransientBytes:
     """Bytes that exist only for a moment of the step, on top of the stores: the gathered weights of the wrap units
     in flight when weights are sharded (the unit computing and the one prefetched: FSDP2's default prefetch of
     one, torch 2.13 _fully_shard/_fsdp_state.py; ZeRO-3 prefetches likewise), gathered over the data axes only:
@@ -68,7 +69,9 @@ def transient_bytes(meta: MetaModel, spec: Spec, shards: dict[ShardedStore, int]
     the gradient of the logits of the rank's `seq_len / cp` tokens, which a causal LM's loss upcasts to fp32
     (transformers 5 loss/loss_utils.py ForCausalLMLoss) and which reaches the bf16 lm_head output as a
     compute-dtype copy (the whole vocabulary: a split LM head gathers its logits); under expert parallel, the
-    all-to-all buffers of the MoE layer in flight (`all_to_all`, measured: MeasuredActivations.all_to_all)."""
+    all-to-all buffers of the MoE layer in flight (`all_to_all`, measured: MeasuredActivations.all_to_all); an NF4
+    base's dequantization of its largest weight for a GEMM (`nf4_dequantize`: frozen.FrozenBase.dequantize_bytes);
+    DoRA's update of its largest adapted Linear (`dora`: dora.dora_transient_bytes)."""
     compute = compute_bytes(spec)
     units = 0
     if shards["weights"] > 1:
@@ -80,7 +83,8 @@ def transient_bytes(meta: MetaModel, spec: Spec, shards: dict[ShardedStore, int]
     if meta.causal_lm and vocab:
         tokens = spec.train.micro_batch_size * (spec.train.seq_len // spec.parallel.context_size)
         logits = tokens * vocab * (4 + compute)
-    return TransientBytes(unsharded_units=units, logits_gradient=logits, all_to_all=all_to_all)
+    return TransientBytes(unsharded_units=units, logits_gradient=logits, all_to_all=all_to_all,
+                          nf4_dequantize=nf4_dequantize, dora=dora)
 
 
 def phases(device: dict[Store, int], transient: TransientBytes) -> dict[Phase, int]:
@@ -88,7 +92,8 @@ def phases(device: dict[Store, int], transient: TransientBytes) -> dict[Phase, i
     for those in host memory)."""
     model = device["weights"] + device["master_weights"] + device["buffers"]
     backward = (model + device["gradients"] + device["activations"] + device["fp8_extras"]
-                + transient.unsharded_units + transient.logits_gradient + transient.all_to_all)
+                + transient.unsharded_units + transient.logits_gradient + transient.all_to_all
+                + transient.nf4_dequantize + transient.dora)
     return {"model": model, "gradients": model + device["gradients"], "backward_pass": backward,
             "optimizer_step": model + device["gradients"] + device["optimizer"],
             "later_backward_pass": backward + device["optimizer"]}
@@ -130,7 +135,8 @@ def estimate(name: str, spec: Spec, world: int) -> Estimate:
     device: dict[Store, int] = {store: 0 if store in host else per_rank[store] for store in STORES}
     compute = compute_bytes(spec)
     gathered = {fqn: base.gathered_bytes(fqn, numel, compute) for fqn, numel in experts.gathered_numels(local).items()}
-    transient = transient_bytes(meta, spec, shards, gathered, measured.all_to_all)
+    transient = transient_bytes(meta, spec, shards, gathered, measured.all_to_all, base.dequantize_bytes(),
+                                dora_transient_bytes(meta.model, compute))
     tensor_parallel = TensorParallelCounted(
         plan=split.plan, split_parameters=sum(param.numel() for fqn, param in params if local[fqn] < param.numel()),
         vocabulary_split=split.vocabulary is not None, sequence_parallel=split.tp > 1 and sequence_parallel(spec))

@@ -142,6 +142,8 @@ def activation_bytes(meta: MetaModel, spec: Spec, split: TensorSplit | None = No
     indices in its block (expert_parallel.ExpertSplit.kept_bytes, from the rows the module is called with; not ops
     the selective policy keeps, so recomputed with the block under checkpointing); its all-to-all buffers are in
     flight, not kept, and only the largest layer's are returned."""
+    import weakref
+
     import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -159,7 +161,10 @@ def activation_bytes(meta: MetaModel, spec: Spec, split: TensorSplit | None = No
     per_block = [0] * len(units)
     block_inputs = [0] * len(units)
     outside = [0]
-    seen: dict[int, torch.Tensor] = {}  # keeps every counted base alive, so that ids are not reused
+    # id of each saved base -> (a weak reference to it, a rank's bytes of it, its block or None): counted once the
+    # forward is done, if still alive (held by the loss's graph); a tensor saved for a graph the loss does not reach
+    # dies with it (DoRA's update of each adapted Linear, built over an in x in identity and detached: estimate/dora.py)
+    seen: dict[int, tuple[weakref.ref, int, int | None]] = {}
     selective = [0] * len(units)
     policies: dict[int, SavePolicy] = {}
 
@@ -203,13 +208,9 @@ def activation_bytes(meta: MetaModel, spec: Spec, split: TensorSplit | None = No
 
     def pack(tensor):
         base = tensor._base if tensor._base is not None else tensor
-        if id(base) not in params and id(base) not in seen:
-            seen[id(base)] = base
-            size = base.numel() * base.element_size()
-            if current[0] is None:
-                outside[0] += rank_bytes(size)
-            else:
-                per_block[current[0]] += rank_bytes(size)
+        known = seen.get(id(base))
+        if id(base) not in params and (known is None or known[0]() is not base):  # an id freed and reused: new
+            seen[id(base)] = (weakref.ref(base), rank_bytes(base.numel() * base.element_size()), current[0])
         return tensor
 
     def enter(index):
@@ -258,13 +259,21 @@ def activation_bytes(meta: MetaModel, spec: Spec, split: TensorSplit | None = No
         with local_linears(model, split), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
                 FlashAttention(), MetaGroupedMm(), SelectiveKeeps():
             params = {id(p) for p in model.parameters()}  # the rank's shards, in place while measuring
-            forward_loss(model, batch)
+            loss = forward_loss(model, batch)  # held: its graph keeps what backward needs alive
     except Exception as exc:  # noqa: BLE001 - an op without a meta kernel, a model that needs other inputs
         raise Fp8distError(f"cannot run {type(model).__name__} on the meta device to measure activations: "
                            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
     finally:
         for handle in handles:
             handle.remove()
+    for reference, size, index in seen.values():
+        if reference() is None:
+            continue
+        if index is None:
+            outside[0] += size
+        else:
+            per_block[index] += size
+    del loss
     kept: dict[CheckpointingMode, int] = {
         "none": outside[0] + sum(per_block), "full": outside[0] + sum(block_inputs),
         "selective": outside[0] + sum(block_inputs) + sum(selective)}

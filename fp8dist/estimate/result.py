@@ -38,6 +38,8 @@ class TransientBytes:
     unsharded_units: int  # the gathered weights of the wrap units in flight (weights sharded)
     logits_gradient: int  # the gradient of a causal LM's logits: fp32 from the loss, plus a compute-dtype copy
     all_to_all: int = 0  # expert parallel: the send and receive buffers of one MoE layer's all-to-all
+    nf4_dequantize: int = 0  # an NF4 base: dequantizing its largest weight for a GEMM (estimate/frozen.py)
+    dora: int = 0  # adapter.use_dora: the largest adapted Linear's identity matrix and update copies (estimate/dora.py)
 
 
 @dataclass(frozen=True)

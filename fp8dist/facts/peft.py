@@ -34,5 +34,9 @@ SAVED_COPY = "modules_to_save"
 # The module names PEFT adds around an adapted Linear (tuners/lora/layer.py LoraLayer.adapter_layer_names /
 # other_param_names) and a module to save, which its modules_to_save matching (utils/other.py _set_trainable:
 # key.endswith(name)) also sees.
+# tuners/lora/layer.py LoraLayer: DoRA's magnitude vector, a module per adapter (`<target>.lora_magnitude_vector.
+# <adapter>.weight`), which the adapter file keeps under `<target>.lora_magnitude_vector` (tuners/lora/model.py
+# LoraModel._get_adapter_state_dict).
+DORA_MAGNITUDE = "lora_magnitude_vector"
 PEFT_MODULE_NAMES = ("lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B",
-                     "lora_magnitude_vector", "base_layer", "default", "original_module", SAVED_COPY)
+                     DORA_MAGNITUDE, "base_layer", "default", "original_module", SAVED_COPY)

@@ -159,3 +159,12 @@ TORCHAO_LOW_BIT_MIN_NUMEL = 4096
 # blocks must divide by the shard count too.
 NF4_BLOCK = 64
 NF4_SCALER_BLOCK = 256
+
+# What an NF4 weight's GEMM allocates to dequantize it (torchao 0.18 nf4_tensor.py: LinearNF4 forward and backward
+# call `weight.to(dtype)`, i.e. NF4Tensor.get_original_weight): the codes of both halves as int64 indices (8 bytes per
+# value together), then three tensors of the weight's dtype alive at once (the looked-up values, the scaled values,
+# the stacked result). Eager mode, per weight, in forward and again in backward; measured on CPU, an 8192 x 8192 bf16
+# weight: 896 MiB, 14 bytes per value (tests/unit/estimate/test_estimate_qlora.py). Under torch.compile the fused
+# kernels may allocate less (not measured here): the estimate counts the eager bytes.
+NF4_DEQUANTIZE_INDEX_BYTES = 8
+NF4_DEQUANTIZE_VALUE_COPIES = 3

@@ -24,14 +24,16 @@ from fp8dist.config.load import load_config
 from fp8dist.config.spec import AdapterSpec
 from fp8dist.dtypes import torch_dtype
 from fp8dist.errors import Fp8distError
-from fp8dist.facts.peft import PEFT_ALL_LINEAR, PEFT_MODULE_NAMES, SAVED_COPY
+from fp8dist.facts.peft import DORA_MAGNITUDE, PEFT_ALL_LINEAR, PEFT_MODULE_NAMES, SAVED_COPY
 
 ADAPTER_NAME = "default"  # the adapter PEFT's get_peft_model creates
 
 
 def lora_config(adapter: AdapterSpec, exclude: Sequence[str] = ()):
     """PEFT's LoraConfig for `adapter`. No task type: fp8dist keeps only the injected base model, and a task type
-    would make PEFT require generation methods of the model (PeftModelForCausalLM)."""
+    would make PEFT require generation methods of the model (PeftModelForCausalLM). `use_dora` adds DoRA's magnitude
+    vector beside each adapter (peft 0.21 tuners/lora/dora.py: `<target>.lora_magnitude_vector.<adapter>.weight`,
+    trained with the adapters)."""
     from peft import LoraConfig
 
     targets = PEFT_ALL_LINEAR if adapter.target_modules == "auto" else list(adapter.target_modules)
@@ -40,7 +42,7 @@ def lora_config(adapter: AdapterSpec, exclude: Sequence[str] = ()):
     return LoraConfig(r=adapter.r, lora_alpha=adapter.alpha,  # type: ignore[arg-type]
                       lora_dropout=adapter.dropout, target_modules=targets,
                       exclude_modules=list(exclude) or None, bias="none",
-                      modules_to_save=list(adapter.modules_to_save) or None)
+                      modules_to_save=list(adapter.modules_to_save) or None, use_dora=adapter.use_dora)
 
 
 def is_saved_module(name: str) -> bool:
@@ -170,10 +172,16 @@ def split_parameters(model) -> tuple[int, int]:
 
 def peft_key(name: str, adapter_name: str = ADAPTER_NAME) -> str:
     """A parameter name of the adapted model -> its key in PEFT's adapter_model.safetensors: the PeftModel's
-    `base_model.model.` in front, the adapter's name left out, and a module to save under its own name (peft 0.21
+    `base_model.model.` in front, the adapter's name left out, a module to save under its own name (peft 0.21
     utils/save_and_load.py get_peft_model_state_dict, ModulesToSaveWrapper.adapter_state_dict:
-    `lm_head.modules_to_save.default.weight` is saved as `base_model.model.lm_head.weight`)."""
+    `lm_head.modules_to_save.default.weight` is saved as `base_model.model.lm_head.weight`), and DoRA's magnitude
+    vector without its `.weight` (tuners/lora/model.py LoraModel._get_adapter_state_dict keeps the key it had before
+    the vector became a DoraLinearLayer's weight: `q_proj.lora_magnitude_vector.default.weight` is saved as
+    `base_model.model.q_proj.lora_magnitude_vector`; from_pretrained appends the `.weight` again)."""
     name = f".{name}".replace(f".{SAVED_COPY}.{adapter_name}.", ".")[1:]
+    magnitude = f".{DORA_MAGNITUDE}.{adapter_name}.weight"
+    if name.endswith(magnitude):
+        name = name[:-len(magnitude)] + f".{DORA_MAGNITUDE}"
     return "base_model.model." + name.replace(f".{adapter_name}.", ".")
 
 

@@ -19,6 +19,7 @@ through GatheredParameters from rank 0's read; the config object is kept alive w
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -30,6 +31,7 @@ from fp8dist.errors import Fp8distError
 from fp8dist.facts.transformers import HF_MOE_CHECKPOINT_LAYOUT
 import fp8dist.dtypes as dtypes
 from fp8dist.dtypes import torch_dtype
+from fp8dist.engines.advice import say
 from fp8dist.runtime.adapters import apply_adapter
 from fp8dist.runtime.models import BUILTIN, LoadedModel, causal_lm_batch, check_model_name, load_model
 from fp8dist.engines.registry import facts_for
@@ -59,7 +61,7 @@ class ShardOnRead:
         from fp8dist.backends.storage import short
 
         counts: dict[str, int] = {}
-        for path in sorted(self.path.glob("*.safetensors")):
+        for path in model_files(self.path):
             with safe_open(str(path), framework="pt") as handle:
                 for key in handle.keys():
                     piece = handle.get_slice(key)
@@ -86,15 +88,25 @@ class ShardOnRead:
         read_local_shards(model, self.path)
 
 
+def model_files(path: Path) -> list[Path]:
+    """The model's safetensors files in a Hugging Face directory: those model.safetensors.index.json lists (a sharded
+    checkpoint names its files; others beside them, e.g. a consolidated copy or an adapter, are not the model's),
+    else every *.safetensors."""
+    listed = path / "model.safetensors.index.json"
+    if listed.is_file():
+        return sorted({path / name for name in json.loads(listed.read_text())["weight_map"].values()})
+    return sorted(path.glob("*.safetensors"))
+
+
 def _header_index(path: Path) -> dict[str, tuple[Path, int, str, list[int]]]:
     """tensor name -> (file, absolute byte offset of its data, safetensors dtype, shape), from the headers of
-    every *.safetensors file: 8 bytes little-endian header length, the JSON header, then the data (the
-    safetensors format, huggingface/safetensors README)."""
-    import json
+    the model's safetensors files (those model.safetensors.index.json lists, else every *.safetensors): 8 bytes
+    little-endian header length, the JSON header, then the data (the safetensors format, huggingface/safetensors
+    README)."""
     import struct
 
     index = {}
-    for file in sorted(path.glob("*.safetensors")):
+    for file in model_files(path):
         with open(file, "rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
             header = json.loads(handle.read(length))
@@ -104,14 +116,28 @@ def _header_index(path: Path) -> dict[str, tuple[Path, int, str, list[int]]]:
     return index
 
 
+def _read_bytes(file: Path, offset: int, size: int, name: str) -> torch.Tensor:
+    """`size` bytes of `file` from `offset`, read with positional reads straight into a new uint8 tensor (no mmap:
+    the pages of the file never count as the process's memory; no intermediate bytes object)."""
+    import os
+
+    out = torch.empty(size, dtype=torch.uint8)
+    view, done = memoryview(out.numpy()).cast("B"), 0  # type: ignore[arg-type]  # numpy arrays are buffers
+    with open(file, "rb") as handle:
+        while done < size:
+            count = os.preadv(handle.fileno(), [view[done:]], offset + done)
+            if count == 0:
+                raise Fp8distError(f"{file}: {name} ends past the end of the file (truncated?)")
+            done += count
+    return out
+
+
 def read_local_shards(model: torch.nn.Module, path: Path) -> None:
     """Each rank reads, with plain positional reads (no mmap: no page of another rank's rows is touched), only
     the rows of its own shard of every parameter and persistent buffer, and copies them into the sharded
     tensors (casting to the master dtype; torchao's float8 wrapper is kept, `copy_` preserves it). FSDP2
     shards on dim 0 (Shard(0); Replicate on a hybrid mesh's other dim), so a shard is one contiguous byte
     range. Names missing from the files are tied weights, which share the loaded parameter."""
-    import os
-
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -137,13 +163,10 @@ def read_local_shards(model: torch.nn.Module, path: Path) -> None:
         row_bytes = dtype.itemsize
         for dim in shape[1:]:
             row_bytes *= dim
-        with open(file, "rb") as handle:
-            data = os.pread(handle.fileno(), rows * row_bytes, start + first * row_bytes)
-        if len(data) != rows * row_bytes:
-            raise Fp8distError(f"{file}: {name} ends past the end of the file (truncated?)")
         if local.numel():
+            data = _read_bytes(file, start + first * row_bytes, rows * row_bytes, name)
             with torch.no_grad():
-                local.copy_(torch.frombuffer(bytearray(data), dtype=dtype).view(local.shape))
+                local.copy_(data.view(dtype).view(local.shape))
     present = {n for n, _ in model.named_parameters()}
     unloaded = [n for n in missing if n in present and not _shares_a_loaded_parameter(model, n, index)]
     if unloaded:
@@ -184,16 +207,87 @@ def _hf_config(path: Path):
 def load_empty(path: Path, master_dtype: str) -> LoadedModel:
     """FSDP2: the model built on meta in the master dtype (buffers real), with the loader to call after
     sharding (`LoadedModel.materialize`)."""
+    model, config = _build_empty(path, master_dtype)
+    return LoadedModel(model, causal_lm_batch(config.vocab_size), str(path), materialize=ShardOnRead(path))
+
+
+def _build_empty(path: Path, dtype: str):
+    """(the model of `path`'s config.json built on the meta device in `dtype`, buffers real; its config)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     config = _hf_config(path)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(master_dtype))
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
     # init_empty_weights re-creates every parameter it sees registered, which undoes the tie transformers made
     # while building (accelerate 1.15 big_modeling.py register_empty_parameter): tie again, outside it.
     model.tie_weights()
-    return LoadedModel(model, causal_lm_batch(config.vocab_size), str(path), materialize=ShardOnRead(path))
+    return model, config
+
+
+def load_nf4_base(path: Path, spec, shards: int) -> LoadedModel | str:
+    """QLoRA's base from a local Hugging Face directory (`adapter.base_dtype: nf4`), read tensor by tensor: each
+    Linear weight the NF4 base holds (fp8dist.backends.nf4.nf4_linears on `shards` shards, modules to save left out
+    by name) is quantized as soon as it is read, so no rank ever holds the 16-bit base, only one 16-bit weight at a
+    time beside the NF4 ones, as transformers does for a bitsandbytes 4-bit load. Everything else is read in the
+    load dtype. The weights are the bytes quantizing after a full load gives (same values into the same to_nf4);
+    FSDP2 then shards the NF4 weights (fsdp2.prepare), and the adapters go on as after any load.
+    Returns why not, instead, where the files are not read as they are (a name the model lacks: transformers renames
+    such keys as it loads, transformers 5 conversion_mapping.py) or the model keeps modules in fp32
+    (`_keep_in_fp32_modules`, which from_pretrained honours): the caller loads those whole."""
+    from fp8dist.backends.nf4 import nf4_linears, quantize_weight
+
+    dtype = torch_dtype(spec.precision.load_dtype)
+    model, config = _build_empty(path, spec.precision.load_dtype)
+    index = _header_index(path)
+    names = set(model.state_dict(keep_vars=True))
+    ignored = {name for name, _ in model.named_buffers()}  # a non-persistent buffer an older file holds (inv_freq)
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    foreign = sorted(key for key in set(index) - names - ignored
+                     if not any(re.search(pattern, key) for pattern in patterns))  # as from_pretrained ignores them
+    if foreign:
+        return (f"its files name tensors the model built from config.json does not have ({', '.join(foreign[:3])}"
+                f"{' ...' if len(foreign) > 3 else ''}), which transformers renames as it loads")
+    if getattr(model, "_keep_in_fp32_modules", None) or getattr(model, "_keep_in_fp32_modules_strict", None):
+        return "the model keeps some modules in fp32 (_keep_in_fp32_modules), which transformers' loading does"
+    chosen, _ = nf4_linears(model, shards, frozen_only=False, saved=spec.adapter.modules_to_save)
+    quantized = {f"{name}.weight" for name in chosen}
+    tied = _tie_groups(model)
+    loaded = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name not in index:
+            continue
+        file, start, dtype_name, shape = index[name]
+        if list(tensor.shape) != shape:
+            raise Fp8distError(f"{file}: {name} has shape {shape} in the file and {list(tensor.shape)} in the model "
+                               "built from config.json; the directory's files do not belong to its config")
+        stored = _torch_dtype(dtype_name, file, name)
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        value = _read_bytes(file, start, numel * stored.itemsize, name).view(stored).view(shape)
+        if value.is_floating_point():  # as from_pretrained(dtype=...) casts; integer buffers keep theirs
+            value = value.to(dtype)
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        if attr in module._parameters:
+            module._parameters[attr] = (quantize_weight(value) if name in quantized else
+                                        torch.nn.Parameter(value, requires_grad=tensor.requires_grad))
+        else:
+            module._buffers[attr] = value
+        loaded.add(name)
+    for group in tied:  # the names a tied weight is missing under share the one that was read
+        read = [name for name in group if name in loaded]
+        for name in group:
+            if read and name != read[0]:
+                owner, _, attr = name.rpartition(".")
+                (model.get_submodule(owner) if owner else model).register_parameter(attr, model.get_parameter(read[0]))
+    unloaded = [name for name, param in model.named_parameters() if param.is_meta]
+    if unloaded:
+        raise Fp8distError(f"{path}: no weights for {', '.join(unloaded[:5])}{' ...' if len(unloaded) > 5 else ''}; "
+                           "the files do not belong to this model")
+    model.eval()  # as from_pretrained leaves it (transformers 5 modeling_utils.py from_pretrained: model.eval())
+    return LoadedModel(model, causal_lm_batch(config.vocab_size), str(path))
 
 
 def load_zero3(path: Path, spec, ds_config: dict[str, Any]) -> LoadedModel:
@@ -239,7 +333,12 @@ def load_for_run(name: str, spec, plan: EnginePlan | None = None) -> LoadedModel
     With `adapter.kind=lora` the adapters are added here, before the engine converts and shards (the rules refuse
     them with RAM-efficient loading)."""
     if not spec.parallel.cpu_ram_efficient_loading:
-        loaded = load_model(name, spec.precision.load_dtype, seed=spec.train.seed)
+        read = load_nf4_base(Path(name), spec, _nf4_shards(spec)) if _reads_nf4_base(name, spec) else None
+        if isinstance(read, str):
+            say("nf4_base", f"adapter.base_dtype=nf4: {name} is loaded whole and quantized after, not tensor by "
+                f"tensor as it is read: {read}")
+        loaded = read if isinstance(read, LoadedModel) else load_model(name, spec.precision.load_dtype,
+                                                                       seed=spec.train.seed)
         loaded.model = apply_adapter(loaded.model, spec.adapter, spec.precision.weight_dtype, spec.train.seed)
         return loaded
     check_efficient_loading(name, spec)
@@ -249,3 +348,27 @@ def load_for_run(name: str, spec, plan: EnginePlan | None = None) -> LoadedModel
         ds_config = plan if isinstance(plan, dict) else cast(dict[str, Any], facts.translate(spec))
         return load_zero3(Path(name), spec, ds_config)
     return load_empty(Path(name), spec.precision.weight_dtype)
+
+
+def _reads_nf4_base(name: str, spec) -> bool:
+    """An NF4 base (QLoRA) of a dense model in a local Hugging Face directory of safetensors files is read and
+    quantized tensor by tensor (load_nf4_base). An MoE model's files hold its experts in another layout than the
+    model (HF_MOE_CHECKPOINT_LAYOUT), and other files are not read by offset: transformers loads those, and the
+    engine quantizes after (an MoE model's experts stay 16 bit)."""
+    config = Path(name) / "config.json"
+    return (spec.adapter.enabled and spec.adapter.base_dtype == "nf4" and config.is_file()
+            and any(Path(name).glob("*.safetensors")) and expert_count(json.loads(config.read_text())) <= 1)
+
+
+def _nf4_shards(spec) -> int:
+    """The ranks FSDP2 will shard an NF4 weight over (fsdp2.prepare: dp_shard x cp), on this world: NF4 weights must
+    split into whole scaler blocks on them (fp8dist.backends.nf4.nf4_unfit)."""
+    import os
+
+    import torch.distributed as dist
+
+    from fp8dist.config.parallel import parallel_dims
+
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    dims = parallel_dims(spec, world)
+    return dims.dp_shard * dims.cp

@@ -51,9 +51,16 @@ def test_qlora_on_one_rank_keeps_the_nf4_weights_out_of_fsdp2():
 
 
 def test_qlora_resumes_bitwise_and_merges_into_the_base_it_computed_with(tmp_path):
+    """From a Hugging Face directory, whose base is quantized tensor by tensor as it is read
+    (fp8dist.runtime.loading.load_nf4_base)."""
+    from tests.tp_models import unseen_qwen2_qlora
+
+    model = tmp_path / "model"
+    torch.manual_seed(0)
+    unseen_qwen2_qlora()["model"].to(torch.bfloat16).save_pretrained(model)
     checkpoints = tmp_path / "ckpt"
-    common = ["--model", MODEL, "--fp8dist-config", QLORA, "--checkpoint-dir", checkpoints]
-    straight = torchrun(TRAIN, "--model", MODEL, "--fp8dist-config", QLORA, "--steps", "6", timeout=600)
+    common = ["--model", model, "--fp8dist-config", QLORA, "--checkpoint-dir", checkpoints]
+    straight = torchrun(TRAIN, "--model", model, "--fp8dist-config", QLORA, "--steps", "6", timeout=600)
     first = torchrun(TRAIN, *common, "--steps", "3", timeout=600)
     resumed = torchrun(TRAIN, *common, "--steps", "6", "--resume", timeout=600)
     for done in (straight, first, resumed):
@@ -70,9 +77,7 @@ def test_qlora_resumes_bitwise_and_merges_into_the_base_it_computed_with(tmp_pat
     from torchao.quantization import to_nf4
     from transformers import AutoModelForCausalLM
 
-    from fp8dist.runtime.models import load_model
-
-    base = load_model(MODEL, "bf16", seed=0).model
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
     with torch.no_grad():  # the base the run computed with: every Linear but lm_head through NF4 and back
         for name, module in base.named_modules():
             if isinstance(module, torch.nn.Linear) and name != "lm_head":

@@ -139,6 +139,36 @@ def _modules_to_save(spec: Spec) -> list[Issue]:
     return issues
 
 
+def _dora(spec: Spec) -> list[Issue]:
+    """adapter.use_dora as PEFT runs it (peft 0.21 tuners/lora/dora.py DoraLinearLayer.forward): every forward reads
+    the adapted Linear's base weight through utils/integrations.py dequantize_module_weight to take its row norms,
+    and, where adapter dropout acts, runs the base GEMM again on the dropped-out input (F.linear of that weight)."""
+    ad = spec.adapter
+    issues: list[Issue] = []
+    if not ad.use_dora:
+        return issues
+    if ad.base_dtype == "nf4":
+        issues.append(Issue("adapter.use_dora", "PEFT reads a torchao base weight with weight.dequantize() and no "
+                            "arguments, which NF4Tensor.dequantize does not take (it needs the NF4 code table): the "
+                            "first forward fails (PEFT's QDoRA dequantizes bitsandbytes' 4-bit weights only)", True,
+                            "adapter.use_dora=false with an NF4 base, or adapter.base_dtype=auto for DoRA"))
+    if spec.float8_all_gather:
+        issues.append(Issue("adapter.use_dora", "the frozen weights are all-gathered in float8 "
+                            "(precision.fp8.torchao.enable_fsdp_float8_all_gather), so the base weight DoRA reads in "
+                            "its forward is torchao's Float8TrainingTensor, which PEFT's dequantize() call cannot read "
+                            "(torchao 0.18: aten.dequantize is not supported): the first forward fails", True,
+                            "precision.fp8.torchao.enable_fsdp_float8_all_gather=false with DoRA (the weights are "
+                            "then gathered in the load dtype and cast to FP8 in each GEMM), or adapter.use_dora=false"))
+    if spec.fp8.enabled and ad.dropout > 0:
+        issues.append(Issue("adapter.use_dora", f"with adapter.dropout={ad.dropout:g} DoRA computes each adapted "
+                            "Linear's base output again from the dropped-out input (F.linear of the base weight): a "
+                            "second GEMM of every FP8 Linear, run in the compute dtype, outside "
+                            f"precision.fp8.backend={spec.fp8.backend}", True,
+                            "adapter.dropout=0 with DoRA and FP8 (DoRA then reuses the FP8 GEMM's output), or "
+                            "precision.fp8.backend=none"))
+    return issues
+
+
 def _adapter(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
     """LoRA composes with torchao's float8 conversion (the frozen base Linears convert, the adapters do not: a
     module filter on the names). MS-AMP and Transformer Engine replace or wrap every Linear's weight in their
@@ -153,7 +183,7 @@ def _adapter(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
                                 f"({', '.join('adapter.' + k for k in extra)})", settings[extra[0]],
                                 "set adapter.kind=lora, or remove them"))
         return issues
-    issues += _quantized_base(spec) + _modules_to_save(spec)
+    issues += _quantized_base(spec) + _modules_to_save(spec) + _dora(spec)
     backend = spec.fp8.backend
     if backend == "msamp":
         issues.append(Issue("precision.fp8.backend", "MS-AMP casts every Linear weight to its ScalingTensor and its "
@@ -167,5 +197,7 @@ def _adapter(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
     if spec.parallel.cpu_ram_efficient_loading:
         issues.append(Issue("parallel.cpu_ram_efficient_loading", "the adapters are not in the model directory's "
                             "files, and shard-on-read loads only what the files hold", True,
-                            "set parallel.cpu_ram_efficient_loading=false with adapter.kind=lora"))
+                            "set parallel.cpu_ram_efficient_loading=false with adapter.kind=lora (an NF4 base, "
+                            "adapter.base_dtype=nf4, is read from a model directory tensor by tensor without it: "
+                            "each weight quantized as it is read)"))
     return issues

@@ -53,6 +53,8 @@ def check_compatible(manifest: dict[str, Any], path: Path, engine: EngineCheckpo
         raise Fp8distError(f"{path}: written by engine={manifest['engine']}, this run is engine={engine.engine}"
                            f"\n  fix: resume with a config of engine={manifest['engine']}, or start a new "
                            "--checkpoint-dir (export the old one with `fp8dist export` to reuse its weights)")
+    changes = config_changes(manifest.get("config"), config)
+    _refuse_adapter_changes(changes, path)  # before the shapes: use_dora adds parameters, and the key says why
     saved, here = manifest["model"]["parameters"], engine.parameter_shapes()
     if saved != here:
         missing = sorted(set(saved) - set(here))
@@ -70,17 +72,6 @@ def check_compatible(manifest: dict[str, Any], path: Path, engine: EngineCheckpo
                            f"adapters only and the frozen base is read again from MODEL, so resuming with "
                            f"{engine.model_name} would train these adapters on another base"
                            f"\n  fix: resume with --model {manifest['model']['name']}, or start a new --checkpoint-dir")
-    changes = config_changes(manifest.get("config"), config)
-    for key, before, after in changes:
-        if key == "adapter.alpha":  # PEFT scales the adapters' output by alpha / r (peft 0.21 tuners/lora/layer.py)
-            raise Fp8distError(f"{path}: adapter.alpha is {before} in the checkpoint and {after} in this config; the "
-                               f"adapters were trained under the scaling alpha / r, so another alpha makes the "
-                               f"checkpoint another model\n  fix: resume with adapter.alpha={before}, or start a new "
-                               "--checkpoint-dir")
-        if key == "adapter.base_dtype":  # the frozen base the adapters were trained on
-            raise Fp8distError(f"{path}: adapter.base_dtype is {before} in the checkpoint and {after} in this config; "
-                               "the adapters were trained on that base, so another one makes the checkpoint another "
-                               f"model\n  fix: resume with adapter.base_dtype={before}, or start a new --checkpoint-dir")
     if changes:
         notes.append("resumed with settings other than the checkpoint's: " + ", ".join(
             f"{key} {before!r} -> {after!r}" for key, before, after in changes))
@@ -102,3 +93,23 @@ def check_compatible(manifest: dict[str, Any], path: Path, engine: EngineCheckpo
                          f"the base is quantized for this job's shards, not those of the {manifest['world_size']} "
                          "ranks that trained so far (the start note lists what stayed in the load dtype)")
     return notes
+
+
+def _refuse_adapter_changes(changes: list[tuple[str, Any, Any]], path: Path) -> None:
+    """The adapter settings a resume cannot change: the checkpoint's adapters were trained under them."""
+    for key, before, after in changes:
+        if key == "adapter.alpha":  # PEFT scales the adapters' output by alpha / r (peft 0.21 tuners/lora/layer.py)
+            raise Fp8distError(f"{path}: adapter.alpha is {before} in the checkpoint and {after} in this config; the "
+                               f"adapters were trained under the scaling alpha / r, so another alpha makes the "
+                               f"checkpoint another model\n  fix: resume with adapter.alpha={before}, or start a new "
+                               "--checkpoint-dir")
+        if key == "adapter.base_dtype":  # the frozen base the adapters were trained on
+            raise Fp8distError(f"{path}: adapter.base_dtype is {before} in the checkpoint and {after} in this config; "
+                               "the adapters were trained on that base, so another one makes the checkpoint another "
+                               f"model\n  fix: resume with adapter.base_dtype={before}, or start a new --checkpoint-dir")
+        if key == "adapter.use_dora":  # a trained magnitude vector per adapter (peft 0.21 tuners/lora/dora.py)
+            raise Fp8distError(f"{path}: adapter.use_dora is {before} in the checkpoint and {after} in this config; "
+                               "DoRA rescales each adapted Linear's output by a magnitude vector trained with the "
+                               "adapters, so the checkpoint's adapters under the other setting make another model"
+                               f"\n  fix: resume with adapter.use_dora={str(before).lower()}, or start a new "
+                               "--checkpoint-dir")

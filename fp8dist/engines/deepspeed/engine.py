@@ -19,7 +19,7 @@ import fp8dist.engines.activation_checkpointing as activation_checkpointing
 from fp8dist.backends.base import get_backend
 from fp8dist.config.spec import Spec
 from fp8dist.engines.advice import advise_small_gemms
-from fp8dist.engines.base import Engine, FirstStepAudit, forward_loss
+from fp8dist.engines.base import Engine, FirstStepAudit, forward_loss, training_mode
 from fp8dist.engines.blocks import wrap_units
 from fp8dist.engines.deepspeed.checkpointing import Checkpointing
 from fp8dist.engines.deepspeed.inspector import DeepSpeedInspector
@@ -98,6 +98,7 @@ def initialize(model, spec: Spec, optimizer=None, model_parameters=None, trainin
                            "deepspeed.extra instead of passing config=")
     backend = get_backend(spec)
     backend.check_environment(device_info())  # a missing library is the first thing to say
+    training_mode(model)
     config = plan or to_deepspeed(spec)
     check_environment(spec, config)
     before = dict(model.named_parameters())

@@ -25,7 +25,7 @@ from fp8dist.config.spec import Spec
 from fp8dist.config.parallel import check_model_fits, parallel_dims, sequence_parallel
 from fp8dist.dtypes import torch_dtype
 from fp8dist.engines.advice import advise_small_gemms, say
-from fp8dist.engines.base import Engine, FirstStepAudit, forward_loss
+from fp8dist.engines.base import Engine, FirstStepAudit, forward_loss, training_mode
 from fp8dist.engines.blocks import wrap_units
 from fp8dist.engines.fsdp2.checkpointing import Checkpointing
 from fp8dist.engines.fsdp2.clipping import clip_grad_norm_
@@ -171,6 +171,7 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
     plan = plan or to_fsdp2(spec)
     backend = get_backend(spec, plan)
     backend.check_environment(device_info())
+    training_mode(model)
 
     if plan.upcast_before_shard:
         # Only what the optimizer steps gets a master copy: frozen weights (an adapter run's base) keep the load

@@ -640,9 +640,11 @@ def render(document: dict[str, Any], plan: dict[str, Any], spec: Spec, source: s
     if spec.adapter.enabled:
         a = spec.adapter
         targets = PEFT_ALL_LINEAR if a.target_modules == "auto" else list(a.target_modules)
+        extra = (f", modules_to_save={list(a.modules_to_save)!r}" if a.modules_to_save else "") + (
+            ", use_dora=True" if a.use_dora else "")
         lines += [f"{ADAPTER_MARK}{json.dumps(spec.to_dict()['adapter'], separators=(',', ':'))}",
                   f"#   your script applies it before accelerator.prepare: peft.get_peft_model(model, LoraConfig(r={a.r}, "
-                  f"lora_alpha={a.alpha:g}, lora_dropout={a.dropout:g}, target_modules={targets!r}), "
+                  f"lora_alpha={a.alpha:g}, lora_dropout={a.dropout:g}, target_modules={targets!r}{extra}), "
                   "autocast_adapter_dtype=False), and gives the optimizer the trainable parameters only (the "
                   "adapters then start in the load dtype, as every trainable weight: Accelerate's DeepSpeed would "
                   "keep PEFT's fp32 adapters in fp32, and its FSDP2 upcasts them to fp32 masters itself)"]

@@ -19,6 +19,7 @@ Axolotl trains through transformers' Trainer and Accelerate, so its precision is
   (loaders/model.py _set_quantization_config: bnb_4bit_quant_type nf4, bnb_4bit_use_double_quant true, overridden by
   bnb_config_kwargs): fp8dist's adapter.base_dtype nf4 (torchao's NF4, whose scales are always quantized);
 - `lora_modules_to_save` is PEFT's modules_to_save (loaders/adapter.py load_lora): fp8dist's adapter.modules_to_save;
+  `peft_use_dora: true` is PEFT's use_dora there: fp8dist's adapter.use_dora;
 - `model_quantization_config: Mxfp4Config` with `model_quantization_config_kwargs: {dequantize: true}` (the gpt-oss
   examples) dequantizes the MXFP4 checkpoint at load: the run trains 16-bit weights.
 Every key is in KEYS with its class (fp8dist/formats/keys.py: kept, no effect, refused); docs/import.md prints it.
@@ -133,7 +134,8 @@ KEYS = Table("Axolotl", {
                    "fp8dist has no QAT", unless=disabled, otherwise="empty", example={"weight_dtype": "int4"}),
     "unfrozen_parameters": refused("trains only the parameters it lists", "remove it (fp8dist trains every "
                                    "parameter)", unless=disabled, otherwise="empty", example=["^lm_head.weight$"]),
-    "peft_use_dora": refused("DoRA adapters", "remove it", unless=disabled, otherwise="off"),
+    "peft_use_dora": kept("adapter.use_dora (DoRA: a trained magnitude vector beside each adapter; false: plain "
+                          "LoRA, noted)"),
     "peft_use_rslora": refused("rank-stabilised LoRA: scales the update by alpha / sqrt(r), not alpha / r",
                                "remove it (or scale adapter.alpha by sqrt(r) yourself)", unless=disabled,
                                otherwise="off", example=True),
@@ -347,7 +349,8 @@ def _adapter(cfg: dict[str, Any], out: dict[str, Any], load_dtype: str, notes: N
                             "add load_in_4bit: true (fp8dist: adapter.base_dtype nf4), or write adapter: lora"))
     if kind not in _LORA_KINDS:
         KEYS.refuse("adapter", kind, issues)
-        for key, value in {key: cfg.pop(key) for key in [k for k in cfg if k.startswith("lora_")]}.items():
+        for key, value in {key: cfg.pop(key) for key in [k for k in cfg if k.startswith("lora_")
+                                                          or k == "peft_use_dora"]}.items():
             if value is not None:
                 notes.dropped(key, value, _WITH_ADAPTER)
         return
@@ -357,6 +360,13 @@ def _adapter(cfg: dict[str, Any], out: dict[str, Any], load_dtype: str, notes: N
     saved = module_names(cfg.pop("lora_modules_to_save", None), "lora_modules_to_save")
     if saved:  # Axolotl passes an empty list to PEFT as None (loaders/adapter.py load_lora)
         adapter["modules_to_save"] = saved
+    dora = cfg.pop("peft_use_dora", None)
+    if truthy(dora):  # load_lora: LoraConfig(use_dora=cfg.peft_use_dora) where it is set
+        adapter["use_dora"] = True
+    elif dora is not None and disabled(dora):
+        notes.dropped("peft_use_dora", dora, "off")
+    elif dora is not None:
+        raise WrongShape("peft_use_dora", dora, "true or false")
     if nf4:
         cfg.pop("load_in_4bit")
         adapter["base_dtype"] = "nf4"

@@ -4,10 +4,10 @@ The file is PEFT's LoraConfig as JSON (peft 0.21 tuners/lora/config.py LoraConfi
 PEFT wrote fewer keys, PEFT < 0.3 also `enable_lora` and `merge_weights`). It says which adapter trains and nothing
 else: the output is an fp8dist config whose `adapter` section has the file's meaning, every other section at
 fp8dist's defaults (said in a `# resolved:` comment). What runs, with the sources this rests on:
-- fp8dist builds `LoraConfig(r, lora_alpha, lora_dropout, target_modules, bias="none", modules_to_save)` with every
-  other field at PEFT's default (fp8dist/runtime/adapters.py lora_config): the default initialisation
-  (`init_lora_weights: true`, lora_B zero), the update scaled by alpha / r, LoRA on the named modules only, the
-  modules to save trained whole. Keys that change one of those (rsLoRA, DoRA, per-layer ranks or layer selection, a
+- fp8dist builds `LoraConfig(r, lora_alpha, lora_dropout, target_modules, bias="none", modules_to_save, use_dora)`
+  with every other field at PEFT's default (fp8dist/runtime/adapters.py lora_config): the default initialisation
+  (`init_lora_weights: true`, lora_B zero), the update scaled by alpha / r, LoRA (or DoRA) on the named modules only,
+  the modules to save trained whole. Keys that change one of those (rsLoRA, per-layer ranks or layer selection, a
   trained bias, another initialisation...) are refused where their value does so, and noted where it does not
   (`use_dora: false`, `rank_pattern: {}`);
 - the file is the same over a 16-bit and over a bitsandbytes 4-bit base (QLoRA): only the base's config.json says
@@ -59,8 +59,8 @@ KEYS = Table("PEFT", {
     # refused where the value changes which parameters train or the numerics
     "use_rslora": refused("rank-stabilised LoRA: scales the update by alpha / sqrt(r), not alpha / r",
                           "remove it (or scale lora_alpha by sqrt(r) yourself)", unless=disabled, otherwise="off: changes nothing"),
-    "use_dora": refused("DoRA adapters (a trained magnitude vector beside LoRA)", "remove it", unless=disabled,
-                        otherwise="off: changes nothing"),
+    "use_dora": kept("adapter.use_dora (DoRA: a trained magnitude vector beside each adapter; false: plain LoRA, "
+                     "noted)"),
     "modules_to_save": kept("adapter.modules_to_save (modules trained whole beside the adapters, e.g. embed_tokens "
                             "and lm_head for new tokens)", example=["lm_head"]),
     "base_model_name_or_path": kept("adapter.base_dtype nf4 where it is a local model directory whose config.json "
@@ -122,7 +122,8 @@ KEYS = Table("PEFT", {
     "megatron_core": no_effect("the module megatron_config's layers come from; read only with megatron_config",
                                example="megatron.core"),
     "qalora_group_size": no_effect("read only with use_qalora", example=16),
-    "runtime_config": no_effect("ephemeral GPU offload of DoRA's initialisation: memory, and DoRA is refused",
+    "runtime_config": no_effect("ephemeral GPU offload of DoRA's initialisation: where the magnitude vectors are "
+                                "computed, not their values",
                                 example={"ephemeral_gpu_offload": False}),
     "merge_weights": no_effect("PEFT < 0.3: merge the adapters into the weights for evaluation; not training"),
     "inference_mode": no_effect("how PEFT loads the saved adapter (frozen for inference); fp8dist trains it"),
@@ -155,6 +156,13 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
     saved = module_names(cfg.pop("modules_to_save", None), "modules_to_save")
     if saved:
         adapter["modules_to_save"] = saved
+    dora = cfg.pop("use_dora", None)
+    if truthy(dora):
+        adapter["use_dora"] = True
+    elif dora is not None and disabled(dora):  # PEFT's default: plain LoRA
+        notes.dropped("use_dora", dora, "off: changes nothing")
+    elif dora is not None:
+        raise WrongShape("use_dora", dora, "true or false")
     _base(cfg.pop("base_model_name_or_path", None), adapter, notes, issues)
     for key, value in cfg.items():
         KEYS.settle(key, value, notes, issues)

@@ -20,8 +20,8 @@ transformers 5.24 training_args.py):
   nothing sharded. The alignment-handbook picks FSDP or ZeRO-3 with `accelerate launch --config_file`, which the
   recipe does not name: import that file too (`fp8dist import recipes/accelerate_configs/zero3.yaml`);
 - `use_peft: true` is TRL's get_peft_model_config -> peft.LoraConfig(r=lora_r (16), lora_alpha (32),
-  lora_dropout (0.05), target_modules=lora_target_modules, modules_to_save=lora_modules_to_save, ...)
-  (trl/trainer/utils.py get_peft_config); PEFT makes
+  lora_dropout (0.05), target_modules=lora_target_modules, modules_to_save=lora_modules_to_save, use_dora=use_dora,
+  ...) (trl/trainer/utils.py get_peft_config); PEFT makes
   the adapters fp32 over a 16-bit base (peft get_peft_model autocast_adapter_dtype=True; TRL turns that off only
   under ZeRO-3, trl/trainer/sft_trainer.py);
 - `load_in_4bit: true` with `use_peft: true` is QLoRA: get_quantization_config builds BitsAndBytesConfig(load_in_4bit,
@@ -105,7 +105,7 @@ KEYS = Table("TRL", {
                   example="adamw_torch"),
     # adapters (ModelConfig)
     "use_peft": kept("adapter.kind lora (with lora_r, lora_alpha, lora_dropout, lora_target_modules, "
-                     "lora_modules_to_save)"),
+                     "lora_modules_to_save, use_dora)"),
     "lora_r": kept("adapter.r (TRL's default 16)", example=8),
     "lora_alpha": kept("adapter.alpha (TRL's default 32)", example=16),
     "lora_dropout": kept("adapter.dropout (TRL's default 0.05)", example=0.1),
@@ -119,8 +119,8 @@ KEYS = Table("TRL", {
     "load_in_8bit": refused("an 8-bit bitsandbytes base (LLM.int8; fp8dist's adapter.base_dtype int8), which fp8dist "
                             "does not build", "remove it (LoRA over the 16-bit base), or use load_in_4bit: true with "
                             "use_peft (fp8dist's NF4 base)", unless=disabled, otherwise="off"),
-    "use_dora": refused("DoRA adapters (a trained magnitude vector beside LoRA)", "remove it", unless=disabled,
-                        otherwise="off"),
+    "use_dora": kept("adapter.use_dora (DoRA: a trained magnitude vector beside each adapter; false: plain LoRA, "
+                     "noted)"),
     "use_rslora": refused("rank-stabilised LoRA: scales the update by alpha / sqrt(r), not alpha / r",
                           "remove it (or scale lora_alpha by sqrt(r) yourself)", unless=disabled, otherwise="off"),
     "lora_modules_to_save": kept("adapter.modules_to_save (modules trained whole beside the adapters: PEFT "
@@ -625,4 +625,11 @@ def _adapter(cfg: dict[str, Any], out: dict[str, Any], notes: Notes, issues: lis
     saved = module_names(cfg.pop("lora_modules_to_save", None), "lora_modules_to_save")
     if saved:  # get_peft_config passes it to LoraConfig(modules_to_save=...) as it is
         adapter["modules_to_save"] = saved
+    dora = cfg.pop("use_dora", None)
+    if truthy(dora):  # get_peft_config: LoraConfig(use_dora=use_dora)
+        adapter["use_dora"] = True
+    elif dora is not None and disabled(dora):  # ModelConfig's default: plain LoRA
+        notes.dropped("use_dora", dora, "off")
+    elif dora is not None:
+        raise WrongShape("use_dora", dora, "true or false")
     out["adapter"] = adapter

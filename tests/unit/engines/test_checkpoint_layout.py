@@ -151,6 +151,11 @@ def test_a_resume_says_which_settings_it_changes_and_refuses_another_adapter_alp
     with pytest.raises(Fp8distError, match=r"(?s)adapter.base_dtype is auto in the checkpoint and nf4.*fix: resume "
                                            r"with adapter.base_dtype=auto"):
         check_compatible(manifest, tmp_path, engine, 1, qlora)
+    dora = load_config("configs/fsdp2-lora-float8.yaml", ["adapter.use_dora=true", "adapter.dropout=0",
+                                                          "precision.fp8.torchao.enable_fsdp_float8_all_gather=false"])
+    with pytest.raises(Fp8distError, match=r"(?s)adapter.use_dora is False in the checkpoint and True.*fix: resume "
+                                           r"with adapter.use_dora=false"):
+        check_compatible(manifest, tmp_path, engine, 1, dora.to_dict())
     engine.reshardable = True  # as FSDP2's
     on_two = {**manifest, "config": qlora}
     assert any("depends on the shard count" in note for note in check_compatible(on_two, tmp_path, engine, 2, qlora))
@@ -214,6 +219,19 @@ def test_the_same_step_saved_again_replaces_it_and_older_ones_are_pruned(tmp_pat
     path = save(FileCheckpointing(model), tmp_path, 4, spec=spec)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004"]  # no .replaced or .partial left
     assert torch.load(path / "weights.pt", weights_only=True)["weight"].eq(7.0).all()
+
+
+def test_another_use_dora_is_refused_before_the_parameters_it_adds_are_compared(tmp_path):
+    """A DoRA checkpoint holds a magnitude vector per adapter that a LoRA run lacks: the refusal names
+    adapter.use_dora, not a parameter of another model."""
+    dora = load_config({"adapter": {"kind": "lora", "use_dora": True}}).to_dict()
+    engine = EngineCheckpointing(torch.nn.Linear(2, 2), model_name="tiny-llama")
+    shapes = {**engine.parameter_shapes(), "q_proj.lora_magnitude_vector.default.weight": [2]}
+    manifest = {"engine": "", "world_size": 1, "model": {"name": "tiny-llama", "parameters": shapes},
+                "config": dora}
+    with pytest.raises(Fp8distError, match=r"(?s)adapter.use_dora is True in the checkpoint and False.*magnitude "
+                                           r"vector.*fix: resume with adapter.use_dora=true"):
+        check_compatible(manifest, tmp_path, engine, 1, load_config({"adapter": {"kind": "lora"}}).to_dict())
 
 
 def test_a_key_added_since_the_checkpoint_is_no_change_at_its_default():

@@ -89,15 +89,17 @@ def test_each_phase_holds_the_stores_alive_in_it():
     """Cumulative phases (the Model Memory Usage tool's columns, then backward from step 2 on): which stores and
     transient bytes each holds, read back from sums of distinct powers of two."""
     device = {store: 2 ** i for i, store in enumerate(STORES)}
-    transient = TransientBytes(unsharded_units=2 ** 7, logits_gradient=2 ** 8, all_to_all=2 ** 9)
-    names = [*STORES, "unsharded_units", "logits_gradient", "all_to_all"]
+    transient = TransientBytes(unsharded_units=2 ** 7, logits_gradient=2 ** 8, all_to_all=2 ** 9,
+                               nf4_dequantize=2 ** 10)
+    names = [*STORES, "unsharded_units", "logits_gradient", "all_to_all", "nf4_dequantize"]
 
     def alive(total: int) -> set[str]:
         return {name for i, name in enumerate(names) if total >> i & 1}
 
     counted = {phase: alive(n) for phase, n in phases(device, transient).items()}
     model = {"weights", "master_weights", "buffers"}
-    backward = model | {"gradients", "activations", "fp8_extras", "unsharded_units", "logits_gradient", "all_to_all"}
+    backward = model | {"gradients", "activations", "fp8_extras", "unsharded_units", "logits_gradient", "all_to_all",
+                        "nf4_dequantize"}
     assert counted == {"model": model, "gradients": model | {"gradients"}, "backward_pass": backward,
                        "optimizer_step": model | {"gradients", "optimizer"},
                        "later_backward_pass": backward | {"optimizer"}}

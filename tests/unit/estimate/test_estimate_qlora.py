@@ -112,3 +112,21 @@ def test_llama_3_70b_qlora_frozen_base_halves_from_8_to_16_ranks():
     assert eight.per_rank_bytes == pytest.approx(2 * sixteen.per_rank_bytes, rel=1e-4)
     frozen_at_bf16 = sum(part.parameters for part in eight.by_format.values()) * 2 / 8
     assert eight.per_rank_bytes < 0.3 * frozen_at_bf16  # an NF4 base is about a quarter of a bf16 one
+    # the largest NF4 weight, an MLP projection of 28672 x 8192, dequantized whole for its GEMM: 14 bytes a value
+    assert eight.dequantize_bytes() == sixteen.dequantize_bytes() == 28672 * 8192 * 14
+
+
+def test_the_dequantize_transient_is_what_an_nf4_gemm_allocates():
+    """fp8dist.facts.torchao NF4_DEQUANTIZE_*: the peak of the bytes one eager GEMM of a 4096 x 4096 bf16 NF4 weight
+    allocates (tests/live_bytes.py), against the estimate's count."""
+    from torchao.quantization import to_nf4
+
+    from fp8dist.estimate.frozen import nf4_dequantize_bytes
+    from tests.live_bytes import LiveBytes
+
+    weight = to_nf4(torch.randn(4096, 4096, dtype=torch.bfloat16), 64, 256)
+    x = torch.randn(2, 4096, dtype=torch.bfloat16)
+    with LiveBytes(before=(x, weight.quantized_data, weight.quantized_scalers, weight.quantization_factor,
+                           weight.scaler_mean, weight.nf4)) as live:
+        torch.nn.functional.linear(x, weight)
+    assert live.peak == pytest.approx(nf4_dequantize_bytes(4096 * 4096, 2), rel=0.01)

@@ -72,3 +72,15 @@ def test_fp8dists_filter_for_accelerate_matches_exclusions_on_the_base_models_na
     assert not keep(linear, "base_model.model.model.layers.1.mlp.down_proj.base_layer")
     assert not keep(linear, "base_model.model.model.layers.0.mlp.up_proj.base_layer")
     assert keep(linear, "base_model.model.model.layers.1.mlp.up_proj.base_layer")
+
+
+def test_the_script_line_carries_modules_to_save_and_dora(tmp_path):
+    """The LoraConfig the header tells the script to build names every setting of the adapter that changes the run,
+    and the header imports back to the same adapter."""
+    adapter = {**LORA, "modules_to_save": ["lm_head"], "use_dora": True}
+    result, out = _translate(tmp_path, {"engine": "fsdp2", "precision": {"preset": "bf16"}, "adapter": adapter})
+    assert result.returncode == 0, result.stderr
+    assert "target_modules=['q_proj', 'v_proj'], modules_to_save=['lm_head'], use_dora=True), " \
+           "autocast_adapter_dtype=False)" in out.read_text()
+    imported = load_config(yaml.safe_load(import_file(out, "accelerate"))).adapter
+    assert (imported.modules_to_save, imported.use_dora) == (("lm_head",), True)

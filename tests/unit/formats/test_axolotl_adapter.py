@@ -42,9 +42,18 @@ def test_lora_modules_to_save_train_whole_modules_beside_the_adapters(tmp_path):
 
 
 def test_lora_keys_without_an_adapter_are_noted(tmp_path):
-    text = _import(tmp_path, {"lora_r": 16})
+    text = _import(tmp_path, {"lora_r": 16, "peft_use_dora": True})
     assert "# not kept: lora_r: 16 - read only with `adapter: lora`" in text
+    assert "# not kept: peft_use_dora: true - read only with `adapter: lora`" in text
     assert load_config(yaml.safe_load(text)).adapter.kind == "none"
+
+
+def test_peft_use_dora_trains_dora_adapters_and_off_is_noted(tmp_path):
+    """Axolotl's load_lora passes peft_use_dora to LoraConfig(use_dora=...): adapter.use_dora."""
+    text = _import(tmp_path, {"adapter": "lora", "lora_target_linear": True, "peft_use_dora": True})
+    assert load_config(yaml.safe_load(text)).adapter.use_dora and "# not kept: peft_use_dora" not in text
+    text = _import(tmp_path, {"adapter": "lora", "lora_target_linear": True, "peft_use_dora": False})
+    assert not load_config(yaml.safe_load(text)).adapter.use_dora and "# not kept: peft_use_dora: false - off" in text
 
 
 @pytest.mark.parametrize("document, keys", [
@@ -58,6 +67,11 @@ def test_lora_keys_without_an_adapter_are_noted(tmp_path):
     # Axolotl adapts the union: every Linear and the output layer, which auto leaves out
     ({"adapter": "lora", "lora_target_linear": True, "lora_target_modules": ["lm_head"]}, {"lora_target_modules"}),
     ({"adapter": "lora", "lora_target_linear": True, "peft_use_rslora": True}, {"peft_use_rslora"}),
+    ({"adapter": "lora", "lora_target_linear": True, "peft_use_dora": "auto"}, {"peft_use_dora"}),  # a switch
+    # DoRA's second base GEMM on the dropped-out input would run outside FP8 (fp8dist's rule, named by its key)
+    ({"adapter": "lora", "lora_target_linear": True, "peft_use_dora": True, "lora_dropout": 0.05, "fp8": True,
+      "fsdp_version": 2, "fsdp_config": {"reshard_after_forward": True}, "fp8_enable_fsdp_float8_all_gather": False},
+     {"adapter.use_dora"}),
     ({"adapter": "lora", "lora_target_linear": True, "lora_modules_to_save": "lm_head"}, {"lora_modules_to_save"}),
     # lm_head would train whole and get no adapter (fp8dist's rule, named through the imported key)
     ({"adapter": "lora", "lora_target_modules": ["q_proj", "lm_head"], "lora_modules_to_save": ["lm_head"]},

@@ -35,7 +35,7 @@ AXOLOTL_CONTEXT = {"fp8_enable_fsdp_float8_all_gather": {"fp8": True, **FSDP2}, 
                    "fp16": {"bf16": False},
                    **{key: {"adapter": "lora", "lora_target_linear": True} for key in (
                        "lora_r", "lora_alpha", "lora_dropout", "lora_fan_in_fan_out", "lora_model_dir", "lora_modules_to_save",
-                       "lora_target_parameters", "peft_use_rslora", "peft_layers_to_transform")},
+                       "lora_target_parameters", "peft_use_rslora", "peft_layers_to_transform", "peft_use_dora")},
                    "lora_target_modules": {"adapter": "lora"}, "lora_target_linear": {"adapter": "lora"},
                    "bnb_config_kwargs": {"adapter": "qlora", "load_in_4bit": True, "lora_target_linear": True}}
 ACCELERATE_CONTEXT = {"fp8_config": {"mixed_precision": "fp8"}}
@@ -159,9 +159,9 @@ def test_the_tables_refuse_what_the_issue_names():
                        (DEEPSPEED_KEYS, "expert_parallel.load_balance_coeff"), (DEEPSPEED_KEYS, "tensor_parallel.tp.tp_size"),
                        (DEEPSPEED_KEYS, "tensor_parallel.partition_config"), (DEEPSPEED_KEYS, "amp"),
                        (TRL_KEYS, "parallelism_config"),
-                       (TRL_KEYS, "load_in_4bit"), (TRL_KEYS, "load_in_8bit"), (TRL_KEYS, "use_dora"),
+                       (TRL_KEYS, "load_in_4bit"), (TRL_KEYS, "load_in_8bit"),
                        (TRL_KEYS, "use_rslora"), (TRL_KEYS, "tf32"),
-                       (PEFT_KEYS, "use_rslora"), (PEFT_KEYS, "use_dora"),
+                       (PEFT_KEYS, "use_rslora"),
                        (PEFT_KEYS, "layers_to_transform"), (PEFT_KEYS, "rank_pattern"), (PEFT_KEYS, "bias"),
                        (PEFT_KEYS, "init_lora_weights"), (PEFT_KEYS, "target_parameters")):
         assert table.rules[key].cls is KeyClass.REFUSED, key

@@ -71,7 +71,7 @@ def test_target_modules(tmp_path, targets, expected):
     ({"peft_type": "LORA", "target_modules": ".*(q_proj|v_proj)$"}, {"target_modules"}),  # a regex in PEFT
     ({"peft_type": "LORA", "target_modules": []}, {"target_modules"}),
     ({**LORA, "use_rslora": True}, {"use_rslora"}),
-    ({**LORA, "use_dora": True}, {"use_dora"}),
+    ({**LORA, "use_dora": "sometimes"}, {"use_dora"}),  # a switch: true or false
     ({**LORA, "modules_to_save": "lm_head"}, {"modules_to_save"}),  # PEFT's field is a list
     ({**LORA, "layers_to_transform": [0, 1], "layers_pattern": "layers"}, {"layers_to_transform", "layers_pattern"}),
     ({**LORA, "rank_pattern": {"q_proj": 4}, "alpha_pattern": {"q_proj": 4}}, {"rank_pattern", "alpha_pattern"}),
@@ -187,6 +187,17 @@ def test_an_older_nf4_base_without_quant_method_and_a_skip_list_of_what_stays_16
 def test_an_unquantized_local_base_stays_as_it_loads(tmp_path):
     text = _import(tmp_path, {**LORA, "base_model_name_or_path": _base(tmp_path, None)})
     assert load_config(yaml.safe_load(text)).adapter.base_dtype == "auto" and "has no quantization_config" in text
+
+
+def test_use_dora_imports_dora_and_over_an_nf4_base_is_refused_naming_it(tmp_path):
+    """PEFT's use_dora is adapter.use_dora; over a local NF4 base (QLoRA's file) the imported config is refused by the
+    rule that DoRA does not run over fp8dist's NF4 base, naming adapter.use_dora."""
+    spec = _spec(tmp_path, {**LORA, "use_dora": True})
+    assert spec == load_config({"adapter": {"kind": "lora", "target_modules": ["q_proj", "v_proj"], "use_dora": True}})
+    with pytest.raises(ImportProblem) as err:
+        _import(tmp_path, {**LORA, "use_dora": True, "base_model_name_or_path": _base(tmp_path, NF4)})
+    [issue] = err.value.issues
+    assert issue.path == "adapter.use_dora" and "NF4Tensor.dequantize" in issue.message and issue.fix
 
 
 @pytest.mark.parametrize("quantization, key, value", [

@@ -46,6 +46,7 @@ def test_axolotl_bnb_config_kwargs_that_keep_the_base_are_noted(tmp_path):
     ({"load_in_4bit": False, "load_in_8bit": True}, {"adapter", "load_in_8bit"}),
     ({"deepspeed": "ds.json"}, {"adapter.base_dtype"}),  # the NF4 base runs on FSDP2 only
     ({"fp8": True, **FSDP2}, {"adapter.base_dtype"}),  # FP8 would convert the same frozen Linears
+    ({"peft_use_dora": True}, {"adapter.use_dora"}),  # QDoRA: PEFT cannot read torchao's NF4 weight back
 ])
 def test_axolotl_what_the_nf4_base_is_not_is_refused_naming_the_key(tmp_path, document, keys):
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}}')
@@ -111,6 +112,7 @@ def test_trl_qlora_under_fsdp_keeps_fp32_masters(tmp_path):
     ({"use_peft": False}, {"load_in_4bit"}),  # the Trainer does not train a purely quantized model
     ({"load_in_4bit": False, "load_in_8bit": True}, {"load_in_8bit"}),
     ({"deepspeed": "ds.json"}, {"adapter.base_dtype"}),
+    ({"use_dora": True}, {"adapter.use_dora"}),  # QDoRA: PEFT cannot read torchao's NF4 weight back
 ])
 def test_trl_what_the_nf4_base_is_not_is_refused_naming_the_key(tmp_path, document, keys):
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}}')

@@ -170,6 +170,13 @@ def test_lora_modules_to_save_train_whole_modules_beside_the_adapters(tmp_path):
     assert "# not kept: lora_modules_to_save: " in text
 
 
+def test_use_dora_trains_dora_adapters(tmp_path):
+    """get_peft_config passes use_dora to LoraConfig(use_dora=...): adapter.use_dora; without use_peft TRL reads none
+    of it."""
+    assert _spec(tmp_path, {"use_dora": True, **LORA}).adapter.use_dora
+    assert "# not kept: use_dora: true - read only with `use_peft: true`" in _import(tmp_path, {"use_dora": True})
+
+
 def test_lora_keys_without_use_peft_are_noted(tmp_path):
     text = _import(tmp_path, {"lora_r": 16, "lora_target_modules": ["q_proj", "v_proj"]})
     assert "# not kept: lora_r: 16 - read only with `use_peft: true`" in text
@@ -179,7 +186,7 @@ def test_lora_keys_without_use_peft_are_noted(tmp_path):
 @pytest.mark.parametrize("document, keys", [
     ({"load_in_4bit": True}, {"load_in_4bit"}),  # a quantized base without adapters
     ({"load_in_8bit": True, **LORA}, {"load_in_8bit"}),
-    ({"use_dora": True, **LORA}, {"use_dora"}),
+    ({"use_dora": "auto", **LORA}, {"use_dora"}),  # a switch: true or false
     ({"use_rslora": True, **LORA}, {"use_rslora"}),
     ({"lora_modules_to_save": "lm_head", **LORA}, {"lora_modules_to_save"}),  # ModelConfig: a list
     ({"lora_target_parameters": ["experts.down_proj"], **LORA}, {"lora_target_parameters"}),
@@ -196,7 +203,7 @@ def test_what_fp8dist_cannot_keep_is_refused_naming_the_key(tmp_path, document, 
     assert _refused(tmp_path, document) == keys
 
 
-def test_refused_adapter_switches_that_are_off_are_noted(tmp_path):
+def test_adapter_switches_that_are_off_are_noted(tmp_path):
     text = _import(tmp_path, {"use_dora": False, "use_rslora": False, "load_in_4bit": False, **LORA})
     assert "# not kept: use_dora: false - off" in text and "# not kept: load_in_4bit: false - off" in text
 
