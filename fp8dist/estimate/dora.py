@@ -1,15 +1,11 @@
-"""What DoRA (`adapter.use_dora`) allocates for a moment in each adapted Linear's forward, on top of the stores.
-
-peft 0.21 tuners/lora/dora.py DoraLinearLayer: `get_lora_weight` builds the adapter's whole update by running lora_A
-and lora_B over an identity matrix of in_features x in_features (`torch.eye`, in the adapter weights' dtype in the
-forward: the compute dtype under FSDP2's and ZeRO's mixed precision), and autograd keeps that identity as lora_A's
-saved input until the forward of the layer ends; `get_weight_norm` then adds the scaled update to the base weight
-(the update, its scaled copy and the sum: three out x in tensors). The layer's peak is in^2 + 3 x in x out values;
-one layer at a time. Measured by tests/unit/estimate/test_estimate_qlora.py (tests/live_bytes.py: every tensor a
-forward allocates, alive or freed)."""
+"""What DoRA (`adapter.use_dora`) allocates for a moment in each adapted Linear's forward, on top of the stores:
+an in x in identity PEFT runs the adapters over, and DORA_UPDATE_COPIES out x in copies of the update
+(fp8dist.facts.peft, from peft 0.21 tuners/lora/dora.py), in the adapters' forward dtype (the compute dtype under
+FSDP2's and ZeRO's mixed precision); one layer at a time. Measured by tests/unit/estimate/test_estimate_dora.py
+(tests/live_bytes.py)."""
 from __future__ import annotations
 
-from fp8dist.facts.peft import DORA_MAGNITUDE
+from fp8dist.facts.peft import DORA_MAGNITUDE, DORA_UPDATE_COPIES
 
 
 def dora_transient_bytes(model, compute_bytes: int) -> int:
@@ -24,5 +20,5 @@ def dora_transient_bytes(model, compute_bytes: int) -> int:
         if getattr(module, DORA_MAGNITUDE, None) and hasattr(module, "get_base_layer"):
             fan_in, fan_out = module.in_features, module.out_features
             identity = 0 if isinstance(module.get_base_layer(), torch.nn.Embedding) else fan_in * fan_in
-            worst = max(worst, (identity + 3 * fan_in * fan_out) * compute_bytes)
+            worst = max(worst, (identity + DORA_UPDATE_COPIES * fan_in * fan_out) * compute_bytes)
     return worst

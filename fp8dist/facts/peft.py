@@ -40,3 +40,10 @@ SAVED_COPY = "modules_to_save"
 DORA_MAGNITUDE = "lora_magnitude_vector"
 PEFT_MODULE_NAMES = ("lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B",
                      DORA_MAGNITUDE, "base_layer", "default", "original_module", SAVED_COPY)
+
+# tuners/lora/dora.py DoraLinearLayer, each forward: `get_lora_weight` runs lora_A and lora_B over an in_features x
+# in_features identity (torch.eye, in the adapter weights' dtype), kept by autograd as lora_A's input until the layer's
+# forward ends; `get_weight_norm` then holds the update, its scaled copy and their sum with the base weight (three
+# out x in tensors). DoraEmbeddingLayer builds its update as lora_A @ lora_B, with no identity. (fp8dist/estimate/
+# dora.py counts them; tests/unit/estimate/test_estimate_dora.py measures one.)
+DORA_UPDATE_COPIES = 3

@@ -189,6 +189,20 @@ def truthy(value: Any) -> bool | None:
     return None
 
 
+def pop_switch(section: dict[str, Any], key: str, notes: "Notes", off: str) -> bool:
+    """A true/false key taken out of `section`: True when on; off, the note that it changes nothing (`off` says why);
+    unset, False; anything else, WrongShape."""
+    value = section.pop(key, None)
+    if value is None:
+        return False
+    on = truthy(value)
+    if on is None:
+        raise WrongShape(key, value, "true or false")
+    if not on:
+        notes.dropped(key, value, off)
+    return on
+
+
 def set_path(document: dict[str, Any], dotted: str, value: Any) -> None:
     node = document
     parts = dotted.split(".")

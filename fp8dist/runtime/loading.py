@@ -148,9 +148,7 @@ def read_local_shards(model: torch.nn.Module, path: Path) -> None:
             missing.append(name)
             continue
         file, start, dtype_name, shape = index[name]
-        if list(tensor.shape) != shape:
-            raise Fp8distError(f"{file}: {name} has shape {shape} in the file and {list(tensor.shape)} in the model "
-                               "built from config.json; the directory's files do not belong to its config")
+        _check_shape(file, name, shape, tensor)
         local, rows, first = tensor, shape[0] if shape else 1, 0
         if isinstance(tensor, DTensor):
             local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
@@ -169,9 +167,20 @@ def read_local_shards(model: torch.nn.Module, path: Path) -> None:
                 local.copy_(data.view(dtype).view(local.shape))
     present = {n for n, _ in model.named_parameters()}
     unloaded = [n for n in missing if n in present and not _shares_a_loaded_parameter(model, n, index)]
+    _refuse_unloaded(path, unloaded)
+
+
+def _check_shape(file: Path, name: str, shape: list[int], tensor: torch.Tensor) -> None:
+    if list(tensor.shape) != shape:
+        raise Fp8distError(f"{file}: {name} has shape {shape} in the file and {list(tensor.shape)} in the model "
+                           "built from config.json; the directory's files do not belong to its config")
+
+
+def _refuse_unloaded(path: Path, unloaded: list[str]) -> None:
+    """Parameters the files hold no weights for (tied ones excepted by the caller)."""
     if unloaded:
-        raise Fp8distError(f"{path}: no weights for {', '.join(unloaded[:5])}"
-                           f"{' ...' if len(unloaded) > 5 else ''}; the files do not belong to this model")
+        raise Fp8distError(f"{path}: no weights for {', '.join(unloaded[:5])}{' ...' if len(unloaded) > 5 else ''}; "
+                           "the files do not belong to this model")
 
 
 def _shares_a_loaded_parameter(model: torch.nn.Module, name: str, index: dict) -> bool:
@@ -258,9 +267,7 @@ def load_nf4_base(path: Path, spec, shards: int) -> LoadedModel | str:
         if name not in index:
             continue
         file, start, dtype_name, shape = index[name]
-        if list(tensor.shape) != shape:
-            raise Fp8distError(f"{file}: {name} has shape {shape} in the file and {list(tensor.shape)} in the model "
-                               "built from config.json; the directory's files do not belong to its config")
+        _check_shape(file, name, shape, tensor)
         stored = _torch_dtype(dtype_name, file, name)
         numel = 1
         for dim in shape:
@@ -283,9 +290,7 @@ def load_nf4_base(path: Path, spec, shards: int) -> LoadedModel | str:
                 owner, _, attr = name.rpartition(".")
                 (model.get_submodule(owner) if owner else model).register_parameter(attr, model.get_parameter(read[0]))
     unloaded = [name for name, param in model.named_parameters() if param.is_meta]
-    if unloaded:
-        raise Fp8distError(f"{path}: no weights for {', '.join(unloaded[:5])}{' ...' if len(unloaded) > 5 else ''}; "
-                           "the files do not belong to this model")
+    _refuse_unloaded(path, unloaded)
     model.eval()  # as from_pretrained leaves it (transformers 5 modeling_utils.py from_pretrained: model.eval())
     return LoadedModel(model, causal_lm_batch(config.vocab_size), str(path))
 

@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 from fp8dist.errors import Issue
 from fp8dist.formats.accelerate.sections import fsdp_settings, note_accelerate_refusals
-from fp8dist.formats.common import (HF_OPTIMIZERS, NF4_SCALES, NF4_STORAGE, Imported, ImportProblem, Notes, WrongShape,
+from fp8dist.formats.common import (pop_switch, HF_OPTIMIZERS, NF4_SCALES, NF4_STORAGE, Imported, ImportProblem, Notes, WrongShape,
                                    dtype_name, hf_optimizer, integer, mapping, module_names, parallel_size, read_beside,
                                    stepped_dtype, truthy, yaml11_number)
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
@@ -360,13 +360,8 @@ def _adapter(cfg: dict[str, Any], out: dict[str, Any], load_dtype: str, notes: N
     saved = module_names(cfg.pop("lora_modules_to_save", None), "lora_modules_to_save")
     if saved:  # Axolotl passes an empty list to PEFT as None (loaders/adapter.py load_lora)
         adapter["modules_to_save"] = saved
-    dora = cfg.pop("peft_use_dora", None)
-    if truthy(dora):  # load_lora: LoraConfig(use_dora=cfg.peft_use_dora) where it is set
+    if pop_switch(cfg, "peft_use_dora", notes, "off"):  # load_lora: LoraConfig(use_dora=cfg.peft_use_dora)
         adapter["use_dora"] = True
-    elif dora is not None and disabled(dora):
-        notes.dropped("peft_use_dora", dora, "off")
-    elif dora is not None:
-        raise WrongShape("peft_use_dora", dora, "true or false")
     if nf4:
         cfg.pop("load_in_4bit")
         adapter["base_dtype"] = "nf4"

@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import fp8dist.config.schema as schema
 from fp8dist.errors import Issue
 from fp8dist.facts.peft import PEFT_ALL_LINEAR
-from fp8dist.formats.common import (NF4_SCALES, NF4_STORAGE, Imported, ImportProblem, Notes, WrongShape, integer,
+from fp8dist.formats.common import (pop_switch, NF4_SCALES, NF4_STORAGE, Imported, ImportProblem, Notes, WrongShape, integer,
                                    module_names, read_document, truthy)
 from fp8dist.formats.keys import Table, disabled, kept, no_effect, refused
 
@@ -156,13 +156,8 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
     saved = module_names(cfg.pop("modules_to_save", None), "modules_to_save")
     if saved:
         adapter["modules_to_save"] = saved
-    dora = cfg.pop("use_dora", None)
-    if truthy(dora):
+    if pop_switch(cfg, "use_dora", notes, "off: changes nothing"):  # off: PEFT's default, plain LoRA
         adapter["use_dora"] = True
-    elif dora is not None and disabled(dora):  # PEFT's default: plain LoRA
-        notes.dropped("use_dora", dora, "off: changes nothing")
-    elif dora is not None:
-        raise WrongShape("use_dora", dora, "true or false")
     _base(cfg.pop("base_model_name_or_path", None), adapter, notes, issues)
     for key, value in cfg.items():
         KEYS.settle(key, value, notes, issues)

@@ -38,7 +38,7 @@ from typing import Any, Mapping
 from fp8dist.errors import Issue
 from fp8dist.facts.peft import PEFT_ALL_LINEAR
 from fp8dist.formats.accelerate.sections import fsdp_settings, note_accelerate_refusals
-from fp8dist.formats.common import (NF4_SCALES, NF4_STORAGE, Imported, ImportProblem, Notes, WrongShape, dtype_name,
+from fp8dist.formats.common import (pop_switch, NF4_SCALES, NF4_STORAGE, Imported, ImportProblem, Notes, WrongShape, dtype_name,
                                    hf_optimizer, integer, mapping, module_names, read_beside, stepped_dtype, truthy,
                                    yaml11_number)
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
@@ -625,11 +625,6 @@ def _adapter(cfg: dict[str, Any], out: dict[str, Any], notes: Notes, issues: lis
     saved = module_names(cfg.pop("lora_modules_to_save", None), "lora_modules_to_save")
     if saved:  # get_peft_config passes it to LoraConfig(modules_to_save=...) as it is
         adapter["modules_to_save"] = saved
-    dora = cfg.pop("use_dora", None)
-    if truthy(dora):  # get_peft_config: LoraConfig(use_dora=use_dora)
+    if pop_switch(cfg, "use_dora", notes, "off"):  # get_peft_config: LoraConfig(use_dora=use_dora)
         adapter["use_dora"] = True
-    elif dora is not None and disabled(dora):  # ModelConfig's default: plain LoRA
-        notes.dropped("use_dora", dora, "off")
-    elif dora is not None:
-        raise WrongShape("use_dora", dora, "true or false")
     out["adapter"] = adapter
