@@ -19,3 +19,18 @@ def run_cli(*args, cwd=None, env=None, timeout=120):
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many gloo worlds (tests/distributed/worlds.py) the session started and how many jobs they ran."""
+    worlds = sys.modules.get("tests.distributed.worlds")
+    if worlds is not None and worlds.WORLDS.starts:
+        terminalreporter.write_line(f"kept gloo worlds: {worlds.WORLDS.starts} started, {worlds.WORLDS.jobs} jobs "
+                                    "run in them")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """End the kept gloo worlds with the session."""
+    worlds = sys.modules.get("tests.distributed.worlds")
+    if worlds is not None:
+        worlds.WORLDS.close()

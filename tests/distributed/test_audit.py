@@ -6,6 +6,7 @@ import json
 import pytest
 
 from tests.conftest import ROOT, run_cli
+from tests.distributed.launch import cli_in_world
 
 pytestmark = pytest.mark.distributed
 
@@ -14,7 +15,7 @@ def audit(model, config=None, nproc=2, fmt="json", overrides=()):
     args = ["audit", model, "--nproc", nproc, "--format", fmt]
     if config:
         args += ["--config", ROOT / "configs" / f"{config}.yaml"]
-    return run_cli(*args, *overrides, timeout=400)
+    return cli_in_world(*args, *overrides, timeout=400)
 
 
 def checks(result):

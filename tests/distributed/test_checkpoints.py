@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.conftest import ROOT, run_cli
-from tests.distributed.launch import TRAIN, _env, describe, free_port, losses, torchrun
+from tests.distributed.launch import TRAIN, _env, cli_in_world, describe, free_port, in_world, losses
 
 pytestmark = pytest.mark.distributed
 N = 2  # steps before the stop; the straight run takes 2N
@@ -26,7 +26,7 @@ RESUME_CASES = {  # config, extra overrides
 
 def train(config, *args, sets=(), nproc=2):
     overrides = [item for key in sets for item in ("--fp8dist-set", key)]
-    return torchrun(TRAIN, "--fp8dist-config", ROOT / "configs" / f"{config}.yaml", *SHORT, *overrides, *args,
+    return in_world(TRAIN, "--fp8dist-config", ROOT / "configs" / f"{config}.yaml", *SHORT, *overrides, *args,
                     nproc=nproc)
 
 
@@ -172,13 +172,13 @@ def test_a_rank_killed_during_a_save(tmp_path):
     assert not (directory / "step-00000004").exists() and (directory / ".step-00000004.partial").is_dir()
 
     model = "tests.fault_injection:tiny_llama_killed_in_save"  # without the variables: the same model, no fault
-    again = torchrun(TRAIN, "--model", model, "--fp8dist-config", config, *SHORT, "--fp8dist-set", "train.steps=6",
+    again = in_world(TRAIN, "--model", model, "--fp8dist-config", config, *SHORT, "--fp8dist-set", "train.steps=6",
                      "--checkpoint-dir", directory, "--resume", "--save-every", "2",
                      "--fp8dist-set", "checkpoint.keep_last=1")
     assert again.returncode == 0, describe(again)
     assert "resumed from" in again.stdout and "(step 2)" in again.stdout and len(losses(again.stdout)) == 4
     assert sorted(p.name for p in directory.iterdir()) == ["step-00000006"]  # keep_last=1; the partial is gone
-    straight = torchrun(TRAIN, "--model", model, "--fp8dist-config", config, *SHORT, "--fp8dist-set", "train.steps=6")
+    straight = in_world(TRAIN, "--model", model, "--fp8dist-config", config, *SHORT, "--fp8dist-set", "train.steps=6")
     assert losses(again.stdout) == losses(straight.stdout)[2:], (again.stdout, straight.stdout)
 
 
@@ -203,7 +203,7 @@ def test_checkpoints_that_cannot_be_resumed(resumed, tmp_path):
     shutil.copytree(fsdp2, broken)
     shard = sorted((broken / "step-00000004" / "dcp").glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[:100])
-    result = run_cli("export", broken, tmp_path / "out")
+    result = cli_in_world("export", broken, tmp_path / "out")
     assert result.returncode == 2 and f"{shard}: truncated or changed since the save (100 bytes" in result.stderr
     assert "fix: restore the file, or delete" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
@@ -216,7 +216,7 @@ def test_checkpoints_that_cannot_be_resumed(resumed, tmp_path):
     data = bytearray(shard.read_bytes())
     data[:2000] = bytes(2000)
     shard.write_bytes(bytes(data))
-    result = run_cli("export", corrupt, tmp_path / "out")
+    result = cli_in_world("export", corrupt, tmp_path / "out")
     assert result.returncode == 2 and "cannot read the checkpoint (rank 0: " in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
 
@@ -230,7 +230,7 @@ def test_checkpoints_that_cannot_be_resumed(resumed, tmp_path):
 
 
 def test_library_resume_with_a_scheduler_and_float8_weights(tmp_path):
-    result = torchrun(ROOT / "tests" / "distributed" / "scripts" / "checkpoint_roundtrip.py",
+    result = in_world(ROOT / "tests" / "distributed" / "scripts" / "checkpoint_roundtrip.py",
                       ROOT / "configs" / "fsdp2-torchao-float8.yaml", tmp_path / "ckpt")
     assert result.returncode == 0, describe(result)
     assert "resumed_step=2 weights_identical=True losses_identical=True lr=0.0002" in result.stdout, describe(result)
@@ -257,7 +257,7 @@ def test_a_lora_run_checkpoints_its_adapters_resumes_exactly_and_exports_for_pef
                                      ("lora-float8", {"kind": "lora", "r": 2, "alpha": 4}, float8)):
         config = tmp_path / f"{name}.yaml"
         config.write_text(yaml.safe_dump({"precision": precision, "adapter": adapter}))
-        result = torchrun(ROOT / "tests" / "distributed" / "scripts" / "checkpoint_roundtrip.py", config,
+        result = in_world(ROOT / "tests" / "distributed" / "scripts" / "checkpoint_roundtrip.py", config,
                           tmp_path / name, "small-llama")
         assert result.returncode == 0, describe(result)
         assert "resumed_step=2 weights_identical=True losses_identical=True" in result.stdout, describe(result)

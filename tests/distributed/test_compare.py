@@ -5,13 +5,15 @@ import json
 import pytest
 
 from tests.conftest import ROOT, run_cli
+from tests.distributed.launch import cli_in_world
 
 pytestmark = pytest.mark.distributed
 CONFIGS = ROOT / "configs"
 
 
 def compare(*args, timeout=600):
-    return run_cli("compare", *args, timeout=timeout)
+    """`fp8dist compare ARGS`, its 2-rank job in the kept world (the launcher's own timeout: a real launch below)."""
+    return cli_in_world("compare", *args, timeout=timeout)
 
 
 def _model_dir_with_tokenizer(path, text):
@@ -93,7 +95,8 @@ def test_configs_with_other_batches_are_refused(tmp_path):
 
 
 def test_compare_is_bounded_in_time():
-    result = compare("--config", CONFIGS / "fsdp2-bf16.yaml", "--baseline", CONFIGS / "fp32.yaml", "--timeout", "1")
+    result = run_cli("compare", "--config", CONFIGS / "fsdp2-bf16.yaml", "--baseline", CONFIGS / "fp32.yaml",
+                     "--timeout", "1")
     assert result.returncode == 2 and "did not finish within 1 s" in result.stderr and "Traceback" not in result.stderr
 
 

@@ -7,7 +7,7 @@ from fp8dist.config.load import load_config
 from fp8dist.estimate.memory import estimate
 from fp8dist.runtime.ranks import results
 from tests.conftest import ROOT
-from tests.distributed.launch import describe, torchrun
+from tests.distributed.launch import describe, in_world
 
 pytestmark = pytest.mark.distributed
 CPU_CONFIGS = ["fp32", "fp16-amp", "fsdp2-bf16-pure", "fsdp2-bf16", "fsdp2-torchao-float8", "fsdp2-torchao-rowwise",
@@ -20,7 +20,7 @@ WORLD = 2
 @pytest.fixture(scope="module")
 def measured():
     script = ROOT / "tests" / "distributed" / "scripts" / "estimate_vs_audit.py"
-    result = torchrun(script, ",".join(CPU_CONFIGS), ",".join(MODELS), timeout=900)
+    result = in_world(script, ",".join(CPU_CONFIGS), ",".join(MODELS), timeout=900)
     assert result.returncode == 0, describe(result)
     return {tuple(name.split("/")): payload for name, payload in results(result.stdout, "case")}
 

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from tests.distributed.launch import _env, describe, torchrun
+from tests.distributed.launch import _env, describe, in_world
 from tests.distributed.test_watch import parse
 
 pytestmark = pytest.mark.distributed
@@ -71,7 +71,7 @@ def through_kwargs(tmp_path_factory):
     for name, text in {**VARIANTS, **DDP}.items():
         (root / f"{name}.yaml").write_text(text)
         paths.append(root / f"{name}.yaml")
-    result = torchrun(SCRIPT, "kwargs", *paths, timeout=900)
+    result = in_world(SCRIPT, "kwargs", *paths, timeout=900)
     assert result.returncode == 0, describe(result)
     found = parse(result)
     errors = {name: case["traceback"] for name, case in found.items() if "error" in case}

@@ -4,18 +4,19 @@ import math
 import pytest
 
 from tests.conftest import ROOT
-from tests.distributed.launch import TRAIN, describe, library_noise, losses, torchrun
+from tests.distributed.launch import TRAIN, describe, in_world, library_noise, losses, torchrun
 
 pytestmark = pytest.mark.distributed
 STEPS = 20
 
 
-def train(config, *sets):
-    """Per-step losses of a 2-rank run; its output free of the libraries' benign start-up messages."""
+def train(config, *sets, launch=in_world):
+    """Per-step losses of a 2-rank run (in the kept world; under torchrun with `launch=torchrun`, where the
+    libraries' start-up messages show); its output free of the libraries' benign messages."""
     args = ["--fp8dist-config", ROOT / "configs" / f"{config}.yaml", "--fp8dist-set", f"train.steps={STEPS}"]
     for item in sets:
         args += ["--fp8dist-set", item]
-    result = torchrun(TRAIN, *args)
+    result = launch(TRAIN, *args)
     assert result.returncode == 0, describe(result)
     values = losses(result.stdout)
     assert len(values) == STEPS and all(math.isfinite(v) for v in values), describe(result)
@@ -25,7 +26,7 @@ def train(config, *sets):
 
 @pytest.fixture(scope="module")
 def bf16_losses():
-    return train("fsdp2-bf16")
+    return train("fsdp2-bf16", launch=torchrun)
 
 
 def test_bf16_mixed_precision_learns(bf16_losses):
@@ -51,7 +52,7 @@ def test_float8_tracks_bf16(config, bf16_losses):
 
 
 def test_fp8_without_hardware_or_emulate_is_refused():
-    result = torchrun(TRAIN, "--fp8dist-config", ROOT / "configs" / "fsdp2-torchao-float8.yaml",
+    result = in_world(TRAIN, "--fp8dist-config", ROOT / "configs" / "fsdp2-torchao-float8.yaml",
                       "--fp8dist-set", "precision.fp8.torchao.emulate=false")
     assert result.returncode != 0
     assert "refusing FP8" in result.stderr and "emulate=true" in result.stderr

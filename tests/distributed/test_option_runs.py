@@ -5,7 +5,7 @@ import pytest
 
 from fp8dist.runtime.ranks import results
 from tests.conftest import ROOT
-from tests.distributed.launch import describe, torchrun
+from tests.distributed.launch import describe, in_world
 from tests.option_matrix import RUNS
 
 pytestmark = pytest.mark.distributed
@@ -14,7 +14,7 @@ SCRIPT = ROOT / "tests" / "distributed" / "scripts" / "option_runs.py"
 
 @pytest.fixture(scope="module")
 def reports():
-    result = torchrun(SCRIPT, timeout=1200)
+    result = in_world(SCRIPT, timeout=1200)
     found: dict[str, dict] = {}
     for case_id, facts in results(result.stdout, "case"):
         if facts.pop("rank") == 0 or "error" in facts:

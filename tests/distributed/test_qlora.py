@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, run_cli
-from tests.distributed.launch import cases, describe, torchrun
+from tests.distributed.launch import cases, cli_in_world, describe, in_world
 
 pytestmark = pytest.mark.distributed
 MODEL = "tests.tp_models:unseen_qwen2_qlora"
@@ -19,14 +19,14 @@ TRAIN = ROOT / "launch" / "train.py"
 def test_qlora_tracks_the_bf16_base_and_its_audit_reads_the_nf4_bytes(tmp_path):
     bf16_base = tmp_path / "lora-bf16.yaml"
     bf16_base.write_text(QLORA.read_text().replace("  base_dtype: nf4\n", ""))
-    result = run_cli("compare", "--config", QLORA, "--baseline", bf16_base, "--model", MODEL, "--steps", "8",
+    result = cli_in_world("compare", "--config", QLORA, "--baseline", bf16_base, "--model", MODEL, "--steps", "8",
                      "--nproc", "2", "--format", "json", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     losses = json.loads(result.stdout)["losses"]
     gaps = [abs(a - b) for a, b in zip(losses["config"], losses["baseline"])]
     assert 0 < max(gaps) < 0.05, losses  # NF4's rounding, and no more
     assert min(losses["config"][-3:]) < losses["config"][0]  # it trains
-    audit = run_cli("audit", MODEL, "--config", QLORA, "--nproc", "2", "--format", "json", timeout=600)
+    audit = cli_in_world("audit", MODEL, "--config", QLORA, "--nproc", "2", "--format", "json", timeout=600)
     assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
     report = json.loads(audit.stdout)
     rows = {check["phase"]: check for check in report["checks"]}
@@ -42,7 +42,7 @@ def test_qlora_on_one_rank_keeps_the_nf4_weights_out_of_fsdp2():
     """One rank is QLoRA's most common run. torch 2.13's FSDP2 skips the all-gather on a shard group of one and
     hands NF4Tensor's post-all-gather hook one tensor of its three (pytorch/pytorch#197999, open): the NF4 weights
     stay outside FSDP2 there, and the run trains and audits as on two ranks."""
-    audit = run_cli("audit", MODEL, "--config", QLORA, "--nproc", "1", "--format", "json", timeout=600)
+    audit = cli_in_world("audit", MODEL, "--config", QLORA, "--nproc", "1", "--format", "json", timeout=600)
     assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
     report = json.loads(audit.stdout)
     rows = {check["phase"]: check for check in report["checks"]}
@@ -60,16 +60,16 @@ def test_qlora_resumes_bitwise_and_merges_into_the_base_it_computed_with(tmp_pat
     unseen_qwen2_qlora()["model"].to(torch.bfloat16).save_pretrained(model)
     checkpoints = tmp_path / "ckpt"
     common = ["--model", model, "--fp8dist-config", QLORA, "--checkpoint-dir", checkpoints]
-    straight = torchrun(TRAIN, "--model", model, "--fp8dist-config", QLORA, "--steps", "6", timeout=600)
-    first = torchrun(TRAIN, *common, "--steps", "3", timeout=600)
-    resumed = torchrun(TRAIN, *common, "--steps", "6", "--resume", timeout=600)
+    straight = in_world(TRAIN, "--model", model, "--fp8dist-config", QLORA, "--steps", "6", timeout=600)
+    first = in_world(TRAIN, *common, "--steps", "3", timeout=600)
+    resumed = in_world(TRAIN, *common, "--steps", "6", "--resume", timeout=600)
     for done in (straight, first, resumed):
         assert done.returncode == 0, describe(done)
     assert "14 frozen Linears in NF4; kept in their dtype: lm_head (the output layer" in straight.stdout + straight.stderr
     final = [line for line in straight.stdout.splitlines() if line.startswith("final_loss=")]
     assert final and final[0].split()[0] in resumed.stdout  # the same final loss, to the last digit printed
     merged = tmp_path / "merged"
-    export = run_cli("export", checkpoints, merged, "--merge", "--dtype", "fp32", timeout=300)
+    export = cli_in_world("export", checkpoints, merged, "--merge", "--dtype", "fp32", timeout=300)
     assert export.returncode == 0, export.stderr[-3000:]
     adapter = tmp_path / "adapter"
     assert run_cli("export", checkpoints, adapter, timeout=300).returncode == 0

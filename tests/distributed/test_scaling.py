@@ -7,8 +7,8 @@ import json
 import pytest
 
 from fp8dist.runtime.ranks import results
-from tests.conftest import ROOT, run_cli
-from tests.distributed.launch import describe, losses, torchrun
+from tests.conftest import ROOT
+from tests.distributed.launch import cli_in_world, describe, in_world, losses
 
 pytestmark = pytest.mark.distributed
 SCRIPT = ROOT / "tests" / "distributed" / "scripts" / "scaling_runs.py"
@@ -33,7 +33,7 @@ def saved(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cases(saved):
-    result = torchrun(SCRIPT, saved / "tiny-llama", saved / "tied", nproc=4, timeout=900)
+    result = in_world(SCRIPT, saved / "tiny-llama", saved / "tied", nproc=4, timeout=900)
     assert result.returncode == 0, describe(result)
     found = {}
     for name, payload in results(result.stdout, "case"):
@@ -91,14 +91,14 @@ EXAMPLES = [  # config, ranks, needs a saved model directory
 @pytest.mark.parametrize("config,nproc,needs_dir", EXAMPLES, ids=[e[0] for e in EXAMPLES])
 def test_example_config_trains(saved, config, nproc, needs_dir):
     model = ["--model", saved / "tiny-llama"] if needs_dir else []
-    result = torchrun(TRAIN, *model, "--fp8dist-config", ROOT / "configs" / f"{config}.yaml", "--steps", "3",
+    result = in_world(TRAIN, *model, "--fp8dist-config", ROOT / "configs" / f"{config}.yaml", "--steps", "3",
                       nproc=nproc, timeout=600)
     assert result.returncode == 0, describe(result)
     assert len(losses(result.stdout)) == 3 and "PASS: every phase" in result.stdout, describe(result)
 
 
 def test_a_shard_size_that_does_not_divide_the_ranks_stops_before_loading():
-    result = torchrun(TRAIN, "--fp8dist-config", ROOT / "configs" / "fsdp2-hybrid.yaml",
+    result = in_world(TRAIN, "--fp8dist-config", ROOT / "configs" / "fsdp2-hybrid.yaml",
                       "--fp8dist-set", "parallel.shard_size=3", nproc=2, timeout=300)
     assert result.returncode != 0
     assert "train.py: parallel.shard_size=3 does not divide the 2 ranks" in result.stderr, describe(result)
@@ -106,9 +106,9 @@ def test_a_shard_size_that_does_not_divide_the_ranks_stops_before_loading():
 
 
 def test_efficient_loading_needs_a_model_directory():
-    result = run_cli("audit", "tiny-llama", "--config", ROOT / "configs" / "fsdp2-float8-efficient.yaml", timeout=120)
+    result = cli_in_world("audit", "tiny-llama", "--config", ROOT / "configs" / "fsdp2-float8-efficient.yaml", timeout=120)
     assert result.returncode == 2 and "reads a local Hugging Face model directory" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
-    bad = run_cli("audit", "tiny-llama", "--config", ROOT / "configs" / "fsdp2-hybrid.yaml", "--nproc", "3",
-                  timeout=120)
+    bad = cli_in_world("audit", "tiny-llama", "--config", ROOT / "configs" / "fsdp2-hybrid.yaml", "--nproc", "3",
+                       timeout=120)
     assert bad.returncode == 2 and "does not divide the 3 ranks" in bad.stderr, bad.stderr

@@ -7,7 +7,7 @@ import pytest
 
 from fp8dist.runtime.ranks import results
 from tests.conftest import ROOT
-from tests.distributed.launch import _env, describe, torchrun
+from tests.distributed.launch import _env, describe, in_world
 
 pytestmark = pytest.mark.distributed
 SCRIPTS = ROOT / "tests" / "distributed" / "scripts"
@@ -19,7 +19,7 @@ def parse(result) -> dict:
 
 @pytest.fixture(scope="module")
 def cases():
-    result = torchrun(SCRIPTS / "watch_runs.py", timeout=600)
+    result = in_world(SCRIPTS / "watch_runs.py", timeout=600)
     assert result.returncode == 0, describe(result)
     found = parse(result)
     errors = {name: case["traceback"] for name, case in found.items() if "error" in case}
@@ -116,7 +116,7 @@ def test_accelerate_on_cpu_falls_back_to_ddp_in_bf16_and_the_audit_says_so(tmp_p
 
 
 def test_hf_trainer_with_deepspeed_and_the_audit_callback_passes():
-    result = torchrun(SCRIPTS / "watch_frontends.py", "trainer-deepspeed", timeout=400)
+    result = in_world(SCRIPTS / "watch_frontends.py", "trainer-deepspeed", timeout=400)
     assert result.returncode == 0, describe(result)
     case = parse(result)["trainer-deepspeed"]
     assert case["passed"] is True and case["observed"]["engine"] == "deepspeed", case
@@ -126,7 +126,7 @@ def test_hf_trainer_with_deepspeed_and_the_audit_callback_passes():
 def test_hf_trainer_with_a_peft_lora_model_on_zero3_passes_with_the_frozen_base_kept_small():
     """The Trainer recipe of training_arguments_kwargs' docstring for `adapter.kind=lora`: the script wraps the model
     with PEFT (fp8dist's lora_config), the callback recognises the frozen base: bf16, no state, only adapters stepped."""
-    result = torchrun(SCRIPTS / "watch_frontends.py", "trainer-deepspeed-lora", timeout=400)
+    result = in_world(SCRIPTS / "watch_frontends.py", "trainer-deepspeed-lora", timeout=400)
     assert result.returncode == 0, describe(result)
     case = parse(result)["trainer-deepspeed-lora"]
     assert case["passed"] is True and case["observed"]["engine"] == "deepspeed", case
