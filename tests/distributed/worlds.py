@@ -33,7 +33,7 @@ from tests.conftest import ROOT
 
 # How long the peers of a rank whose job failed get to report before the world is ended (they may wait for the
 # failed rank in a collective until gloo's own timeout).
-PEER_GRACE_S = 20
+PEER_GRACE_S = 10
 
 
 class CaseFailed(AssertionError):
