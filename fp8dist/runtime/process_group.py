@@ -44,6 +44,10 @@ def init(timeout_s: float | None = None, *, deepspeed: bool = False) -> None:
     if deepspeed:
         import deepspeed as ds
 
+        from fp8dist.engines.deepspeed.jit_ops import SHM_COMM, say_builds
+
+        if not cuda:  # DeepSpeed's CPU collectives are a C++ op it builds on first use
+            say_builds((SHM_COMM,))
         ds.init_distributed(**({"timeout": timeout} if timeout else {}))
         return
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)  # None: torch's default for the backend

@@ -9,15 +9,21 @@ a function called by name. What the job writes on file descriptors 1 and 2 (C-le
 files the parent reads back, as it reads a launched process's stdout and stderr. `fp8dist.runtime.process_group
 .leave` ends the job instead of the process; the job's process group is torn down at its end, so each job starts
 without one, as a launched job does. The rank says when a job left state behind that the next job must not
-inherit (a failed or non-zero job, `torch.nn.functional.linear` patched by DeepSpeed ZeRO-3, DeepSpeed's
-communication backend or its AutoTP / MoE groups set up): the parent then starts a fresh world.
+inherit (a failed or non-zero job): the parent then starts a fresh world. What a job changes that a fresh process
+would not have and that can be put back is put back after it: the process group (torn down), the environment,
+the working directory, sys.path, the default dtype, compiled code, Accelerate's state, what was said once per
+process (warnings, fp8dist's notes), DeepSpeed's communication backend and groups, and the
+`torch.nn.functional.linear` that DeepSpeed ZeRO-3 replaces.
 """
 from __future__ import annotations
 
+import copy
+import importlib
 import os
 import runpy
 import sys
 import traceback
+import warnings
 from multiprocessing.connection import Client
 
 
@@ -88,25 +94,60 @@ def _run(job: dict) -> int:
     return 0
 
 
-def _left_state(linear_before) -> list[str]:
-    """What this job changed in the process that a fresh process would not have."""
+# DeepSpeed keeps its communication backend and its process groups (data, expert, AutoTP) in module globals,
+# None or empty at import (deepspeed 0.19 comm/comm.py `cdb`, utils/groups.py): put back after each job, so that
+# the next job's deepspeed.init_distributed starts them again on its own process group.
+DEEPSPEED_STATE_MODULES = ("deepspeed.comm.comm", "deepspeed.utils.groups")
+
+
+def _state_at_import(module_name: str) -> dict:
+    module = importlib.import_module(module_name)
+    return {name: value for name, value in vars(module).items()
+            if not name.startswith("__") and (value is None or (type(value) in (dict, list, set) and not value))}
+
+
+def _put_back(states: dict[str, dict]) -> None:
+    for module_name, state in states.items():
+        module = sys.modules[module_name]
+        for name, value in state.items():
+            setattr(module, name, copy.copy(value))
+
+
+def _put_back_linear(linear) -> None:
+    """DeepSpeed ZeRO-3 replaces torch.nn.functional.linear for the rest of the process (deepspeed 0.19
+    runtime/zero/partition_parameters.py: zero3_linear_wrap, installed when its engine starts, never removed)."""
     import torch
 
-    changed = []
-    if torch.nn.functional.linear is not linear_before:
-        changed.append("torch.nn.functional.linear is patched (DeepSpeed ZeRO-3)")
-    comm = sys.modules.get("deepspeed.comm.comm")
-    if comm is not None and getattr(comm, "cdb", None) is not None:
-        changed.append("DeepSpeed's communication backend is set up (deepspeed.comm.cdb)")
-    return changed
+    torch.nn.functional.linear = linear
 
 
-def _reset_after_job(environ: dict, cwd: str, path: list[str], default_dtype) -> None:
+# What a process says once (a fresh rank process has said nothing yet): forgotten after each job, so that the next
+# job says it again as its own launch would.
+SAID_ONCE_PER_PROCESS = (("fp8dist.engines.advice", "_SAID"), ("fp8dist.engines.deepspeed.jit_ops", "_said"))
+
+
+def _forget_what_was_said(warning_filters: list) -> None:
+    """Python shows a warning once per place per process (each module's __warningregistry__); a job may also add
+    filters. Both back to the process's start."""
+    warnings.filters[:] = warning_filters
+    warnings._filters_mutated()  # type: ignore[attr-defined] - drops the registries' cached "already shown" marks
+    for module in list(sys.modules.values()):
+        registry = getattr(module, "__warningregistry__", None)
+        if isinstance(registry, dict):
+            registry.clear()
+    for module_name, attribute in SAID_ONCE_PER_PROCESS:
+        said = getattr(sys.modules.get(module_name), attribute, None)
+        if said is not None:
+            said.clear()
+
+
+def _reset_after_job(environ: dict, cwd: str, path: list[str], default_dtype, warning_filters: list) -> None:
     import torch
 
     from fp8dist.runtime import process_group
 
     process_group.tear_down()
+    _forget_what_was_said(warning_filters)
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:
         dynamo.reset()  # compiled code and recompile counts of one job must not decide the next job's
@@ -128,6 +169,8 @@ def main(address: str) -> None:
 
     linear = torch.nn.functional.linear
     environ, cwd, path, default_dtype = dict(os.environ), os.getcwd(), list(sys.path), torch.get_default_dtype()
+    warning_filters = list(warnings.filters)
+    deepspeed_state = {name: _state_at_import(name) for name in DEEPSPEED_STATE_MODULES}
     connection.send({"rank": int(os.environ["RANK"]), "pid": os.getpid()})
     while True:
         try:
@@ -146,9 +189,11 @@ def main(address: str) -> None:
             print(error, file=sys.stderr)
         finally:
             _restore(saved)
-        left = _left_state(linear) if code == 0 else [f"the job exited {code}"]
+        left = [] if code == 0 else [f"the job exited {code}"]
         try:
-            _reset_after_job(environ, cwd, path, default_dtype)
+            _reset_after_job(environ, cwd, path, default_dtype, warning_filters)
+            _put_back(deepspeed_state)
+            _put_back_linear(linear)
         except Exception as exc:  # noqa: BLE001 - a group that cannot be torn down: this world is done
             left.append(f"the process group could not be torn down ({type(exc).__name__}: {exc})")
         result = job.get("result") if code == 0 and error is None else None

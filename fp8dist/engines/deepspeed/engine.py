@@ -23,6 +23,7 @@ from fp8dist.engines.base import Engine, FirstStepAudit, forward_loss, training_
 from fp8dist.engines.blocks import wrap_units
 from fp8dist.engines.deepspeed.checkpointing import Checkpointing
 from fp8dist.engines.deepspeed.inspector import DeepSpeedInspector
+from fp8dist.engines.deepspeed.jit_ops import CPU_ADAM, SHM_COMM, say_builds
 from fp8dist.engines.optim import (build_optimizer, offloads_optimizer, rebind_optimizer, rebind_parameters,
                                    trainable_parameters)
 from fp8dist.errors import Fp8distError, UnsupportedEnvironment
@@ -153,8 +154,11 @@ def train_step(engine, batches: list[dict]) -> float:
 def check_environment(spec: Spec, config: dict) -> None:
     """What DeepSpeed itself would reject here, said before any process group or model work:
     a 16-bit mode the accelerator lacks, nvme offload without the async_io op, AutoEP with a transformers it
-    cannot run with."""
+    cannot run with, a C++ op it must build whose build lock a stopped build left (the builds it will make are
+    said: jit_ops.py)."""
     accelerator = _accelerator()
+    if accelerator.device_name() == "cpu":  # its collectives: a C++ op built when deepspeed.initialize starts them
+        say_builds((SHM_COMM,))
     if config.get("expert_parallel", {}).get("enabled"):
         clash = autoep_registry_clash()
         if clash:
@@ -176,6 +180,7 @@ def check_environment(spec: Spec, config: dict) -> None:
                                          f"be built on the {accelerator.device_name()} accelerator here",
                                          "install a C++ compiler and the Python headers (the op is JIT-built), "
                                          "or set deepspeed.offload_optimizer=none")
+        say_builds((CPU_ADAM,))
     if "nvme" in (spec.deepspeed.offload_optimizer, spec.deepspeed.offload_param):
         from deepspeed.ops.op_builder import AsyncIOBuilder
 

@@ -36,18 +36,21 @@ def sleep(seconds: float) -> None:
     time.sleep(seconds)
 
 
-def patch_linear() -> int:
-    """Leave a patched torch.nn.functional.linear behind, as DeepSpeed ZeRO-3 does."""
+def patch_linear() -> dict:
+    """Leave a patched torch.nn.functional.linear behind, as DeepSpeed ZeRO-3 does; whether the job found torch's."""
     import torch
 
     original = torch.nn.functional.linear
     torch.nn.functional.linear = lambda *args, **kwargs: original(*args, **kwargs)
-    return os.getpid()
+    return {"pid": os.getpid(), "found_torchs": original is torch._C._nn.linear}
 
 
-if __name__ == "__main__":  # as a script: exit with the code given, after a line on each stream
+if __name__ == "__main__":  # as a script: exit with the code given, after a line on each stream and a warning
+    import warnings
+
     print(f"argv {sys.argv[1:]}")
     print("to stderr", file=sys.stderr)
+    warnings.warn("shown once per place per process")
     from fp8dist.runtime.process_group import leave
 
     leave(int(sys.argv[1]))
