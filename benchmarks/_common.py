@@ -1,4 +1,5 @@
-"""Shared by the benchmark scripts: relaunch under torchrun, medians, and the `result` lines run.py reads.
+"""Shared by the benchmark scripts: launches (ranks under torchrun, the fp8dist CLI), medians, and the `result`
+lines run.py reads.
 
 Each script prints human-readable lines, then one result line per measured quantity (fp8dist.runtime.ranks: the
 one protocol of what a process hands back, `fp8dist-result result <name> {"value": v, "goal": g, "label": l}`),
@@ -34,10 +35,27 @@ def cpu_env() -> dict[str, str]:
             "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
 
 
+def torchrun(script: str, args: list[str], nproc: int = 2, env: dict[str, str] | None = None,
+             stream: bool = False) -> subprocess.CompletedProcess:
+    """`script args` on `nproc` ranks under torchrun (environment: `env`, else CPU/gloo `cpu_env`), its output
+    captured (or shown as it comes with `stream`). Every launch of ranks in the benchmarks goes through here, so
+    that tests/distributed/test_benchmarks_run.py can run the smokes' ranks in the test suite's kept worlds."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script,
+               *args]
+    if stream:
+        return subprocess.CompletedProcess(command, subprocess.call(command, env=env or cpu_env(), cwd=ROOT), "", "")
+    return subprocess.run(command, capture_output=True, text=True, env=env or cpu_env(), cwd=ROOT)
+
+
+def fp8dist_cli(*args: str) -> subprocess.CompletedProcess:
+    """`fp8dist ARGS` in a fresh interpreter, as a user runs it, its output captured."""
+    return subprocess.run([sys.executable, "-m", "fp8dist", *args], capture_output=True, text=True, env=cpu_env(),
+                          cwd=ROOT)
+
+
 def relaunch(script: str, nproc: int = 2, args: list[str] | None = None, env: dict[str, str] | None = None) -> int:
-    """Run `script` under torchrun (default environment: CPU/gloo, `cpu_env`)."""
-    return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                            str(nproc), script, *(args or [])], env=env or cpu_env())
+    """Run `script` under torchrun, its output shown as it comes; the exit code."""
+    return torchrun(script, args or [], nproc, env, stream=True).returncode
 
 
 def status_kib(field: str) -> int:
@@ -99,9 +117,8 @@ def launcher_losses(config: str, steps: int, model: str = "tiny-llama") -> list[
     """The per-step losses of `torchrun launch/train.py` (2 CPU ranks) for a config and model."""
     from fp8dist.runtime.loop import losses  # launch/train.py's step lines
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(ROOT / "launch" / "train.py"), "--fp8dist-config", config, "--model", model, "--steps", str(steps)]
-    done = subprocess.run(command, capture_output=True, text=True, env=cpu_env(), cwd=ROOT)
+    done = torchrun(str(ROOT / "launch" / "train.py"), ["--fp8dist-config", config, "--model", model, "--steps",
+                                                        str(steps)])
     values = losses(done.stdout)
     if done.returncode != 0 or len(values) != steps:
         raise SystemExit(f"{config}: exit {done.returncode}, {len(values)} losses\n{done.stderr[-3000:]}")
@@ -120,9 +137,7 @@ def measure_side(script: str, side: str, *args: str) -> dict:
     """One side of a side-by-side benchmark in its own 2-rank torchrun launch (`script --side SIDE *args`), so that
     each process's high-water mark is its own (and follows the bytes alive: FIXED_MMAP_THRESHOLD): the payload rank 0
     printed for it (fp8dist.runtime.ranks.emit)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script,
-               "--side", side, *args]
-    done = subprocess.run(command, capture_output=True, text=True, env={**cpu_env(), **FIXED_MMAP_THRESHOLD}, cwd=ROOT)
+    done = torchrun(script, ["--side", side, *args], env={**cpu_env(), **FIXED_MMAP_THRESHOLD})
     found = dict(results(done.stdout, "side"))
     if done.returncode != 0 or side not in found:
         raise SystemExit(f"{side}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")

@@ -19,7 +19,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import SMOKE_HELP, cpu_env, median, quiet_libraries, result, under_torchrun  # noqa: E402
+from _common import SMOKE_HELP, median, quiet_libraries, result, torchrun, under_torchrun  # noqa: E402
 from fp8dist.runtime import process_group  # noqa: E402
 from fp8dist.runtime.process_group import leave  # noqa: E402
 from fp8dist.runtime.ranks import emit, results  # noqa: E402
@@ -105,12 +105,8 @@ def main() -> int:
     if under_torchrun():
         worker(args.worker[0], repeats, args.worker[1])
         return 0
-    import subprocess
-
     with tempfile.TemporaryDirectory() as root:
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                              __file__, "--repeats", str(repeats), "--worker", args.size, root],
-                             capture_output=True, text=True, env=cpu_env())
+        out = torchrun(os.path.abspath(__file__), ["--repeats", str(repeats), "--worker", args.size, root])
     lines = results(out.stdout, "figures")
     if out.returncode != 0 or not lines:
         print(out.stdout[-3000:], out.stderr[-3000:], file=sys.stderr)

@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (ROOT, SMOKE_HELP, cpu_env, quiet_libraries, reset_peak_resident, result, status_kib,  # noqa: E402
+from _common import (ROOT, SMOKE_HELP, quiet_libraries, reset_peak_resident, result, status_kib, torchrun,  # noqa: E402
                      under_torchrun)
 from fp8dist.runtime import process_group  # noqa: E402
 from fp8dist.runtime.process_group import leave  # noqa: E402
@@ -88,9 +87,9 @@ def save_model(size: str, directory: str) -> int:
 def measure(model_dir: str, mode: str, nproc: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "peaks.json")
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                        os.path.abspath(__file__), "--worker", model_dir, mode, out], env=cpu_env(), check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        done = torchrun(os.path.abspath(__file__), ["--worker", model_dir, mode, out], nproc=nproc)
+        if done.returncode != 0:
+            raise SystemExit(f"{mode} on {nproc} ranks: exit {done.returncode}\n{done.stderr[-3000:]}")
         with open(out, encoding="utf-8") as handle:
             return json.load(handle)
 

@@ -21,20 +21,17 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ROOT, SMOKE_HELP, cpu_env, result  # noqa: E402
+from _common import ROOT, SMOKE_HELP, fp8dist_cli, result  # noqa: E402
 
 MODEL = "small-mixtral"
 MOE_CONFIG = str(ROOT / "configs" / "fsdp2-moe-mxfp8.yaml")
 
 
 def fp8_share(model: str, *overrides: str) -> float:
-    command = [sys.executable, "-m", "fp8dist", "audit", model, "--config", MOE_CONFIG, *overrides, "--nproc", "2",
-               "--format", "json"]
-    done = subprocess.run(command, capture_output=True, text=True, env=cpu_env(), cwd=ROOT)
+    done = fp8dist_cli("audit", model, "--config", MOE_CONFIG, *overrides, "--nproc", "2", "--format", "json")
     if done.returncode not in (0, 1):  # 1: the audit failed (expected with experts=none)
         raise SystemExit(f"audit {overrides}: exit {done.returncode}\n{done.stderr[-3000:]}")
     return json.loads(done.stdout)["gemm_flops"]["fp8_share"]
@@ -74,9 +71,8 @@ def main() -> None:
 
 
 def compare(config: str, baseline: str, model: str, steps: int, *flags: str) -> dict:
-    command = [sys.executable, "-m", "fp8dist", "compare", "--config", config, "--baseline", baseline, "--model",
-               model, "--steps", str(steps), "--nproc", "2", "--format", "json", "--tolerance", "1", *flags]
-    done = subprocess.run(command, capture_output=True, text=True, env=cpu_env(), cwd=ROOT)
+    done = fp8dist_cli("compare", "--config", config, "--baseline", baseline, "--model", model, "--steps", str(steps),
+                       "--nproc", "2", "--format", "json", "--tolerance", "1", *flags)
     if done.returncode != 0:
         raise SystemExit(f"compare {config} {flags}: exit {done.returncode}\n{done.stderr[-3000:]}")
     return json.loads(done.stdout)
