@@ -80,6 +80,8 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
+    if args.checkpoint_dir:  # a directory holding another run's checkpoints: refused now, not after training
+        checkpoint.check_run_directory(args.checkpoint_dir, args.resume)
     start = 0
     if args.resume:
         resumed = checkpoint.resume(target, args.checkpoint_dir, model_name=args.model)

@@ -1,5 +1,4 @@
-"""`fp8dist` command line: validate | translate | import | schema | presets | env | estimate | compare | audit | export |
-run.
+"""The `fp8dist` command line.
 
 This module parses the command line and dispatches to fp8dist.commands (one module per command); exit codes are
 fp8dist.errors.ExitCode: 0 ok; 1 the audit saw a dtype other than the config's (or could not measure a phase), or
@@ -28,6 +27,26 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's own exit code is 2 as well; keep its usage line
         self.print_usage(sys.stderr)
         self.exit(ExitCode.ERROR, f"{self.prog}: error: {message}\n")
+
+
+class _CommandParser(_Parser):
+    """A command's parser: words it does not take are refused by it, with its own usage line (argparse leaves them
+    to the top-level parser, which would print the usage of `fp8dist` itself)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.error(_unrecognized(self.prog, extra))
+        return namespace, extra
+
+
+def _unrecognized(prog: str, extra: list[str]) -> str:
+    """argparse's message, and for `fp8dist run` given its script without `--`, the line it meant."""
+    message = f"unrecognized arguments: {' '.join(extra)}"
+    if prog.endswith(" run") and not extra[0].startswith("-"):
+        message += (f"\n  fix: the script and its arguments follow `--`: fp8dist run CONFIG [KEY=VALUE ...] -- "
+                    f"{' '.join(extra)}")
+    return message
 
 
 def _validate(args):
@@ -86,13 +105,14 @@ def _audit(args):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fp8dist import __version__
-    from fp8dist.estimate.shapes import SHAPES
-    from fp8dist.runtime.models import BUILTIN, MODEL_FORMS
+    import fp8dist
+    from fp8dist.estimate.shapes import HUB_IDS, SHAPES
+    from fp8dist.facts.hardware import GPUS
+    from fp8dist.runtime.models import MODEL_FORMS, model_forms
 
-    parser = _Parser(prog="fp8dist", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version=f"fp8dist {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = _Parser(prog="fp8dist")
+    parser.add_argument("--version", action="version", version=f"fp8dist {fp8dist.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
 
     p = sub.add_parser("validate", help="check configs; print the resolved config")
     p.add_argument("config", nargs="+", help="YAML config(s); KEY=VALUE overrides may follow a single config")
@@ -147,11 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_env)
 
     p = sub.add_parser("estimate", help="per-rank memory of a run (model built on the meta device: no weights read)")
-    p.add_argument("model", help=f"built-in name ({', '.join(BUILTIN)}), "
-                   f"a shape ({', '.join(SHAPES)}), a local Hugging Face "
-                   "model directory, or a config.json; KEY=VALUE config overrides may follow")
+    p.add_argument("model", help=f"{model_forms(SHAPES)}; a shape's Hub id ({', '.join(HUB_IDS.values())}) is "
+                   "built from the shape, without the network; KEY=VALUE config overrides may follow")
     p.add_argument("--config", help="fp8dist config (default: the schema defaults)")
     p.add_argument("--world-size", type=int, default=1, help="ranks the run shards over (default 1)")
+    p.add_argument("--gpu", choices=list(GPUS), help="also predict the step on this GPU: time and tokens/s per GPU "
+                   "for the config and its bf16 twin, by part, and each Linear's FP8 speedup (docs/speed.md)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the world size spans, for --gpu (default 1): NVLink "
+                   "within a node, 400 Gb/s per GPU across")
     p.add_argument("--format", choices=["table", "json", "markdown"], default="table")
     p.set_defaults(func=_estimate)
 
@@ -162,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20, help="optimizer steps of each run (default 20)")
     p.add_argument("--data", help="local text or JSONL ({\"text\": ...} per line) file; default: synthetic batches")
     p.add_argument("--plot", help="write both loss curves and the gap to this PNG")
-    p.add_argument("--tolerance", type=float, default=0.05, help="largest relative loss gap that passes (default 0.05)")
+    p.add_argument("--tolerance", type=float, default=0.05, help="largest relative loss gap that passes, as a "
+                   "fraction of the baseline's loss between 0 and 1 (default 0.05: 5%%)")
     p.add_argument("--format", choices=["table", "json", "markdown"], default="table")
     p.add_argument("--nproc", type=int, default=1, help="processes per run (default 1)")
     p.add_argument("--timeout", type=float, default=AUDIT_TIMEOUT_S, help=f"seconds before the runs are stopped "
@@ -215,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_run, script=[])
     for name in TAKES_OVERRIDES:
         sub.choices[name].epilog = OVERRIDES_HELP
+    parser.description = (f"{fp8dist.__doc__.splitlines()[0]} Commands: {', '.join(sub.choices)}; `fp8dist COMMAND "
+                          "--help` says what each takes.")
     return parser
 
 

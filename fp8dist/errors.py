@@ -4,7 +4,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 
 class ExitCode(IntEnum):
@@ -68,10 +68,13 @@ class ConfigError(Fp8distError):
 
 
 class UnsupportedEnvironment(Fp8distError):
-    """The config is valid but cannot run here (missing package, wrong version, no FP8 hardware)."""
+    """The config is valid but cannot run here (missing package, wrong version, no FP8 hardware). `fix_settings`:
+    config keys the fix sets (`precision.fp8.torchao.emulate: True`), where one fix is a setting; the preflight then
+    says at once what the config would be refused for with it."""
 
-    def __init__(self, message: str, fix: str | None = None):
+    def __init__(self, message: str, fix: str | None = None, fix_settings: Mapping[str, Any] | None = None):
         self.fix = fix
+        self.fix_settings = dict(fix_settings or {})
         super().__init__(message + (f"\n  fix: {fix}" if fix else ""))
 
 
@@ -111,7 +114,12 @@ class Checks:
             self.errors.append(exc)
 
     def raise_found(self) -> None:
-        if len(self.errors) == 1:
-            raise self.errors[0]
-        if self.errors:
-            raise Problems(self.errors)
+        """An error said twice (two configs refused for the same reason) is said once."""
+        said: dict[str, Fp8distError] = {}
+        for error in self.errors:
+            said.setdefault(str(error), error)
+        errors = list(said.values())
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise Problems(errors)

@@ -1,8 +1,9 @@
 """Start-up messages of the libraries fp8dist drives that are known to be benign, filtered in this one place.
 
-Each entry names the logger, what the message says, where it comes from upstream, and why it says nothing about
-the user's run. A record is dropped only when its logger, its text and the stated condition all match: a message
-about the run itself (a dtype, a fallback, a failed kernel the run needs) always gets through.
+Each entry names the logger (or, for a Python warning, its category and module), what the message says, where it
+comes from upstream, and why it says nothing about the user's run. A record is dropped only when its logger, its
+text and the stated condition all match: a message about the run itself (a dtype, a fallback, a failed kernel the
+run needs) always gets through.
 
 `install()` attaches the filters to the named loggers without importing any of those libraries (logging keeps the
 logger objects, and a library that later adds its handlers keeps the filters), so it runs on `import fp8dist`,
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -81,6 +83,31 @@ BENIGN = (
 )
 
 
+@dataclass(frozen=True)
+class BenignWarning:
+    """A Python warning (warnings.warn) known to be benign: ignored by a warnings filter on its category, the module
+    that warns and the start of its text."""
+    category: type[Warning]
+    module: str  # the module that calls warnings.warn (a regular expression, as warnings.filterwarnings takes it)
+    message: str  # a regular expression matched at the start of the text
+    source: str
+    why: str
+
+
+BENIGN_WARNINGS = (
+    BenignWarning(
+        category=FutureWarning,
+        module=r"transformers\.modeling_utils",
+        message=r"`is_gradient_checkpointing` is deprecated",
+        source="transformers 5.25 modeling_utils.py PreTrainedModel.is_gradient_checkpointing (a deprecated property "
+               "that warns when read), read by peft 0.21 peft_model.py PeftModel.__init__ (getattr(model, "
+               "'is_gradient_checkpointing', True)) as fp8dist applies the LoRA adapters, once per rank",
+        why="PEFT's read of the deprecated name, not the user's: the property returns is_activation_checkpointing, "
+            "unchanged, and the run's checkpointing is fp8dist's parallel.activation_checkpointing. A user's own "
+            "read of the name loses the deprecation notice too."),
+)
+
+
 class _BenignFilter(logging.Filter):
     def __init__(self, messages: tuple[BenignMessage, ...]):
         super().__init__()
@@ -91,8 +118,11 @@ class _BenignFilter(logging.Filter):
 
 
 def install() -> None:
-    """Attach one filter per logger named in BENIGN (idempotent)."""
+    """Attach one filter per logger named in BENIGN, and a warnings filter per BENIGN_WARNINGS entry (idempotent:
+    warnings.filterwarnings replaces an equal filter)."""
     for name in {message.logger for message in BENIGN}:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _BenignFilter) for f in logger.filters):
             logger.addFilter(_BenignFilter(tuple(m for m in BENIGN if m.logger == name)))
+    for warning in BENIGN_WARNINGS:
+        warnings.filterwarnings("ignore", message=warning.message, category=warning.category, module=warning.module)

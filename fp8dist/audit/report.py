@@ -44,6 +44,7 @@ def build(spec: Spec, model: str, observed: dict[str, Any], nproc: int,
             "gemm_flops": observed.get("_gemm_flops"), "fp8_emulated": bool(observed.get("_fp8_emulated")),
             "communication_bytes": observed.get("_comm"),
             "communication_bytes_by_axis": observed.get("_comm_axes"), "outside_scope": outside,
+            "kernel_matmuls": observed.get("_kernel_matmuls"),
             **({"numerics": observed["_numerics"]} if "_numerics" in observed else {})}
 
 
@@ -99,6 +100,12 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"FP8 modules: {len(converted)} of {len(result['fp8_modules'])} converted; kept: " +
                      ("; ".join([f"{m['fqn']} ({m['reason']})" for m in kept if m not in adapters]
                                 + ([f"{len(adapters)} Linears: {ADAPTER_REASON}"] if adapters else [])) or "none"))
+    kernels = result.get("kernel_matmuls")
+    if kernels:  # info: a library kernel computed in its own precision, left out of the training row
+        lines.append(f"  - {kernels['kernel']}: {sum(kernels['matmuls'].values())} matmuls in "
+                     f"{'+'.join(sorted(kernels['matmuls']))} inside {kernels['calls']} calls given "
+                     f"{'+'.join(sorted(kernels['inputs']))} inputs, not counted in the training row: "
+                     f"{kernels['reason']}")
     lines += numerics_lines(result.get("numerics"))
     for phase, why in result.get("outside_scope", {}).items():
         lines.append(f"  - {phase}: not part of this audit ({why})")

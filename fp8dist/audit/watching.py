@@ -227,6 +227,12 @@ class Watch:
         matmuls = cast(probes.MatmulRecorder, self.matmuls)  # __enter__ made it; _release drops it after this
         fp8, other = matmuls.split()
         compute, detail = probes.compute_dtype(other)
+        kernels = matmuls.kernels()
+        if kernels is not None:  # a library kernel's own precision: said, not judged (not the run's GEMMs)
+            out["_kernel_matmuls"] = kernels
+            detail += (f"; not counted: {sum(kernels['matmuls'].values())} matmuls inside {kernels['calls']} "
+                       f"{kernels['kernel']} calls ({kernels['matmuls']}, from {kernels['inputs']} inputs): "
+                       f"{kernels['reason']}")
         out["training"] = _obs(compute, f"non-FP8 matmul operands: {detail}", measured=bool(other or fp8))
         notes = "".join(f"; {note}" for note in matmuls.notes)
         emulated = sum(matmuls.emulated.values())

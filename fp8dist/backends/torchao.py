@@ -54,7 +54,8 @@ class TorchaoFloat8(PrecisionBackend):
         if not ok:
             raise UnsupportedEnvironment(f"refusing FP8: {reason}",
                                          "run on an H100/H200 (SM 9.0) or Ada (SM 8.9) GPU, or set "
-                                         "precision.fp8.torchao.emulate=true to emulate float8 (tests only, slow)")
+                                         "precision.fp8.torchao.emulate=true to emulate float8 (tests only, slow)",
+                                         fix_settings={"precision.fp8.torchao.emulate": True})
 
     @staticmethod
     def _check_prototype_api(key: str) -> None:

@@ -27,7 +27,7 @@ def check_before_launch(spec, model: str, nproc: int) -> None:
     """Everything that can fail without launching, every refusal at once (Problems): the model name, the backend,
     the engine's own refusals, the ranks a hybrid shard group needs, the sizes a tensor-parallel mesh splits."""
     checks = Checks()
-    for check in (lambda: check_efficient_loading(model, spec), lambda: check_mesh_fits(spec, model, nproc),
+    for check in (lambda: check_efficient_loading(model, spec), lambda: check_mesh_fits(spec, model, nproc, "--nproc"),
                   lambda: preflight(spec)):
         with checks.one():
             check()

@@ -1,7 +1,8 @@
 """`fp8dist compare --config X --baseline Y --model M --steps N`: the loss curves of two configs from the same
 initial weights on the same batches, the largest relative gap, a verdict against a tolerance, and a plot.
 
-The parent checks both configs, the model and the data before launching; the worker (one torchrun job,
+The parent checks both configs, the model, the ranks and the data before launching, and says every refusal at once
+(fp8dist/runtime/comparison.py check_before_launch); the worker (one torchrun job,
 `python -m fp8dist.runtime.comparison`) trains the baseline and then the config in the same processes, printing
 progress lines the parent shows as they come.
 
@@ -18,47 +19,38 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from typing import Any
 
 from fp8dist.config.load import load_config
-from fp8dist.errors import ExitCode, Fp8distError
+from fp8dist.errors import Checks, ExitCode, Fp8distError
 
-
-# --- the parent ---------------------------------------------------------------------------------
 
 def run_compare(args) -> int:
-    from fp8dist.runtime.preflight import preflight
-    from fp8dist.runtime.models import check_model_name
+    from fp8dist.commands.compare_plot import check_writable
+    from fp8dist.runtime.comparison import check_before_launch
 
     if args.steps < 1 or args.nproc < 1:
         raise Fp8distError("--steps and --nproc must be at least 1")
-    if not args.tolerance > 0:
-        raise Fp8distError(f"--tolerance must be a positive relative gap, got {args.tolerance:g}")
+    if not 0 < args.tolerance <= 1:
+        raise Fp8distError(f"--tolerance {args.tolerance:g}: the largest relative loss gap that passes, as a fraction "
+                           f"of the baseline's loss ({args.tolerance:.0%} here)\n  fix: --tolerance 0.05 for 5% "
+                           "(a value between 0 and 1)")
     if not args.timeout > 0:
         raise Fp8distError(f"--timeout must be positive seconds, got {args.timeout:g}")
-    specs = {"baseline": load_config(args.baseline, overrides=args.overrides),
-             "config": load_config(args.config, overrides=args.overrides)}
-    check_same_batches(specs["baseline"], specs["config"])
-    check_engine_order(specs["baseline"], specs["config"])
-    check_model_name(args.model)
-    from fp8dist.runtime.layer_probes import parse_steps
-
-    layer_steps = parse_steps(args.layer_steps, args.steps) if args.layer_steps else ()
-    check_probes(specs, layer_steps, args.fixed_routing)
-    if args.fixed_routing:
-        check_has_experts(args.model)
-    for spec in specs.values():
-        preflight(spec)
-    if args.data:
-        from pathlib import Path
-
-        from fp8dist.runtime.data import read_texts
-
-        read_texts(Path(args.data))  # binary, empty or unreadable: exit 2 here, not in the ranks
+    checks, specs = Checks(), {}
+    layer_steps: tuple[int, ...] = ()
+    for role, path in (("baseline", args.baseline), ("config", args.config)):
+        with checks.one():
+            specs[role] = load_config(path, overrides=args.overrides)
     if args.plot:
-        _check_writable(args.plot)
+        with checks.one():
+            check_writable(args.plot)
+    if len(specs) == 2:  # both configs read: what they are refused for here, with the rest
+        with checks.one():
+            layer_steps = check_before_launch(specs, args.model, args.nproc, layer_steps=args.layer_steps,
+                                              steps=args.steps, fixed_routing=args.fixed_routing, data=args.data)
+    checks.raise_found()
     losses = _launch(args, layer_steps)
     layers = losses.pop("layers", None)
     result = verdict(losses, args.tolerance, args)
@@ -73,87 +65,6 @@ def run_compare(args) -> int:
     render = {"json": as_json, "markdown": markdown, "table": table}[args.format]
     sys.stdout.write(render(result))
     return ExitCode.OK if result["passed"] else ExitCode.MISMATCH
-
-
-# The batches (and the initial weights' seed) come from these keys; both configs must agree on them.
-BATCH_KEYS = ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "seed")
-
-
-def check_same_batches(baseline, config) -> None:
-    differ = [f"train.{key} ({getattr(config.train, key)} vs baseline {getattr(baseline.train, key)})"
-              for key in BATCH_KEYS if getattr(config.train, key) != getattr(baseline.train, key)]
-    if differ:
-        raise Fp8distError("compare runs both configs on the same batches from the same weights, but they differ in "
-                           + ", ".join(differ) + "\n  fix: give both configs the same train section values")
-
-
-def check_engine_order(baseline, config) -> None:
-    """The baseline's engine is built first, in the same process: after DeepSpeed AutoTP, DeepSpeed 0.19.8 keeps its
-    groups in module globals (deepspeed/utils/groups.py) and a DeepSpeed engine without AutoTP cannot start next."""
-    autotp = [spec.engine == "deepspeed" and spec.parallel.tensor_size > 1 for spec in (baseline, config)]
-    if autotp == [True, False] and config.engine == "deepspeed":
-        raise Fp8distError("--baseline runs DeepSpeed AutoTP and --config DeepSpeed without it: the second engine "
-                           "cannot start after AutoTP in one process\n  fix: swap --config and --baseline")
-
-
-def check_probes(specs: dict[str, Any], layer_steps: tuple[int, ...], fixed_routing: bool) -> None:
-    """--layer-steps needs engines that run probe passes between steps; both flags need eager blocks (their taps and
-    the routing replay are module hooks and a TorchFunctionMode, which a compiled block would trace or skip)."""
-    from fp8dist.engines.registry import facts_for
-
-    flags = " and ".join(flag for flag, on in (("--layer-steps", layer_steps), ("--fixed-routing", fixed_routing))
-                         if on)
-    if not flags:
-        return
-    for role, spec in specs.items():
-        if layer_steps and not facts_for(spec).runs_probes:
-            raise Fp8distError(f"--layer-steps: the {role}'s engine ({spec.engine}) cannot run a probe pass between "
-                               "optimizer steps (an extra backward would move DeepSpeed's gradient-accumulation "
-                               "boundary and fill its reduce buckets)\n  fix: compare engine: fsdp2 configs for "
-                               "the layer report, or drop --layer-steps")
-        split = [f"parallel.{key}={getattr(spec.parallel, key)}" for key in ("tensor_size", "context_size")
-                 if getattr(spec.parallel, key) > 1]
-        if layer_steps and split:
-            raise Fp8distError(f"--layer-steps: the {role} splits each block's output over ranks ({', '.join(split)}: "
-                               "sequence or head shards), and the report compares whole outputs per rank\n  fix: "
-                               "compare configs without tensor or context parallel for the layer report")
-        if layer_steps and spec.adapter.enabled and spec.adapter.base_dtype == "nf4":
-            raise Fp8distError(f"--layer-steps: the {role} holds an NF4 base, which loading another run's weights "
-                               "would re-quantize shard by shard (torchao's NF4Tensor copy_, with a scale mean per "
-                               "shard) and not restore bitwise\n  fix: compare with adapter.base_dtype=auto for the "
-                               "layer report")
-        if layer_steps and spec.fp8.backend in ("te", "msamp"):
-            raise Fp8distError(f"--layer-steps: the {role} runs {spec.fp8.backend}, whose modules keep FP8 state "
-                               "(amax histories, scales) that a probe pass would move and the weights swap cannot "
-                               "restore\n  fix: the layer report runs torchao configs; `fp8dist audit --numerics` "
-                               "reads TE's delayed scaling")
-        if spec.compile:
-            raise Fp8distError(f"{flags}: the {role} compiles its blocks (compile: true), and the taps need them "
-                               "eager\n  fix: add the override compile=false")
-
-
-def check_has_experts(model_name: str) -> None:
-    """--fixed-routing on a model whose config says it has no experts (a factory model's is not known here: the
-    ranks refuse it when they find no router)."""
-    from fp8dist.config.parallel import expert_count
-    from fp8dist.runtime.models import config_values
-
-    values = config_values(model_name)
-    if values is not None and not expert_count(values):
-        raise Fp8distError(f"--fixed-routing replays a Mixture-of-Experts model's expert choices, and {model_name} "
-                           "has no experts\n  fix: drop --fixed-routing, or compare an MoE model")
-
-
-def _check_writable(path: str) -> None:
-    import importlib.util
-    from pathlib import Path
-
-    target = Path(path)
-    if target.is_dir() or not target.parent.is_dir() or not os.access(target.parent, os.W_OK):
-        raise Fp8distError(f"--plot {path}: name a .png file in an existing, writable directory")
-    if importlib.util.find_spec("matplotlib") is None:
-        raise Fp8distError("--plot needs matplotlib, which is not installed\n  fix: pip install matplotlib "
-                           "(part of fp8dist[train])")
 
 
 def _launch(args, layer_steps: tuple[int, ...]) -> dict[str, Any]:

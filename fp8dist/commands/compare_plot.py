@@ -1,11 +1,24 @@
-"""`fp8dist compare --plot`: both loss curves and the relative gap as a PNG (matplotlib, imported only here)."""
+"""`fp8dist compare --plot`: both loss curves and the relative gap as a PNG (matplotlib, imported only here), and
+the check, before the runs, that it can be written."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
+from pathlib import Path
 from typing import Any
 
+from fp8dist.errors import Fp8distError
 from fp8dist.runtime.files import share
+
+
+def check_writable(path: str) -> None:
+    target = Path(path)
+    if target.is_dir() or not target.parent.is_dir() or not os.access(target.parent, os.W_OK):
+        raise Fp8distError(f"--plot {path}: name a .png file in an existing, writable directory")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise Fp8distError("--plot needs matplotlib, which is not installed\n  fix: pip install matplotlib "
+                           "(part of fp8dist[train])")
 
 
 def plot(result: dict[str, Any], path: str) -> None:

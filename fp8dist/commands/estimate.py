@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 from fp8dist.commands.output import dump_json
+from fp8dist.commands.estimate_speed import NO_GPU, render_speed
 from fp8dist.config.load import load_config
-from fp8dist.errors import ExitCode
+from fp8dist.errors import ExitCode, Fp8distError
 from fp8dist.estimate.memory import estimate
 from fp8dist.estimate.result import PHASES, STORES, Estimate, Phase
 
@@ -141,18 +142,20 @@ def render_table(result: Estimate, markdown: bool = False) -> str:
     labels = [PHASE_LABELS[phase] for phase in PHASES]
     cells = [human(r.phases_bytes[phase]) for phase in PHASES]
     peak = f"Peak per rank on the device: {human(r.peak_bytes)}, in phase {PHASE_LABELS[r.highest_phase]}"
-    notes = _notes(r)
+    notes = _notes(r) + ([] if r.speed else [NO_GPU])
+    speed = render_speed(r.speed, markdown) if r.speed else []
     if markdown:
         lines = [f"**{head}**", "", f"{stores_title}:", "", "| store | per rank |", "|---|---|"]
         lines += [f"| {name} | {value} |" for name, value in store_rows]
         lines += ["", f"{phases_title}:", "", "| " + " | ".join(labels) + " |",
                   "|" + "---|" * len(labels), "| " + " | ".join(cells) + " |", "", f"**{peak}**", ""]
-        return "\n".join(lines + [f"- {note}" for note in notes]) + "\n"
+        return "\n".join(lines + [f"- {note}" for note in notes] + ([""] + speed if speed else [])) + "\n"
     width = max(len(name) for name, _ in store_rows)
     lines = [head, "", stores_title + ":"] + [f"{name.ljust(width)}  {value}" for name, value in store_rows]
     widths = [max(len(label), len(cell)) for label, cell in zip(labels, cells)]
     lines += ["", phases_title + ":", "  ".join(h.ljust(w) for h, w in zip(labels, widths)).rstrip(),
               "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip(), "", peak, ""] + notes
+    lines += [""] + speed if speed else []
     return "\n".join(lines) + "\n"
 
 
@@ -161,7 +164,9 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     spec = load_config(args.config, overrides=args.overrides)
-    result = estimate(args.model, spec, args.world_size)
+    if args.gpu is None and args.nodes != 1:
+        raise Fp8distError("--nodes places the ranks for the speed prediction: name the GPU with --gpu too")
+    result = estimate(args.model, spec, args.world_size, gpu=args.gpu, nodes=args.nodes)
     sys.stdout.write(dump_json(result.to_json()) if args.format == "json"
                      else render_table(result, markdown=args.format == "markdown"))
     return ExitCode.OK

@@ -7,6 +7,6 @@ from fp8dist.runtime.export import export_hf
 
 def run(args) -> int:
     exported = export_hf(args.checkpoint, args.out_dir, args.dtype, merge=args.merge)
-    print(f"exported {exported.directory} ({exported.dtype}, {exported.tensors} tensors, {exported.bytes} bytes in "
-          f"{', '.join(exported.files)})")
+    print(f"exported {exported.origin()}\n  to {exported.directory} ({exported.dtype}, {exported.tensors} tensors, "
+          f"{exported.bytes} bytes in {', '.join(exported.files)})")
     return ExitCode.OK

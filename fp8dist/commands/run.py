@@ -22,7 +22,7 @@ from typing import IO, cast
 from fp8dist.config.load import load_config
 from fp8dist.config.parallel import parallel_dims
 from fp8dist.engines.registry import facts_for
-from fp8dist.errors import ExitCode, Fp8distError
+from fp8dist.errors import Checks, ExitCode, Fp8distError
 from fp8dist.runtime.ranks import is_launcher_report
 
 LAUNCHERS = ("torchrun", "deepspeed")
@@ -57,19 +57,29 @@ def script_arguments(config: str, overrides: list[str], args: list[str]) -> list
 
 
 def check_before_launch(args) -> str:
-    """Everything one process can refuse before a rank starts; returns the launcher to use."""
+    """Everything one process can refuse before a rank starts, every refusal at once (Problems); returns the
+    launcher to use."""
     from fp8dist.runtime.preflight import preflight
 
+    checks, spec = Checks(), None
     if not args.script:
-        raise Fp8distError("no script to run\n  fix: name it after `--`: fp8dist run CONFIG -- train.py [ARGS ...]")
-    script = args.script[0]
-    if not Path(script).is_file():
-        raise Fp8distError(f"script {script!r} does not exist\n  fix: name the training script to launch, after `--`")
+        checks.add(Fp8distError("no script to run\n  fix: name it after `--`: fp8dist run CONFIG -- train.py "
+                                "[ARGS ...]"))
+    elif not Path(args.script[0]).is_file():
+        checks.add(Fp8distError(f"script {args.script[0]!r} does not exist\n  fix: name the training script to "
+                                "launch, after `--`"))
     if args.nproc is not None and args.nproc < 1:
-        raise Fp8distError(f"--nproc {args.nproc}: must be at least 1")
-    spec = load_config(args.config, overrides=args.overrides)
-    parallel_dims(spec, args.nproc or default_nproc())
-    preflight(spec)
+        checks.add(Fp8distError(f"--nproc {args.nproc}: must be at least 1"))
+    with checks.one():
+        spec = load_config(args.config, overrides=args.overrides)
+    if spec is not None:
+        if args.nproc is None or args.nproc >= 1:
+            with checks.one():
+                parallel_dims(spec, args.nproc or default_nproc(), "--nproc")
+        with checks.one():
+            preflight(spec)
+    checks.raise_found()
+    assert spec is not None  # raise_found raised when the config was refused
     return args.launcher or facts_for(spec).launcher
 
 

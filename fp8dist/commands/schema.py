@@ -8,8 +8,8 @@ import fp8dist.config.schema as schema
 from fp8dist.commands.output import dump_json
 from fp8dist.errors import ExitCode
 
-TABLES_AT = ("Tables A and B, and the dtypes each preset makes the audit expect: docs/config.md "
-             "(or `fp8dist schema --format markdown`).")
+TABLES_AT = ("Their rows, and the dtypes each preset makes the audit expect: docs/config.md (or `fp8dist schema "
+             "--format markdown`).")
 
 
 def run_schema(args) -> int:
@@ -23,7 +23,12 @@ def run_schema(args) -> int:
 
 
 def run_presets(args) -> int:
+    from fp8dist.audit.expected import tables
+
     for name, preset in schema.presets().items():
         print(f"{name:24s} {preset['description']}")
-    print(f"\n{TABLES_AT}")
+    print("\nThe tables the presets reproduce (the dtype of each phase of a run, as the sources document them):")
+    for letter, table in tables().items():
+        print(f"  Table {letter}: {table['title']}. Source: {table['source']}.")
+    print(TABLES_AT)
     return ExitCode.OK

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from pathlib import Path
-from typing import Any, Mapping, Sequence, cast
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import fp8dist.config.reading as reading
 import fp8dist.config.rules as rules
@@ -20,6 +20,17 @@ import fp8dist.config.schema as schema
 import fp8dist.config.vocabulary as vocabulary
 from fp8dist.config.spec import Spec
 from fp8dist.errors import ConfigError, Issue
+
+# Which other tool's file a document is, as one issue naming the import to run (fp8dist.formats.importing
+# other_tool_issue). The formats layer is above this one: the composition root (fp8dist/__init__.py) hands it down.
+OtherTool = Callable[[Mapping[str, Any], str], "Issue | None"]
+_other_tool: list[OtherTool] = []
+
+
+def provide_other_tool(find: OtherTool) -> None:
+    """Install the recognition of other tools' files; the composition root calls it once."""
+    _other_tool[:] = [find]
+
 
 _REFERENCE_ONLY = ("interpolation may only name another key of the config, e.g. ${precision.load_dtype}; "
                    "write the value itself")
@@ -160,10 +171,12 @@ def _checked(document: Any, source: str) -> tuple[dict[str, Any], Spec]:
         kind = "a list" if isinstance(document, list) else f"a {type(document).__name__}"
         raise ConfigError([Issue("", f"the top level must be a mapping, not {kind}",
                                  fix="write keys at the top level, e.g. `engine: fsdp2`")], source)
+    written_document = document
     document = vocabulary.normalize(_unbool_off(document))
     issues = schema.validate(dict(document))
-    if issues:
-        raise ConfigError(issues, source)
+    if issues:  # another tool's file: said once, with the import, instead of one unknown key per line
+        other = _other_tool[0](written_document, source) if _other_tool else None
+        raise ConfigError([other] if other else issues, source)
     layered = schema.defaults()
     preset = (document.get("precision") or {}).get("preset")
     written = dict(document)  # what the user wrote, the preset's values counted as written by the user

@@ -85,18 +85,24 @@ class ParallelDims:
         return ("efsdp", "ep"), (self.efsdp, self.ep)
 
 
-def parallel_dims(spec, world: int) -> ParallelDims:
+# How ranks already launched were given their number, for a fix said inside them (the commands that launch name
+# their own flag: --nproc, --world-size).
+RANKS_LAUNCHED = "torchrun --nproc_per_node / deepspeed --num_gpus"
+
+
+def parallel_dims(spec, world: int, world_flag: str = RANKS_LAUNCHED) -> ParallelDims:
     """The dims of `spec` on `world` ranks, or an Fp8distError naming the key when they do not fit (said when the
     ranks start, and by the launching commands before they do). tp and cp come first; the data axes are what is left
-    of the world size (torchtitan's dp_shard = -1)."""
+    of the world size (torchtitan's dp_shard = -1). `world_flag`: the option that sets the world size where the
+    caller was given it (`--nproc`, `--world-size`), named with a world size that fits in the fix."""
     par = spec.parallel
     tp, cp, ep = par.tensor_size, par.context_size, par.expert_size
     if world % (tp * cp):
         keys = " x ".join(f"parallel.{key}={value}" for key, value in (("tensor_size", tp), ("context_size", cp))
                           if value > 1)
         raise Fp8distError(f"{keys} does not divide the {world} ranks of this job: the mesh is dp_replicate x "
-                           f"dp_shard x cp x tp = world size\n  fix: launch a multiple of {tp * cp} ranks, or lower "
-                           f"{keys.split('=')[0]} to a divisor of {world}")
+                           f"dp_shard x cp x tp = world size\n  fix: {_ranks_fix(world, tp * cp, world_flag)}, or "
+                           f"lower {keys.split('=')[0]} to a divisor of {world}")
     data = world // (tp * cp)
     if par.sharding == "hybrid":
         size = par.shard_size
@@ -104,15 +110,23 @@ def parallel_dims(spec, world: int) -> ParallelDims:
             left = f"the {data} data-parallel ranks left by tp x cp" if tp * cp > 1 else f"the {world} ranks of this job"
             raise Fp8distError(f"parallel.shard_size={size} does not divide {left}: hybrid sharding needs whole shard "
                                f"groups\n  fix: set parallel.shard_size to a divisor of {data} (e.g. the GPUs per "
-                               f"node / tensor_size), or launch a multiple of it")
+                               f"node / tensor_size), or {_ranks_fix(world, tp * cp * size, world_flag)}")
         return ParallelDims(dp_replicate=data // size, dp_shard=size, cp=cp, tp=tp, replicate_dim=True)
     if par.sharding == "replicate":
         return ParallelDims(dp_replicate=data, dp_shard=1, cp=cp, tp=tp, replicate_dim=True)
     if data % ep:
         raise Fp8distError(f"parallel.expert_size={ep} does not divide the {data} data-parallel ranks of this job: "
-                           f"expert parallel borrows its ranks from dp_shard, whole groups of {ep}\n  fix: launch a "
-                           f"multiple of {ep} ranks, or set parallel.expert_size to a divisor of {data}")
+                           f"expert parallel borrows its ranks from dp_shard, whole groups of {ep}\n  fix: "
+                           f"{_ranks_fix(world, tp * cp * ep, world_flag)}, or set parallel.expert_size to a divisor "
+                           f"of {data}")
     return ParallelDims(dp_shard=data, cp=cp, tp=tp, ep=ep)
+
+
+def _ranks_fix(world: int, multiple: int, world_flag: str) -> str:
+    """'run on a multiple of M ranks (--nproc N)': N the first multiple at or above `world`."""
+    fits = -(-world // multiple) * multiple
+    named = " / ".join(f"{flag} {fits}" for flag in world_flag.split(" / "))
+    return f"run on a multiple of {multiple} ranks ({named})"
 
 
 def sequence_parallel(spec) -> bool:

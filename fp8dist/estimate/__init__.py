@@ -18,6 +18,7 @@ The FP8 coverage (coverage.py) predicts the share of weight-GEMM FLOPs the audit
 Modules: shapes (the built-in model shapes), model (the meta build and the activation measurement; torch imported
 only there, when a model is built), tensor_parallel (what the `tp` axis splits), frozen (an adapter run's frozen
 base by storage format: a QLoRA base's NF4 Linears at NF4's bytes), coverage (FP8 share and extra bytes), memory
-(the memory model, `estimate`), result (the typed `Estimate`). Nothing imports this package but fp8dist/commands/
-and fp8dist/cli.py (the shape names for the help).
+(the memory model, `estimate`), result (the typed `Estimate`), speed (torch-free: will FP8 pay for a Linear on a
+GPU; the speed model's constants) and step (with `--gpu`: the predicted step of the config and of its bf16 twin).
+Nothing imports this package but fp8dist/commands/ and fp8dist/cli.py (the shape names for the help).
 """

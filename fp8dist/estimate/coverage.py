@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
 
 
-def _decisions(meta: MetaModel, spec: Spec) -> tuple[list[LinearInfo], list[Decision]]:
+def decisions(meta: MetaModel, spec: Spec) -> tuple[list[LinearInfo], list[Decision]]:
     """(Linear facts, the backend's module-filter decision for each), as the backend would decide."""
     fp8 = spec.fp8
     infos = linear_infos(meta.model)
@@ -76,21 +76,21 @@ def fp8_coverage(meta: MetaModel, spec: Spec) -> Fp8Coverage:
     torchao's size heuristics. MoE experts count with the experts a token is routed to (top-k). Attention's own
     matmuls (QK^T, AV) multiply activations, not weights, and are not weight GEMMs."""
     fp8 = spec.fp8
-    infos, decisions = _decisions(meta, spec)
+    infos, chosen = decisions(meta, spec)
     experts = _experts(meta, spec)
     if not fp8.enabled:
         return Fp8Coverage(backend="none", fp8_share=0.0, linears=len(infos), converted=0, left_out=(),
                            too_small_to_gain=(), experts=len(experts))
     by_fqn = {i.fqn: i for i in infos}
     flops = {i.fqn: 2 * i.in_features * i.out_features for i in infos}
-    converted = [d.fqn for d in decisions if d.convert]
+    converted = [d.fqn for d in chosen if d.convert]
     small: list[str] = []
     if fp8.backend == "torchao":
         small = [fqn for fqn in converted if torchao_too_small_to_gain(
             fp8.torchao.recipe_name, by_fqn[fqn].out_features, by_fqn[fqn].in_features)]
     in_fp8 = sum(flops[f] for f in converted) + sum(n for _, n, why in experts if why is None)
     total = sum(flops.values()) + sum(n for _, n, _ in experts) + sum(n for _, n in _routers(meta))
-    left_out = [LeftOut(d.fqn, d.reason) for d in decisions if not d.convert]
+    left_out = [LeftOut(d.fqn, d.reason) for d in chosen if not d.convert]
     left_out += [LeftOut(name, why) for name, _, why in experts if why]
     return Fp8Coverage(backend=fp8.backend, fp8_share=in_fp8 / total if total else 0.0, linears=len(infos),
                        converted=len(converted), left_out=tuple(left_out), too_small_to_gain=tuple(small),
@@ -102,10 +102,10 @@ def fp8_extra_bytes(meta: MetaModel, spec: Spec, split: TensorSplit) -> tuple[in
     counted. A weight tensor parallel splits is kept as its tp rank's shard."""
     if not spec.fp8.enabled:
         return 0, "no FP8 backend"
-    infos, decisions = _decisions(meta, spec)
+    infos, chosen = decisions(meta, spec)
     dims = split.split_dims()
     sizes = [i.in_features * i.out_features // (split.tp if f"{i.fqn}.weight" in dims else 1)
-             for i, d in zip(infos, decisions) if d.convert]
+             for i, d in zip(infos, chosen) if d.convert]
     if spec.fp8.backend == "torchao":
         scales = 4 * 3 * len(sizes)  # input, weight and grad scales (fp32) per Float8Linear
         if spec.float8_all_gather:

@@ -3,6 +3,7 @@ world size (see fp8dist/estimate/__init__.py for what is counted and how)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Mapping, cast
 
 from fp8dist.audit.expected import expected, implied_bytes_per_param
@@ -18,6 +19,8 @@ from fp8dist.estimate.frozen import frozen_base
 from fp8dist.estimate.model import MetaModel, activation_bytes, adapted_counts, blocks, build_meta_model
 from fp8dist.estimate.result import (ActivationBytes, CheckpointingMode, Estimate, ExpertParallelCounted, Phase,
                                      ShardedStore, Store, STORES, TensorParallelCounted, TransientBytes)
+from fp8dist.estimate.step import check as check_speed
+from fp8dist.estimate.step import step_speed
 from fp8dist.estimate.tensor_parallel import tensor_split
 
 
@@ -99,13 +102,15 @@ def phases(device: dict[Store, int], transient: TransientBytes) -> dict[Phase, i
             "later_backward_pass": backward + device["optimizer"]}
 
 
-def estimate(name: str, spec: Spec, world: int) -> Estimate:
+def estimate(name: str, spec: Spec, world: int, gpu: str | None = None, nodes: int = 1) -> Estimate:
     """The estimate of model `name` (a built-in model or shape, a model directory or a config.json) trained with
-    `spec` on `world` ranks."""
+    `spec` on `world` ranks; with `gpu`, its predicted step on `nodes` nodes of that GPU too (step.py)."""
     if world < 1:
         raise Fp8distError(f"--world-size must be at least 1, got {world}")
-    shards = shard_counts(spec, world)  # refuses a world the config's parallel dims do not fit, before the build
-    dims = parallel_dims(spec, world)
+    dims = parallel_dims(spec, world, "--world-size")  # a world the config's parallel dims do not fit: before the build
+    shards = shard_counts(spec, world)
+    if gpu is not None:  # a GPU the speed model does not know, or a recipe it cannot run: before the build too
+        check_speed(spec, gpu, nodes, world)
     meta = build_meta_model(name, spec.precision.compute_dtype)
     check_model_fits(dims, meta.config.to_dict(), spec.train.seq_len, sequence_split=sequence_parallel(spec),
                      source=name)
@@ -144,7 +149,7 @@ def estimate(name: str, spec: Spec, world: int) -> Estimate:
         ep=dims.ep, efsdp=dims.efsdp, expert_parameters=sum(param.numel() for fqn, param in params
                                                            if fqn in experts.parameters),
         moe_layers=len(experts.modules), dispatch_kept=measured.dispatch_kept)
-    return Estimate(
+    result = Estimate(
         model=name, shape_only=meta.shape_only, world_size=world, mesh={axis: getattr(dims, axis) for axis in AXES},
         trainable_parameters=trainable, frozen_parameters=frozen, frozen_bytes_per_param=base.bytes_per_param,
         frozen_bytes_by_format=base.by_format, nf4_kept=base.nf4_kept,
@@ -157,3 +162,6 @@ def estimate(name: str, spec: Spec, world: int) -> Estimate:
                                           selective_checkpointing=measured.per_rank("selective"), mode=mode),
         phases_bytes=phases(device, transient), fp8_extras_counted=extras_how, transient_bytes=transient,
         fp8_coverage=coverage)
+    if gpu is None:
+        return result
+    return replace(result, speed=step_speed(meta, spec, result, split, dims, local, gpu, nodes))

@@ -15,10 +15,10 @@ from fp8dist.engines.base import forward_loss
 from fp8dist.errors import Fp8distError
 from fp8dist.estimate.expert_parallel import ExpertSplit, expert_split
 from fp8dist.estimate.result import CheckpointingMode
-from fp8dist.estimate.shapes import SHAPES
+from fp8dist.estimate.shapes import HUB_IDS, SHAPES
 from fp8dist.estimate.tensor_parallel import TensorSplit, local_linears, tensor_split
 from fp8dist.runtime.adapters import apply_adapter, split_parameters
-from fp8dist.runtime.models import BUILTIN
+from fp8dist.runtime.models import BUILTIN, hub_config, model_kind
 
 if TYPE_CHECKING:
     import torch
@@ -50,21 +50,32 @@ class MeasuredActivations:
         return self.kept[mode] + (self.recomputed_block if mode != "none" else 0)
 
 
+_SHAPE_OF_HUB_ID = {hub_id: shape for shape, hub_id in HUB_IDS.items()}
+
+
 def _hf_config(name: str) -> Any:
-    """The transformers config `name` stands for: a built-in shape or model, a model directory or a config.json."""
+    """The transformers config `name` stands for, read as every command reads MODEL (runtime.models.model_kind) with
+    the shapes added: a built-in shape (or the Hub id it is the config.json of: no network), a built-in model, a
+    model directory or a config.json, a Hub id (as transformers resolves it). A factory is refused: its model exists
+    only when it runs."""
+    name = _SHAPE_OF_HUB_ID.get(name, name)
+    kind = model_kind(name, SHAPES)
     from transformers import AutoConfig
 
-    if name in SHAPES:
+    if kind == "shape":
         values = dict(SHAPES[name])
         return AutoConfig.for_model(values.pop("model_type"), **values)
-    if name in BUILTIN:
+    if kind == "builtin":
         return BUILTIN[name]()
-    path = Path(name)
-    if path.is_dir():
-        path = path / "config.json"
+    if kind == "hub":
+        return hub_config(name)
+    if kind == "factory":
+        raise Fp8distError(f"MODEL {name!r} is a factory, whose model exists only when it runs; the estimate "
+                           "builds the model from its config on the meta device\n  fix: save the model "
+                           "(model.save_pretrained(DIR)) and name DIR or DIR/config.json")
+    path = Path(name) / "config.json" if kind == "directory" else Path(name)
     if not path.is_file():
-        raise Fp8distError(f"unknown MODEL {name!r}: use a built-in name or shape ({', '.join([*BUILTIN, *SHAPES])}), "
-                           "a local Hugging Face model directory, or a config.json")
+        raise Fp8distError(f"{name} has no config.json: not a Hugging Face model directory")
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -83,10 +94,10 @@ def _hf_config(name: str) -> Any:
 
 def build_meta_model(name: str, dtype: str) -> MetaModel:
     """The model on the meta device in `dtype`: real shapes, no storage."""
+    config = _hf_config(name)  # a name that names nothing is refused before torch is imported
     import torch
     from transformers import AutoModel, AutoModelForCausalLM
 
-    config = _hf_config(name)
     architectures = getattr(config, "architectures", None) or []
     # A causal LM is trained as one; anything else (BERT's masked LM) is counted as its base model, as
     # Accelerate's estimate-memory does.
@@ -100,7 +111,7 @@ def build_meta_model(name: str, dtype: str) -> MetaModel:
         except Exception as exc:  # noqa: BLE001 - whatever transformers raises for a config it cannot build
             raise Fp8distError(f"transformers cannot build {name!r} ({config.model_type}): "
                                f"{str(exc).splitlines()[0]}") from None
-    return MetaModel(model, config, name in SHAPES, causal)
+    return MetaModel(model, config, _SHAPE_OF_HUB_ID.get(name, name) in SHAPES, causal)
 
 
 def adapted_counts(meta: MetaModel, spec: Spec) -> tuple[int, int]:

@@ -97,6 +97,53 @@ class Fp8Coverage:
 
 
 @dataclass(frozen=True)
+class SpeedLinear:
+    """A Linear (or an MoE experts GEMM) as the speed model counted it: its forward shape on one rank (M tokens, K in,
+    N out), its format and its predicted speedup over bf16; `count`: the Linears of the same name in every block."""
+    module: str  # the fqn, the block index written as `*` when every block has it
+    m: int
+    k: int
+    n: int
+    format: str  # the recipe ("torchao rowwise", "te current", ...) or "bf16" (kept in high precision)
+    speedup: float
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class SpeedEstimate:
+    """The predicted step of one rank on a GPU, for the config and its bf16 twin (fp8dist/estimate/step.py). Parts
+    are seconds per optimizer step; `communication`: per mesh axis, bytes a rank sends per step, their seconds on
+    the axis' link and the seconds left exposed (not hidden behind compute)."""
+    gpu: str
+    nodes: int
+    step_s: float
+    bf16_step_s: float
+    tokens_per_s: float  # per GPU
+    bf16_tokens_per_s: float
+    parts: Mapping[str, float]
+    bf16_parts: Mapping[str, float]
+    communication: Mapping[str, Mapping[str, Any]]
+    linears: tuple[SpeedLinear, ...]
+    reasons: tuple[str, ...]  # why the ratio is what it is, in plain words (what costs the most first)
+    notes: tuple[str, ...]  # what the prediction assumes about this config
+
+    @property
+    def fp8_over_bf16(self) -> float:
+        return self.tokens_per_s / self.bf16_tokens_per_s
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gpu": self.gpu, "nodes": self.nodes, "tokens_per_s": round(self.tokens_per_s, 1),
+                "bf16_tokens_per_s": round(self.bf16_tokens_per_s, 1),
+                "fp8_over_bf16": round(self.fp8_over_bf16, 4), "step_s": round(self.step_s, 6),
+                "bf16_step_s": round(self.bf16_step_s, 6),
+                "parts": {k: round(v, 6) for k, v in self.parts.items()},
+                "bf16_parts": {k: round(v, 6) for k, v in self.bf16_parts.items()},
+                "communication": {axis: dict(row) for axis, row in self.communication.items()},
+                "linears": [{**asdict(row), "speedup": round(row.speedup, 3)} for row in self.linears],
+                "reasons": list(self.reasons), "notes": list(self.notes)}
+
+
+@dataclass(frozen=True)
 class Estimate:
     """Per-rank memory of one run before it starts (fp8dist/estimate/memory.py `estimate` builds it)."""
     model: str
@@ -125,6 +172,7 @@ class Estimate:
     fp8_extras_counted: str  # how the fp8_extras store was counted
     transient_bytes: TransientBytes
     fp8_coverage: Fp8Coverage
+    speed: SpeedEstimate | None = None  # `--gpu`: the predicted step (no GPU named: None, no `speed` key)
 
     @property
     def parameters(self) -> int:
@@ -163,4 +211,5 @@ class Estimate:
             "highest_phase": self.highest_phase, "peak_bytes": self.peak_bytes,
             "fp8_extras_counted": self.fp8_extras_counted, "transient_bytes": asdict(self.transient_bytes),
             "fp8_coverage": self.fp8_coverage.to_json(),
+            **({"speed": self.speed.to_json()} if self.speed is not None else {}),
         }

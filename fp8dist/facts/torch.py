@@ -26,3 +26,19 @@ def fsdp2_supported(torch_version: Version) -> tuple[bool, str]:
         return True, f"torch {fmt(torch_version)} has torch.distributed.fsdp.fully_shard"
     return False, (f"torch {fmt(torch_version)} lacks the public FSDP2 API "
                    f"(needs >= {fmt(TORCH_FSDP2_PUBLIC)}); upgrade torch")
+
+
+# F.scaled_dot_product_attention on a CPU picks its fused kernel (`_scaled_dot_product_flash_attention_for_cpu`,
+# computing in the inputs' dtype) only without dropout (torch 2.13 aten/src/ATen/native/transformers/sdp_utils_cpp.cpp
+# use_flash_attention_cpp: check_for_dropout); otherwise it runs its math path, which upcasts fp16 / bf16 query, key and
+# value to fp32 for accuracy and casts the result back (attention.cpp _scaled_dot_product_attention_math). Training
+# with attention dropout on a CPU therefore runs attention's matmuls in fp32 whatever the run's compute dtype.
+SDPA_MATH_UPCAST = ("torch's SDPA ran its math path, which computes fp16 / bf16 attention in fp32 "
+                    "(torch aten/src/ATen/native/transformers/attention.cpp, _scaled_dot_product_attention_math)")
+SDPA_CPU_DROPOUT = ("it takes that path for attention dropout on a CPU, as its fused CPU kernel takes none "
+                    "(sdp_utils_cpp.cpp, use_flash_attention_cpp: check_for_dropout)")
+
+
+def sdpa_kernel_reason(dropout_on_cpu: bool) -> str:
+    """Why F.scaled_dot_product_attention computed in another precision than the inputs it was given."""
+    return SDPA_MATH_UPCAST + (f"; {SDPA_CPU_DROPOUT}" if dropout_on_cpu else "")

@@ -73,10 +73,13 @@ def parallel_size(value: Any, key: str) -> int:
 
 
 class ImportProblem(Fp8distError):
-    """The file cannot be imported: every problem, each naming the source key, why, and the fix (exit 2)."""
+    """The file cannot be imported: every problem, each naming the source key, why, and the fix (exit 2).
+    `document`: what the rest of the file became, where an importer refuses keys of it (fp8dist.formats.importing
+    checks it against fp8dist's rules too, so that every problem is said at once)."""
 
-    def __init__(self, issues: list[Issue], source: str, kind: str | None = None):
-        self.issues, self.source = list(issues), source
+    def __init__(self, issues: list[Issue], source: str, kind: str | None = None,
+                 document: Mapping[str, Any] | None = None):
+        self.issues, self.source, self.document = list(issues), source, document
         what = f" ({TITLE[kind]})" if kind else ""
         lines = [f"cannot import {source}{what}: {len(self.issues)} problem(s)"]
         lines += [f"  - {issue.render()}" for issue in self.issues]

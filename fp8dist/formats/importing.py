@@ -9,11 +9,13 @@ DeepSpeed JSON or an Accelerate config leaves to the launch command comes from t
 """
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import fp8dist.config.load as load
 import fp8dist.config.reading as reading
+import fp8dist.config.schema as schema
 from fp8dist.errors import ConfigError, Issue
 from fp8dist.formats.accelerate import importer as accelerate
 from fp8dist.formats.axolotl import importer as axolotl
@@ -115,6 +117,30 @@ def detect(document: Mapping[str, Any]) -> str | None:
     return next(iter(found)) if len(found) == 1 else None
 
 
+def other_tool_issue(document: Mapping[str, Any], source: str) -> Issue | None:
+    """A file given as an fp8dist config that is another tool's: keys fp8dist does not know that only that tool
+    writes, and none that is fp8dist's in fp8dist's form (a key both write, as `optimizer`, counts as fp8dist's where
+    what the file holds under such keys passes fp8dist's schema). One issue saying which tool's, and the `fp8dist
+    import` that makes it an fp8dist config; None for a file that is not recognisably another tool's
+    (fp8dist.config.load then names each unknown key)."""
+    if "fp8dist" in evidence(document):
+        return None
+    own = {key: value for key, value in document.items() if key in schema.schema()["properties"]}
+    if own and not schema.validate(own):  # an fp8dist config with keys of another tool in it
+        return None
+    found = evidence({key: value for key, value in document.items() if key not in own})
+    if not found:
+        return None
+    titles = " or ".join(f"{'an' if TITLE[kind][0] in 'AEIOU' else 'a'} {TITLE[kind]}" for kind in found)
+    keys = ", ".join(dict.fromkeys(key for hits in found.values() for key in hits[:4]))
+    path = Path(source)
+    named = shlex.quote(source) if path.suffix else "FILE"  # a dict or omegaconf object has no file to name
+    written = shlex.quote(path.stem + ".fp8dist.yaml") if path.suffix else "fp8dist.yaml"
+    pick = "" if len(found) == 1 else f" --from {'|'.join(found)}"
+    return Issue("", f"this is {titles}, not an fp8dist config ({keys}: keys only that tool writes; no fp8dist "
+                 "section)", fix=f"fp8dist import {named}{pick} -o {written}, then pass {written} instead")
+
+
 def launcher_issues(launcher: Launcher, kind: str) -> list[Issue]:
     """The flags given that this kind of file does not take, and values no launch runs with."""
     issues = []
@@ -166,20 +192,28 @@ def import_file(path: str | Path, kind: str | None = None, launcher: Launcher = 
     usable = Launcher(**{name: value for name, value in vars(launcher).items() if LAUNCHER_FLAGS[name] not in refused})
     try:
         imported = convert(kind, document, text, source, usable)
-    except ImportProblem as exc:
-        raise ImportProblem(flags + exc.issues, source, kind) from None
-    if flags:
-        raise ImportProblem(flags, source, kind)
-    unreadable = reading.plain_data_issues(imported.document) + load.literal_interpolations(
-        imported.document, f"(as the {TITLE[kind]} has it)")
-    if unreadable:  # the output would not read back as the same config
-        raise ImportProblem(unreadable, source, kind)
-    try:
-        load.resolve(imported.document, source)
-    except ConfigError as exc:
-        raise ImportProblem([Issue(i.path, f"the imported config is refused by fp8dist: {i.message}", i.value, i.fix)
-                             for i in exc.issues], source, kind) from None
+    except ImportProblem as exc:  # with what fp8dist refuses in the rest of the file: every problem at once
+        rest = fp8dist_refusals(exc.document, kind, source) if exc.document is not None else []
+        raise ImportProblem(flags + exc.issues + rest, source, kind) from None
+    problems = flags + fp8dist_refusals(imported.document, kind, source)
+    if problems:
+        raise ImportProblem(problems, source, kind)
     return render(imported, source)
+
+
+def fp8dist_refusals(document: Mapping[str, Any], kind: str, source: str) -> list[Issue]:
+    """What fp8dist refuses in an imported document: what would not read back as the same config, else its own
+    config rules' issues."""
+    unreadable = reading.plain_data_issues(document) + load.literal_interpolations(
+        document, f"(as the {TITLE[kind]} has it)")
+    if unreadable:
+        return unreadable
+    try:
+        load.resolve(document, source)
+    except ConfigError as exc:
+        return [Issue(i.path, f"the imported config is refused by fp8dist: {i.message}", i.value, i.fix)
+                for i in exc.issues]
+    return []
 
 
 def convert(kind: str, document: Mapping[str, Any], text: str, source: str, launcher: Launcher = Launcher()) -> Imported:

@@ -14,10 +14,11 @@ adapters (every parameter with requires_grad) and the checkpoint and export keep
 """
 from __future__ import annotations
 
+import contextlib
 import json
 
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from fp8dist.backends.module_filter import is_adapter, linear_infos
 from fp8dist.config.load import load_config
@@ -236,15 +237,31 @@ def write_merged(adapter_dir: Path, config: dict, model_name: str, dtype: str, d
                            "model_name= (launch/train.py does)")
 
     nf4 = config["adapter"].get("base_dtype") == "nf4"
-    base = load_model(model_name, config["precision"]["load_dtype"] if nf4 else dtype,
-                      seed=config["train"]["seed"]).model
-    if nf4:  # merge into the base the run computed with: its NF4 weights, dequantized, then in the export dtype
-        from fp8dist.backends.nf4 import dequantize_like_training
-        from fp8dist.config.parallel import parallel_dims
+    with _no_progress_bars():
+        base = load_model(model_name, config["precision"]["load_dtype"] if nf4 else dtype,
+                          seed=config["train"]["seed"]).model
+        if nf4:  # merge into the base the run computed with: its NF4 weights, dequantized, then in the export dtype
+            from fp8dist.backends.nf4 import dequantize_like_training
+            from fp8dist.config.parallel import parallel_dims
 
-        dims = parallel_dims(load_config(config), world_size)
-        dequantize_like_training(base, dims.dp_shard * dims.cp)
-        base.to(torch_dtype(dtype))
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
-    merged.to(torch_dtype(dtype)).save_pretrained(str(directory))
+            dims = parallel_dims(load_config(config), world_size)
+            dequantize_like_training(base, dims.dp_shard * dims.cp)
+            base.to(torch_dtype(dtype))
+        merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+        merged.to(torch_dtype(dtype)).save_pretrained(str(directory))
     return len(merged.state_dict())
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off ("Loading weights", "Writing model shards": tqdm lines for the few files of
+    an export, whose one result line `fp8dist export` prints), as they were after."""
+    from transformers.utils import logging as transformers_logging
+
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()

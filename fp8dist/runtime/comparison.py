@@ -1,8 +1,10 @@
-"""The rank side of `fp8dist compare` (one torchrun job, `python -m fp8dist.runtime.comparison`): both runs in
-each rank's process, the baseline first, then the config, from the same initial weights on the same batches; with
---layer-steps, the probe passes at the chosen steps (fp8dist/runtime/layer_probes.py), with --fixed-routing, the
-baseline's expert choices replayed in the config's run (fp8dist/runtime/routing_replay.py). Rank 0 writes the
-losses (and the layer reports) for fp8dist/commands/compare.py, which renders them."""
+"""The two runs of `fp8dist compare`. Before any rank starts, the parent's checks (`check_before_launch`: whether the
+configs can be compared, on this model, on these ranks, here). Then the rank side (one torchrun job, `python -m
+fp8dist.runtime.comparison`): both runs in each rank's process, the baseline first, then the config, from the same
+initial weights on the same batches; with --layer-steps, the probe passes at the chosen steps
+(fp8dist/runtime/layer_probes.py), with --fixed-routing, the baseline's expert choices replayed in the config's run
+(fp8dist/runtime/routing_replay.py). Rank 0 writes the losses (and the layer reports) for
+fp8dist/commands/compare.py, which renders them."""
 from __future__ import annotations
 
 import sys
@@ -11,8 +13,123 @@ from typing import Any, Sequence
 
 from fp8dist.config.load import load_config
 from fp8dist.dtypes import torch_dtype
-from fp8dist.errors import Fp8distError
+from fp8dist.errors import Checks, Fp8distError
 from fp8dist.runtime.ranks import PROGRESS, emit
+
+
+# --- before any rank starts ----------------------------------------------------------------------------------
+
+def check_before_launch(specs: dict[str, Any], model: str, nproc: int, *, layer_steps: str | None, steps: int,
+                        fixed_routing: bool, data: str | None) -> tuple[int, ...]:
+    """Everything the parent can refuse before a rank starts, every refusal at once (Problems): the two configs
+    against each other, the model, each config's mesh on `nproc` ranks (--nproc) and its environment, the flags, the
+    data file. Returns the --layer-steps chosen."""
+    from pathlib import Path
+
+    from fp8dist.runtime.data import read_texts
+    from fp8dist.runtime.layer_probes import parse_steps
+    from fp8dist.runtime.models import check_mesh_fits, check_model_name
+    from fp8dist.runtime.preflight import preflight
+
+    checks = Checks()
+    chosen: tuple[int, ...] = ()
+    with checks.one():
+        check_same_batches(specs["baseline"], specs["config"])
+    with checks.one():
+        check_engine_order(specs["baseline"], specs["config"])
+    with checks.one():
+        chosen = parse_steps(layer_steps, steps) if layer_steps else ()
+    with checks.one():
+        check_probes(specs, chosen, fixed_routing)
+    named = len(checks.errors)
+    with checks.one():
+        check_model_name(model)
+    for spec in specs.values():
+        if len(checks.errors) == named:  # the model is known: its sizes on each config's mesh
+            with checks.one():
+                check_mesh_fits(spec, model, nproc, "--nproc")
+        with checks.one():
+            preflight(spec)
+    if fixed_routing and len(checks.errors) == named:
+        with checks.one():
+            check_has_experts(model)
+    if data:
+        with checks.one():
+            read_texts(Path(data))  # binary, empty or unreadable: here, not in the ranks
+    checks.raise_found()
+    return chosen
+
+
+# The batches (and the initial weights' seed) come from these keys; both configs must agree on them.
+BATCH_KEYS = ("micro_batch_size", "seq_len", "gradient_accumulation_steps", "seed")
+
+
+def check_same_batches(baseline, config) -> None:
+    differ = [f"train.{key} ({getattr(config.train, key)} vs baseline {getattr(baseline.train, key)})"
+              for key in BATCH_KEYS if getattr(config.train, key) != getattr(baseline.train, key)]
+    if differ:
+        raise Fp8distError("compare runs both configs on the same batches from the same weights, but they differ in "
+                           + ", ".join(differ) + "\n  fix: give both configs the same train section values")
+
+
+def check_engine_order(baseline, config) -> None:
+    """The baseline's engine is built first, in the same process: after DeepSpeed AutoTP, DeepSpeed 0.19.8 keeps its
+    groups in module globals (deepspeed/utils/groups.py) and a DeepSpeed engine without AutoTP cannot start next."""
+    autotp = [spec.engine == "deepspeed" and spec.parallel.tensor_size > 1 for spec in (baseline, config)]
+    if autotp == [True, False] and config.engine == "deepspeed":
+        raise Fp8distError("--baseline runs DeepSpeed AutoTP and --config DeepSpeed without it: the second engine "
+                           "cannot start after AutoTP in one process\n  fix: swap --config and --baseline")
+
+
+def check_probes(specs: dict[str, Any], layer_steps: tuple[int, ...], fixed_routing: bool) -> None:
+    """--layer-steps needs engines that run probe passes between steps; both flags need eager blocks (their taps and
+    the routing replay are module hooks and a TorchFunctionMode, which a compiled block would trace or skip)."""
+    from fp8dist.engines.registry import facts_for
+
+    flags = " and ".join(flag for flag, on in (("--layer-steps", layer_steps), ("--fixed-routing", fixed_routing))
+                         if on)
+    if not flags:
+        return
+    for role, spec in specs.items():
+        if layer_steps and not facts_for(spec).runs_probes:
+            raise Fp8distError(f"--layer-steps: the {role}'s engine ({spec.engine}) cannot run a probe pass between "
+                               "optimizer steps (an extra backward would move DeepSpeed's gradient-accumulation "
+                               "boundary and fill its reduce buckets)\n  fix: compare engine: fsdp2 configs for "
+                               "the layer report, or drop --layer-steps")
+        split = [f"parallel.{key}={getattr(spec.parallel, key)}" for key in ("tensor_size", "context_size")
+                 if getattr(spec.parallel, key) > 1]
+        if layer_steps and split:
+            raise Fp8distError(f"--layer-steps: the {role} splits each block's output over ranks ({', '.join(split)}: "
+                               "sequence or head shards), and the report compares whole outputs per rank\n  fix: "
+                               "compare configs without tensor or context parallel for the layer report")
+        if layer_steps and spec.adapter.enabled and spec.adapter.base_dtype == "nf4":
+            raise Fp8distError(f"--layer-steps: the {role} holds an NF4 base, which loading another run's weights "
+                               "would re-quantize shard by shard (torchao's NF4Tensor copy_, with a scale mean per "
+                               "shard) and not restore bitwise\n  fix: compare with adapter.base_dtype=auto for the "
+                               "layer report")
+        if layer_steps and spec.fp8.backend in ("te", "msamp"):
+            raise Fp8distError(f"--layer-steps: the {role} runs {spec.fp8.backend}, whose modules keep FP8 state "
+                               "(amax histories, scales) that a probe pass would move and the weights swap cannot "
+                               "restore\n  fix: the layer report runs torchao configs; `fp8dist audit --numerics` "
+                               "reads TE's delayed scaling")
+        if spec.compile:
+            raise Fp8distError(f"{flags}: the {role} compiles its blocks (compile: true), and the taps need them "
+                               "eager\n  fix: add the override compile=false")
+
+
+def check_has_experts(model_name: str) -> None:
+    """--fixed-routing on a model whose config says it has no experts (a factory model's is not known here: the
+    ranks refuse it when they find no router)."""
+    from fp8dist.config.parallel import expert_count
+    from fp8dist.runtime.models import config_values
+
+    values = config_values(model_name)
+    if values is not None and not expert_count(values):
+        raise Fp8distError(f"--fixed-routing replays a Mixture-of-Experts model's expert choices, and {model_name} "
+                           "has no experts\n  fix: drop --fixed-routing, or compare an MoE model")
+
+
+# --- the rank side -------------------------------------------------------------------------------------------
 
 
 @dataclass

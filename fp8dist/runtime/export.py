@@ -15,6 +15,7 @@ zero_to_fp32 (the fp32 masters of ZeRO 1-3, lazily) or, without ZeRO, the module
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -43,6 +44,13 @@ class Exported:
     files: tuple[str, ...]
     tensors: int
     bytes: int  # of the safetensors files
+    source: Path | None = None  # the checkpoint exported (a --checkpoint-dir's newest)
+    step: int | None = None     # the step it was taken after
+    run: str = ""               # the run that wrote it, in words (fp8dist.engines.checkpoint.describe_run)
+
+    def origin(self) -> str:
+        """'step 8 of run 3f2a9c1e07b4 (tiny-qwen2, adapter lora, ...), from DIR/step-00000008'."""
+        return f"step {self.step} of {self.run}, from {self.source}" if self.source is not None else ""
 
 
 def check_destination(out_dir: str | os.PathLike) -> None:
@@ -63,7 +71,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
     run's checkpoint holds the adapters (and its modules_to_save) only: it is written as a PEFT adapter directory
     (default dtype: the adapters' master dtype, as trained), or with `merge` as the base (read again from the run's
     MODEL) with the adapters merged in and the trained modules in place of the base's."""
-    from fp8dist.engines.checkpoint import HF_CONFIG_DIR, find_latest, read_manifest
+    from fp8dist.engines.checkpoint import HF_CONFIG_DIR, describe_run, find_latest, read_manifest
 
     if not Path(checkpoint).is_dir():
         why = "is a file, not a directory" if Path(checkpoint).exists() else "does not exist"
@@ -106,8 +114,9 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
     try:
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger and progress prints: not our output
             reader = _unless_unreadable(path, lambda: checkpoint_reader(path, manifest))
+        origin = {"source": path, "step": manifest["step"], "run": describe_run(manifest)}
         if lora:
-            return _export_adapter(reader, manifest, path, scratch, out, dtype, merge)
+            return dataclasses.replace(_export_adapter(reader, manifest, path, scratch, out, dtype, merge), **origin)
         narrower = sorted(d for d in getattr(reader, "stored", ()) if d.itemsize < target.itemsize)
         if narrower:
             stored = dtypes.name_of(narrower[0])
@@ -138,13 +147,16 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
-    return Exported(out, dtype, tuple(names), tensors, total)
+    return Exported(out, dtype, tuple(names), tensors, total, **origin)
 
 
 def _publish(scratch: Path, out: Path, path: Path, manifest: dict, dtype: str, names: list[str]) -> None:
     """The marker, ordinary permissions, and the finished scratch directory renamed to OUT_DIR."""
+    from fp8dist.engines.checkpoint import run_of
+
     (scratch / MARKER).write_text(json.dumps({"checkpoint": str(path.absolute()), "step": manifest["step"],
-                                              "dtype": dtype, "files": names}, indent=1) + "\n")
+                                              "run": run_of(manifest), "dtype": dtype, "files": names},
+                                             indent=1) + "\n")
     share(scratch)  # mkdtemp's directory and safetensors' files are private; an export is shared like any model
     if out.exists():
         shutil.rmtree(out)

@@ -1,16 +1,22 @@
 """Models for the audit, the demos and the tests: built in (no download), a local Hugging Face
 directory, a Hugging Face Hub id (resolved by transformers: its cache, or the Hub where there is a network), or
-`package.module:factory`. Each comes with a function that makes an input batch."""
+`package.module:factory`. Each comes with a function that makes an input batch. `model_kind` is the one reading of a
+MODEL argument that every command uses (estimate adds its shapes)."""
 from __future__ import annotations
 
 import difflib
 import importlib
 import json
+import os
 import re
+import socket
+import sys
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Literal
 
+from fp8dist.config.parallel import RANKS_LAUNCHED
 from fp8dist.dtypes import torch_dtype
 from fp8dist.errors import Fp8distError
 from fp8dist.runtime.data import BatchMaker
@@ -117,53 +123,140 @@ def _from_hf_config(config, dtype: str, seed: int) -> Any:
 
 BUILTIN = {"tiny-llama": tiny_llama_config, "small-llama": small_llama_config, "tiny-qwen2": lambda: tiny_config("qwen2"),
            "tiny-mixtral": lambda: tiny_moe_config("mixtral"), "small-mixtral": small_mixtral_config}
-# What a MODEL argument may be, for every --help and refusal that names the forms.
-MODEL_FORMS = (f"a built-in name ({', '.join(BUILTIN)}), a local Hugging Face model directory, a Hugging Face Hub "
-               "id (org/name, from the Hub cache or downloaded where there is a network), or package.module:factory")
+
+
+def model_forms(shapes: Collection[str] = ()) -> str:
+    """What a MODEL argument may be, for every --help and refusal that names the forms; `shapes`: the names of model
+    shapes a command also takes (estimate: the config.json of public checkpoints, without weights), which then takes
+    a config.json too and no factory (it builds the model from its config alone)."""
+    hub = "a Hugging Face Hub id (org/name, from the Hub cache or downloaded where there is a network)"
+    if shapes:
+        return (f"a built-in name or shape ({', '.join([*BUILTIN, *shapes])}), a local Hugging Face model directory "
+                f"or its config.json, or {hub}")
+    return (f"a built-in name ({', '.join(BUILTIN)}), a local Hugging Face model directory, {hub}, or "
+            "package.module:factory")
+
+
+MODEL_FORMS = model_forms()
 # A Hugging Face Hub model id, `org/name` (huggingface_hub validate_repo_id: letters, digits, - _ .). A bare word is
 # not taken for one (the Hub's once org-less models have org/name ids, e.g. openai-community/gpt2): a misspelt
 # built-in name is said here, not asked of the network.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+ModelKind = Literal["shape", "builtin", "directory", "config_file", "factory", "hub"]
+
+
+def model_kind(name: str, shapes: Collection[str] = ()) -> ModelKind:
+    """What MODEL names, the one reading of a MODEL argument for every command: one of `shapes` (a command's own
+    names: estimate's), a built-in name, a model directory, a config.json file (which only a command taking `shapes`
+    reads), package.module:factory, or a Hub id (not resolved here). Anything else is refused, with the closest
+    name where it looks misspelt. No torch import, no network."""
+    if name in shapes:
+        return "shape"
+    if name in BUILTIN:
+        return "builtin"
+    if ":" in name:
+        return "factory"
+    path = Path(name)
+    if path.is_dir():
+        return "directory"
+    if path.exists():
+        if shapes and path.suffix == ".json":
+            return "config_file"
+        raise Fp8distError(f"MODEL {name!r} is a file\n  fix: name the directory that holds the model's config.json")
+    if not HUB_ID.fullmatch(name) or ".." in name or "--" in name:
+        close = difflib.get_close_matches(name, [*BUILTIN, *shapes], n=1, cutoff=0.8)
+        why = f"did you mean {close[0]}?" if close else "no such directory, and not a Hugging Face Hub id (org/name)"
+        raise Fp8distError(f"unknown MODEL {name!r}: {why}\n  fix: use {model_forms(shapes)}")
+    return "hub"
 
 
 def check_model_name(name: str) -> None:
     """Refuse a MODEL that names nothing fp8dist can build or load. No torch import, except for a Hub id, which
     transformers resolves (hub_config)."""
-    if name in BUILTIN or ":" in name:
-        return
-    path = Path(name)
-    if path.is_dir():
-        config = path / "config.json"
+    kind = model_kind(name)
+    if kind == "directory":
+        config = Path(name) / "config.json"
         if not config.exists():
             raise Fp8distError(f"{name} has no config.json: not a Hugging Face model directory")
         try:
             json.loads(config.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise Fp8distError(f"{config}: not JSON ({exc})") from None
-        _check_safetensors(path)
-        return
-    if path.exists():
-        raise Fp8distError(f"MODEL {name!r} is a file\n  fix: name the directory that holds the model's config.json")
-    if not HUB_ID.fullmatch(name) or ".." in name or "--" in name:
-        close = difflib.get_close_matches(name, BUILTIN, n=1, cutoff=0.8)
-        why = f"did you mean {close[0]}?" if close else "no such directory, and not a Hugging Face Hub id (org/name)"
-        raise Fp8distError(f"unknown MODEL {name!r}: {why}\n  fix: use {MODEL_FORMS}")
-    hub_config(name)
+        _check_safetensors(Path(name))
+    elif kind == "hub":
+        hub_config(name)
+    elif kind == "factory":
+        _factory_module(name, find_only=True)
+
+
+def _factory_module(target: str, *, find_only: bool = False):
+    """The module of `package.module:factory`, from the Python path or else, as `python -m` reads a module name,
+    from the current directory (a rank under torchrun has its script's folder on the path, not the directory it was
+    launched from). `find_only`: whether it can be found, without running it (the check before any rank starts)."""
+    import importlib.util
+
+    module_name = target.partition(":")[0]
+    here = os.getcwd()
+
+    def found() -> bool:
+        try:
+            return importlib.util.find_spec(module_name) is not None
+        except ModuleNotFoundError:  # a parent package is missing
+            return False
+
+    if not found() and here not in sys.path:
+        sys.path.insert(0, here)
+        if not found():
+            sys.path.remove(here)
+    if not found():
+        top = module_name.split(".")[0]
+        raise Fp8distError(f"cannot import MODEL factory {target!r}: no module {module_name!r} on the Python path or "
+                           f"in the current directory ({here})\n  fix: run from the directory that holds {top}/ (or "
+                           f"{top}.py), or add that directory to PYTHONPATH")
+    return None if find_only else importlib.import_module(module_name)
 
 
 def hub_config(name: str):
     """The config of the Hub model `name`, as transformers resolves it: from its cache, or the Hub where there is a
-    network (HF_HUB_OFFLINE=1: the cache only). Refused with transformers' own reason when it cannot."""
+    network (HF_HUB_OFFLINE=1: the cache only; set here when the Hub cannot be reached). Refused with transformers'
+    own reason when it cannot."""
     from transformers import AutoConfig
 
+    unreachable = offline_unless_reachable()
     try:
         return AutoConfig.from_pretrained(name)
     except Exception as exc:  # noqa: BLE001 - OSError (not found, offline, gated), ValueError (unknown model type)...
         reason = " ".join(str(exc).split()) or type(exc).__name__
+        where = (f" ({unreachable} cannot be reached from this machine, so only the Hub cache was looked in: "
+                 "HF_HUB_OFFLINE=1)" if unreachable else "")
         raise Fp8distError(f"unknown MODEL {name!r}: not a built-in name or a local directory, and transformers cannot "
-                           f"resolve it as a Hugging Face Hub id: {reason[:600]}\n  fix: check the id; where this "
-                           "machine has no network, put the model in its Hub cache (`hf download ID` where there is "
-                           "one, then copy HF_HUB_CACHE) or name its local directory") from None
+                           f"resolve it as a Hugging Face Hub id{where}: {reason[:600]}\n  fix: check the id; where "
+                           "this machine has no network, put the model in its Hub cache (`hf download ID` where there "
+                           "is one, then copy HF_HUB_CACHE) or name its local directory") from None
+
+
+def offline_unless_reachable(timeout_s: float = 3.0) -> str | None:
+    """Turn on the Hub's offline mode (HF_HUB_OFFLINE=1: the Hub cache only) when the Hub's host cannot be reached,
+    so that an id the cache lacks is refused at once instead of after huggingface_hub's retries (5 of them, about
+    28 s, for each file asked for). Set in os.environ, so the ranks started later inherit it, and in
+    huggingface_hub's constants when it is already imported (it reads the variable at import). Returns the host
+    when it was unreachable; None when it answered, when offline mode is set already, or when a proxy is configured
+    (the connection goes through it: huggingface_hub decides)."""
+    if any(os.environ.get(name) for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy",
+                                             "ALL_PROXY", "all_proxy")):
+        return None
+    endpoint = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host = endpoint.hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, endpoint.port or (80 if endpoint.scheme == "http" else 443)),
+                                 timeout=timeout_s).close()
+        return None
+    except OSError:  # no route, no name resolution, refused or timed out
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        constants = sys.modules.get("huggingface_hub.constants")
+        if constants is not None:
+            setattr(constants, "HF_HUB_OFFLINE", True)
+        return host
 
 
 def _check_safetensors(directory: Path) -> None:
@@ -182,9 +275,10 @@ def _check_safetensors(directory: Path) -> None:
 
 def config_values(name: str) -> dict | None:
     """MODEL's config.json values without building it (None for a factory, whose model only prepare sees)."""
-    if name in BUILTIN:
+    kind = model_kind(name)
+    if kind == "builtin":
         return BUILTIN[name]().to_dict()
-    if ":" in name:
+    if kind == "factory":
         return None
     path = Path(name) / "config.json"
     if path.is_file():
@@ -192,12 +286,13 @@ def config_values(name: str) -> dict | None:
     return hub_config(name).to_dict()
 
 
-def check_mesh_fits(spec, name: str, world: int) -> None:
-    """Refuse, before any weight is loaded, a tensor / context / expert parallel mesh MODEL does not split on
-    (fp8dist.config.parallel.check_model_fits); a factory model is checked when the engine sees it."""
+def check_mesh_fits(spec, name: str, world: int, world_flag: str = RANKS_LAUNCHED) -> None:
+    """Refuse, before any weight is loaded, a mesh `world` ranks do not fill, or a tensor / context / expert parallel
+    mesh MODEL does not split on (fp8dist.config.parallel.check_model_fits); a factory model is checked when the
+    engine sees it. `world_flag`: the option that set `world`, for the fix (parallel_dims)."""
     from fp8dist.config.parallel import check_model_fits, parallel_dims, sequence_parallel
 
-    dims = parallel_dims(spec, world)
+    dims = parallel_dims(spec, world, world_flag)
     if dims.tp == 1 and dims.cp == 1 and dims.ep == 1:
         return
     values = config_values(name)
@@ -208,14 +303,13 @@ def check_mesh_fits(spec, name: str, world: int) -> None:
 def load_model(name: str, dtype: str, seed: int = 0) -> LoadedModel:
     """Build or load MODEL in the load dtype. Only a Hub id may reach the network (transformers resolves it)."""
     check_model_name(name)
-    if name in BUILTIN:
+    kind = model_kind(name)
+    if kind == "builtin":
         config = BUILTIN[name]()
         return LoadedModel(_from_hf_config(config, dtype, seed), causal_lm_batch(config.vocab_size), name)
-    if Path(name).is_dir():
-        return _load_hf(name, dtype, local=True)
-    if ":" in name:
+    if kind == "factory":
         return _load_factory(name, dtype, seed)
-    return _load_hf(name, dtype, local=False)
+    return _load_hf(name, dtype, local=kind == "directory")
 
 
 def _load_hf(name: str, dtype: str, local: bool) -> LoadedModel:
@@ -240,7 +334,9 @@ def _load_factory(target: str, dtype: str, seed: int) -> LoadedModel:
 
     module_name, _, attr = target.partition(":")
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
+        factory = getattr(_factory_module(target), attr)
+    except Fp8distError:
+        raise
     except Exception as exc:  # ImportError, AttributeError, or whatever the module raises on import
         raise Fp8distError(f"cannot import MODEL factory {target!r}: {type(exc).__name__}: {exc}") from None
     torch.manual_seed(seed)

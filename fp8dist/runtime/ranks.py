@@ -91,7 +91,7 @@ def launch(module: str, args: list[str], nproc: int, timeout: float, what: str,
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cuda" if has_cuda() else "cpu")}
         # One pipe for both streams, drained by a thread: progress shown as it comes, the tail kept for errors,
-        # and no rank ever blocks on a full pipe. Its own process group: a timeout ends every rank.
+        # and no rank ever blocks on a full pipe. Its own session: a timeout ends it and everything below it.
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True)
         tail: collections.deque[str] = collections.deque(maxlen=200)
@@ -109,8 +109,7 @@ def launch(module: str, args: list[str], nproc: int, timeout: float, what: str,
         try:
             proc.wait(timeout=timeout)
         except BaseException as exc:  # a timeout, or Ctrl-C that reached only this process: end every rank
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            end_process_tree(proc)
             if not isinstance(exc, subprocess.TimeoutExpired):
                 raise
             raise Fp8distError(f"the {what} did not finish within {timeout:g} s and was stopped; raise --timeout "
@@ -123,6 +122,79 @@ def launch(module: str, args: list[str], nproc: int, timeout: float, what: str,
     if "_error" in result:
         raise Fp8distError(result["_error"])
     return result
+
+
+def end_process_tree(proc: subprocess.Popen) -> None:
+    """Kill `proc` and every process below it, whatever session each moved to, and reap `proc`.
+
+    Killing the launcher's process group is not enough: torchrun starts each rank in a session of its own (torch
+    2.13 torch/distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py: `start_new_session=True`),
+    so the ranks outlive it, reparented to PID 1, still holding their memory and ports. The tree is frozen first
+    (SIGSTOP, walked again until nothing new appears: a stopped process starts no other and is not restarted), then
+    every process group led by a process of the tree, and every process of it, gets SIGKILL."""
+    stopped: set[int] = set()
+    while True:
+        found = _process_tree(proc.pid) - stopped
+        if not found:
+            break
+        for pid in found:
+            _signal(os.kill, pid, signal.SIGSTOP)
+        stopped |= found
+    leaders = {pid for pid in stopped if _group_of(pid) == pid}
+    for pgid in leaders:
+        _signal(os.killpg, pgid, signal.SIGKILL)
+    for pid in stopped - leaders:
+        _signal(os.kill, pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _signal(send: Callable[[int, int], None], pid: int, sig: int) -> None:
+    try:
+        send(pid, sig)
+    except (ProcessLookupError, PermissionError):  # gone already (or reaped and its id taken by another user's)
+        pass
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _process_tree(root: int) -> set[int]:
+    """`root` and its descendants alive now (psutil where installed; else Linux's /proc; else `root` alone)."""
+    try:
+        import psutil
+    except ImportError:
+        return _proc_tree(root)
+    try:
+        return {root} | {child.pid for child in psutil.Process(root).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _proc_tree(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return {root}
+    for entry in entries:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as handle:
+                    fields = handle.read().rpartition(")")[2].split()  # the name may hold spaces and parentheses
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:
+            tree.add(pid)
+            todo += children.get(pid, [])
+    return tree
 
 
 def finish(result: dict[str, Any], out_path: str) -> NoReturn:

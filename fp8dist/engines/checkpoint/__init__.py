@@ -8,9 +8,10 @@ engine cannot reshard, and the model's parameters, before any weight is read. Th
 a filesystem every rank sees (as for torch.distributed.checkpoint and DeepSpeed).
 
 Import the names below from here; by concern they live in
-- layout: the directory layout (names, the manifest, complete and partial directories, find_latest, prune);
-- protocol: save and resume with every rank, the run directory's check, and `checkpoint_ranks` (the ranks
-  checkpoints count);
+- layout: the directory layout (names, the manifest, complete and partial directories, find_latest, prune), and
+  which run wrote each checkpoint (run_of, describe_run, foreign_checkpoints);
+- protocol: save and resume with every rank, the one rule for another run's checkpoints (a save or a new run
+  beside them is refused), the run directory's check, and `checkpoint_ranks` (the ranks checkpoints count);
 - compatibility: what a resume refuses, and what it notes;
 - interface: what an engine provides (`EngineCheckpointing`, `ModelReader`; implemented in
   fp8dist.engines.fsdp2.checkpointing and fp8dist.engines.deepspeed.checkpointing, reached through
@@ -21,12 +22,13 @@ The rank helpers (rank 0 acting for all, the barrier) are fp8dist.distributed's.
 from fp8dist.engines.checkpoint.compatibility import check_compatible, config_changes
 from fp8dist.engines.checkpoint.interface import (WRAPPER_COMPONENTS, EngineCheckpointing, ModelReader,
                                                   checkpointing_for, exported_bytes, model_key)
-from fp8dist.engines.checkpoint.layout import (FORMAT, HF_CONFIG_DIR, MANIFEST, complete_checkpoints, find_latest,
-                                               prune, read_manifest, step_name)
+from fp8dist.engines.checkpoint.layout import (FORMAT, HF_CONFIG_DIR, MANIFEST, complete_checkpoints, describe_run,
+                                               find_latest, foreign_checkpoints, prune, read_manifest, run_of,
+                                               step_name)
 from fp8dist.engines.checkpoint.protocol import (Resumed, check_run_directory, checkpoint_ranks, failure_text, resume,
                                                  save)
 
 __all__ = ["FORMAT", "HF_CONFIG_DIR", "MANIFEST", "WRAPPER_COMPONENTS", "EngineCheckpointing", "ModelReader",
            "Resumed", "check_compatible", "check_run_directory", "checkpoint_ranks", "checkpointing_for",
-           "complete_checkpoints", "config_changes", "exported_bytes", "failure_text", "find_latest", "model_key",
-           "prune", "read_manifest", "resume", "save", "step_name"]
+           "complete_checkpoints", "config_changes", "describe_run", "exported_bytes", "failure_text", "find_latest",
+           "foreign_checkpoints", "model_key", "prune", "read_manifest", "resume", "run_of", "save", "step_name"]

@@ -6,6 +6,12 @@ renames the directory (fp8dist.engines.checkpoint.layout.make_complete), and onl
 `checkpoint.keep_last` and unfinished saves. A resume lets rank 0 find and check the checkpoint
 (fp8dist.engines.checkpoint.compatibility) and gives every rank its answer, or the same error, before any weight
 is read.
+
+One rule says which checkpoints are another run's, for every caller (launch/train.py, fp8dist's run loop, a script
+of its own calling `save`): a run is the engine's model object; it draws an id at its first save, or takes the id
+of the checkpoint it resumed, and each manifest records it. A save into a directory holding checkpoints of any
+other run is refused (so is a new run's `check_run_directory`): its steps would interleave with theirs, pruning
+would delete theirs, and a resume or `fp8dist export` of the directory would take whichever run's step is newest.
 """
 from __future__ import annotations
 
@@ -13,7 +19,9 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+import uuid
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +31,9 @@ import fp8dist.distributed as distributed
 from fp8dist.engines.checkpoint.compatibility import check_compatible
 from fp8dist.engines.checkpoint.files import write_file_atomic
 from fp8dist.engines.checkpoint.interface import checkpointing_for
-from fp8dist.engines.checkpoint.layout import (FORMAT, HF_CONFIG_DIR, MANIFEST, complete_checkpoints, find_latest,
-                                               make_complete, partial_path, prune, rank_file, read_manifest,
-                                               step_name)
+from fp8dist.engines.checkpoint.layout import (FORMAT, HF_CONFIG_DIR, MANIFEST, RUN, another_run, find_latest,
+                                               foreign_checkpoints, make_complete, partial_path, prune, rank_file,
+                                               read_manifest, run_of, step_name)
 from fp8dist.engines.checkpoint.rng import rng_state, set_rng_state
 from fp8dist.errors import Fp8distError
 from fp8dist.facts import versions
@@ -42,6 +50,34 @@ class Resumed:
     step: int  # optimizer steps already taken
     data_position: int  # the step index of the next batch
     notes: tuple[str, ...] = ()  # what is not exact (e.g. RNG states of another world size)
+
+
+@dataclass
+class _Run:
+    """One run as checkpoints know it: the id its saves record, and the runs whose checkpoints are its own history
+    (itself; the run it resumed, None where that checkpoint had no id)."""
+
+    id: str
+    continues: set[str | None] = field(default_factory=set)
+
+
+# The engine's model object (an FSDP2Run, a DeepSpeedRun, the module of an EngineCheckpointing) -> its run, held
+# weakly: a run object gone takes its entry with it.
+_RUNS: weakref.WeakKeyDictionary[Any, _Run] = weakref.WeakKeyDictionary()
+
+
+def _run(engine: Any, resumed: dict[str, Any] | None = None) -> _Run:
+    """The run of `engine`'s model object; `resumed`: the manifest of the checkpoint it resumes, whose run it
+    continues (a run resumed before its first save takes that run's id)."""
+    run = _RUNS.get(engine.module)
+    if run is None:
+        found = run_of(resumed) if resumed is not None else None
+        run = _Run(found or uuid.uuid4().hex[:12])
+        run.continues.add(run.id)
+        _RUNS[engine.module] = run
+    if resumed is not None:
+        run.continues.add(run_of(resumed))
+    return run
 
 
 def checkpoint_ranks() -> tuple[int, int]:
@@ -63,10 +99,16 @@ def save(target: Any, directory: str | os.PathLike[str], step: int, *, spec: Any
     directory = Path(directory)
     rank, world = checkpoint_ranks()
     final, partial = directory / step_name(step), partial_path(directory, step)
+    run = _run(engine)
 
     def begin() -> None:
         if directory.exists() and not directory.is_dir():
             raise Fp8distError(f"--checkpoint-dir {directory}: is a file\n  fix: name a directory")
+        foreign = foreign_checkpoints(directory, run.continues)
+        if foreign:
+            raise another_run(str(directory), foreign, "save this run into a new or empty directory; to continue "
+                              "that run instead, resume from the directory first (fp8dist.engines.checkpoint.resume, "
+                              "launch/train.py --resume), then save")
         directory.mkdir(parents=True, exist_ok=True)
         if partial.exists():
             shutil.rmtree(partial)
@@ -79,6 +121,7 @@ def save(target: Any, directory: str | os.PathLike[str], step: int, *, spec: Any
     def commit() -> None:
         manifest = {
             "fp8dist_checkpoint": FORMAT,
+            RUN: run.id,
             "engine": engine.engine,
             "step": step,
             "data_position": step if data_position is None else data_position,
@@ -123,6 +166,7 @@ def resume(target: Any, directory: str | os.PathLike[str], *, model_name: str = 
     if decided is None:
         return None
     path, manifest, notes = Path(decided[0]), decided[1], decided[2]
+    _run(engine, resumed=manifest)  # its saves continue that run: the directory's checkpoints are its own
     engine.read(path)
     if manifest["world_size"] == world:
         state = torch.load(path / rank_file(rank), weights_only=True)
@@ -136,8 +180,9 @@ def resume(target: Any, directory: str | os.PathLike[str], *, model_name: str = 
 
 def check_run_directory(directory: str | os.PathLike[str], resuming: bool) -> None:
     """Before the first step (every rank calls it): `directory` must be a directory this job can write (made if
-    missing), not one checkpoint, and for a new run hold no checkpoint of an earlier one: the new run's saves
-    would interleave with them, and pruning and `--resume` would pick the other run's newer steps."""
+    missing), not one checkpoint, and for a new run hold no checkpoint of an earlier one (the rule `save` applies,
+    said before any step is spent): the new run's saves would interleave with them, and pruning and `--resume`
+    would pick the other run's newer steps."""
     directory = Path(directory)
 
     def check() -> None:
@@ -155,11 +200,10 @@ def check_run_directory(directory: str | os.PathLike[str], resuming: bool) -> No
         except OSError as exc:
             raise Fp8distError(f"--checkpoint-dir {directory}: cannot write there ({exc.strerror})"
                                "\n  fix: name a directory this job can write, on a filesystem every rank sees") from None
-        complete = complete_checkpoints(directory)
-        if complete and not resuming:
-            raise Fp8distError(f"--checkpoint-dir {directory}: holds checkpoints of an earlier run (newest "
-                               f"{complete[-1].name})\n  fix: add --resume to continue that run, or name a new or "
-                               "empty directory")
+        foreign = [] if resuming else foreign_checkpoints(directory)  # a new run: none is its own yet
+        if foreign:
+            raise another_run(f"--checkpoint-dir {directory}", foreign, "add --resume to continue that run, or "
+                                                                          "name a new or empty directory")
 
     distributed.on_rank_zero(f"--checkpoint-dir {directory}", check)
 

@@ -149,7 +149,7 @@ def convert(document: dict[str, Any], text: str, source: str, launcher: Launcher
         notes.resolved("adapter", json.dumps(adapter), "the header fp8dist wrote when it translated this file: the "
                        "script applies PEFT's LoRA (Accelerate itself has no adapter setting)")
     if issues:
-        raise ImportProblem(issues, source, "accelerate")
+        raise ImportProblem(issues, source, "accelerate", out)
     imported = cast(dict[str, Any], out)  # _deepspeed returns None only after recording an issue
     note_accelerate_refusals(imported, notes, "this file")
     return Imported("accelerate", imported, notes)

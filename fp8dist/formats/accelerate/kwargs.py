@@ -59,7 +59,7 @@ def parallelism_config(spec: Spec, world_size: int | None):
     par = spec.parallel
     key = ("parallel.shard_size" if par.sharding == "hybrid" else
            "parallel.tensor_size" if par.tensor_size > 1 else "parallel.context_size")
-    dims = parallel_dims(spec, resolve_world_size(world_size, key))
+    dims = parallel_dims(spec, resolve_world_size(world_size, key), "accelerate launch --num_processes")
     return ParallelismConfig(dp_replicate_size=dims.dp_replicate, dp_shard_size=dims.dp_shard, tp_size=dims.tp,
                              cp_size=dims.cp)
 

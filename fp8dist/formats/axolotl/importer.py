@@ -319,7 +319,7 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
     for key, value in cfg.items():
         KEYS.settle(key, value, notes, issues)
     if issues:
-        raise ImportProblem(issues, source, "axolotl")
+        raise ImportProblem(issues, source, "axolotl", out)
     note_accelerate_refusals(out, notes, "this Axolotl config")
     return Imported("axolotl", out, notes)
 

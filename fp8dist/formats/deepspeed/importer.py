@@ -282,7 +282,7 @@ class _Importer:
         if self.extra:
             set_path(self.doc, "deepspeed.extra", self.extra)
         if self.issues:
-            raise ImportProblem(self.issues, self.source, "deepspeed")
+            raise ImportProblem(self.issues, self.source, "deepspeed", self.doc)
         return self.doc
 
     def _keep(self, dotted: str, value: Any) -> None:

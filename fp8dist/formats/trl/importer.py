@@ -315,7 +315,7 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
     for key, value in cfg.items():
         KEYS.settle(key, value, notes, issues)
     if issues:
-        raise ImportProblem(issues, source, "trl")
+        raise ImportProblem(issues, source, "trl", out)
     note_accelerate_refusals(out, notes, "this TRL config")
     return Imported("trl", out, notes)
 

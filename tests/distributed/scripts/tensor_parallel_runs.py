@@ -59,6 +59,7 @@ def train(name: str, tensor_size: int) -> dict:
             "observed": {c["phase"]: c["observed"] for c in report["checks"]},
             "failing": [c["phase"] for c in report["checks"] if not c["ok"]],
             "by_axis": report["communication_bytes_by_axis"], "fp8_share": report["gemm_flops"]["fp8_share"],
+            "fp8_emulated": report["fp8_emulated"],
             "weight_bytes": local_bytes(engine.model.parameters()), "state_bytes": local_bytes(states),
             "tensor_parallel": engine.tensor_parallel.summary() if engine.tensor_parallel else None}
 

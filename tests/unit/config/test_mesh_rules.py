@@ -43,7 +43,8 @@ def test_the_ranks_of_one_tp_or_cp_group_read_the_same_batch(parallel, batches):
 
 @pytest.mark.parametrize("parallel, world, says, fix", [
     ({"tensor_size": 4}, 6, "parallel.tensor_size=4 does not divide the 6 ranks of this job",
-     "launch a multiple of 4 ranks, or lower parallel.tensor_size to a divisor of 6"),
+     "run on a multiple of 4 ranks (torchrun --nproc_per_node 8 / deepspeed --num_gpus 8), or lower "
+     "parallel.tensor_size to a divisor of 6"),
     ({"context_size": 4}, 6, "parallel.context_size=4 does not divide the 6 ranks",
      "lower parallel.context_size to a divisor of 6"),
 ])
@@ -59,6 +60,16 @@ def test_hybrid_shard_size_must_divide_the_data_ranks_left_by_tp():
     with pytest.raises(Fp8distError, match="parallel.shard_size=4 does not divide the 2 data-parallel ranks left by "
                                            r"tp x cp.*\n  fix: set parallel.shard_size to a divisor of 2"):
         parallel_dims(spec, 4)  # 4 ranks divide by shard_size 4, but only 2 are left for data after tp 2
+
+
+def test_the_fix_names_the_flag_of_the_command_that_sets_the_world_size():
+    """Each command names its own option, with a world size that fits (the README's expert-parallel compare line,
+    run on 1 process, once said "launch a multiple of 2 ranks" without naming --nproc)."""
+    spec = _parallel(expert_size=2)
+    for flag in ("--nproc", "--world-size"):
+        with pytest.raises(Fp8distError) as raised:
+            parallel_dims(spec, 3, flag)
+        assert f"fix: run on a multiple of 2 ranks ({flag} 4)" in str(raised.value), str(raised.value)
 
 
 # ---- sequence_parallel: auto ----

@@ -245,3 +245,21 @@ def test_a_key_added_since_the_checkpoint_is_no_change_at_its_default():
     assert config_changes(older, here) == []
     saving = load_config({"adapter": {"kind": "lora", "modules_to_save": ["lm_head"]}}).to_dict()
     assert config_changes(older, saving) == [("adapter.modules_to_save", [], ["lm_head"])]
+
+
+def test_a_checkpoint_without_a_run_id_is_another_runs_until_resumed(tmp_path):
+    """Checkpoints saved before manifests named their run: a fresh run's save beside them is refused (they may be
+    any run's); a run that resumed from one continues it, under an id of its own that the directory then holds
+    beside them without being taken for a second run."""
+    spec = load_config(None, ["checkpoint.keep_last=5"])
+    old = save(FileCheckpointing(torch.nn.Linear(2, 2)), tmp_path, 2, spec=spec)
+    manifest = json.loads((old / MANIFEST).read_text())
+    del manifest["run"]  # as fp8dist wrote it before
+    (old / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(Fp8distError, match=r"(?s)holds checkpoints of an earlier run .newest step-00000002., a run "
+                                           r"without a recorded id .*fix: save this run into a new or empty directory"):
+        save(FileCheckpointing(torch.nn.Linear(2, 2)), tmp_path, 4, spec=spec)
+    resumed = torch.nn.Linear(2, 2)
+    assert resume(FileCheckpointing(resumed), tmp_path).step == 2
+    new = save(FileCheckpointing(resumed), tmp_path, 4, spec=spec)
+    assert isinstance(read_manifest(new)["run"], str) and find_latest(tmp_path) == new

@@ -93,7 +93,7 @@ def test_cli_import_output_validates(tmp_path):
     assert run_cli("validate", tmp_path / "ax.yaml").returncode == 0
 
 
-def test_seed_002_axolotl_fp8_fsdp2(tmp_path):
+def test_axolotl_docs_fp8_fsdp2_example(tmp_path):
     text = import_file(FIXTURES / "axolotl_fp8_fsdp2.yaml")
     spec = imported_spec(text, tmp_path)
     assert spec.engine == "fsdp2" and spec.compile is True
@@ -111,7 +111,7 @@ def test_seed_002_axolotl_fp8_fsdp2(tmp_path):
     assert "Accelerate 1.15 refuses torchao FP8 with FSDP2 and RAM-efficient loading" in text
 
 
-def test_seed_004_accelerate_fsdp_config(tmp_path):
+def test_accelerate_fsdp_config_file(tmp_path):
     text = import_file(FIXTURES / "accelerate_fsdp_config.yaml")
     spec = imported_spec(text, tmp_path)
     p = spec.precision

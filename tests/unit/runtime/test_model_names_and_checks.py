@@ -91,3 +91,24 @@ def test_every_built_in_model_is_in_the_help(command):
     text = " ".join(result.stdout.split())
     assert all(name in text for name in BUILTIN), text
     assert "Hub id" in text
+
+
+def test_a_factory_module_is_found_from_the_directory_a_launch_starts_in(tmp_path):
+    """The README's `--model tests.tp_models:unseen_qwen2_qlora` from the repository root, without PYTHONPATH: a
+    script's ranks have its folder on the path (launch/), not the directory they started in, and found the module
+    only with PYTHONPATH=. (one error per rank). A module that is nowhere is refused once, before any rank, with the
+    fix (issue 46, item 5)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    check = [sys.executable, str(ROOT / "launch" / "train.py"), "--check", "--fp8dist-config",
+             str(ROOT / "configs" / "fsdp2-qlora.yaml"), "--model"]
+    done = subprocess.run([*check, "tests.tp_models:unseen_qwen2_qlora"], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from fp8dist.runtime.models import load_model
+
+    assert load_model("tests.audit_factories:token_mlp", "fp32").model is not None  # the same resolution, loaded
+    done = subprocess.run([*check, "tests.tp_models:unseen_qwen2_qlora"], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 2 and done.stderr.count("cannot import MODEL factory") == 1, done.stderr[-2000:]
+    assert f"in the current directory ({tmp_path})" in done.stderr and "fix: run from the directory that holds tests/"\
+        in done.stderr and "Traceback" not in done.stderr
