@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8dist.backends.storage import BlockLayout, Storage, is_tensor_like, short, storage
+from fp8dist.dtypes import name_of
 from fp8dist.facts.torch import sdpa_kernel_reason
 from fp8dist.audit.gemm_flops import GROUPED, LOW_PRECISION, WeightGemmLedger, is_low_precision
 from fp8dist.audit.library_gemms import LibraryGemmRecorder
@@ -77,7 +78,7 @@ class AttentionKernels(TorchFunctionMode):
             return func(*args, **kwargs)
         inputs = [t for t in (*args[:3], kwargs.get("query"), kwargs.get("key"), kwargs.get("value"))
                   if isinstance(t, torch.Tensor)][:3]
-        self.calls[(self.NAME, tuple(storage(t).format for t in inputs))] += 1
+        self.calls[(self.NAME, _formats_the_kernel_gets(inputs))] += 1
         dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
         if dropout and inputs and inputs[0].device.type == "cpu":
             self.dropout_on_cpu += 1
@@ -98,6 +99,17 @@ class AttentionKernels(TorchFunctionMode):
             return True
         node = torch._C._current_autograd_node() if self.nodes else None
         return node is not None and node._sequence_nr() in self.nodes
+
+
+def _formats_the_kernel_gets(inputs: list[torch.Tensor]) -> tuple[str, ...]:
+    """The formats of the attention inputs as the kernel takes them: under autocast, cast to autocast's dtype first
+    (scaled_dot_product_attention is in autocast's lower-precision list on CPU and CUDA: torch 2.13
+    aten/src/ATen/autocast_mode.cpp), whatever the run computed them in (RoPE's fp32 cos/sin promote q and k)."""
+    device = inputs[0].device.type if inputs else "cpu"
+    if inputs and torch.is_autocast_enabled(device):
+        cast = name_of(torch.get_autocast_dtype(device))
+        return tuple(cast if t.is_floating_point() else storage(t).format for t in inputs)
+    return tuple(storage(t).format for t in inputs)
 
 
 def _nodes_between(start, outside: set[int]) -> set[int]:

@@ -90,3 +90,21 @@ def test_fp32_handed_to_the_kernel_by_the_model_still_fails(one_rank):
     assert training["observed"] == "bf16+fp32" and training["status"] == "MISMATCH", training
     assert "fp32: 1" in training["detail"]  # the one SDPA call, on the fp32 inputs the model gave it
     assert audit.report["kernel_matmuls"] is None  # the kernel computed in the precision it was given
+
+
+def test_under_autocast_the_kernel_gets_autocasts_dtype():
+    """Llama's RoPE multiplies q and k by fp32 cos / sin, so under fp16 autocast they reach
+    F.scaled_dot_product_attention in fp32; autocast casts them to fp16 before the kernel (SDPA is in its
+    lower-precision list), and the call counts in fp16, as it runs (the option matrix's ds-fp16-amp-autocast)."""
+    from collections import Counter
+
+    from fp8dist.audit.probes import AttentionKernels
+
+    calls: Counter = Counter()
+    q, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8, dtype=torch.float16)
+    with torch.autocast("cpu", dtype=torch.float16), AttentionKernels(calls):
+        out = F.scaled_dot_product_attention(q, q, v)
+    assert out.dtype == torch.float16 and calls == Counter({(AttentionKernels.NAME, ("fp16", "fp16", "fp16")): 1})
+    with AttentionKernels(calls):  # without autocast: the inputs as given
+        F.scaled_dot_product_attention(q, q, q)
+    assert calls[(AttentionKernels.NAME, ("fp32", "fp32", "fp32"))] == 1
