@@ -108,12 +108,21 @@ RUNS = [
     Run("fsdp2-torchao-rowwise",
         {"precision": {"preset": "torchao-float8-rowwise",
                        "fp8": {"torchao": {**EMULATE, "enable_fsdp_float8_all_gather": False,
-                                           "force_recompute_fp8_weight_in_bwd": False, "pad_inner_dim": True}}}},
+                                           "force_recompute_fp8_weight_in_bwd": False, "pad_inner_dim": True}}},
+         "hardware": {"gpu": "h100"}},  # min_speedup auto: no rule when emulating; the audit's speed row is H100's
         {"float8_linears": 14}),
+    # The speed-aware module filter on a GPU named in the config (emulated, so min_speedup is written): at 64 tokens
+    # per micro-batch, eager, on an L40S, tiny-llama's q/k/v/o are predicted below MIN_SPEEDUP_RUN and stay in bf16,
+    # gate/up/down above it (tests/unit/backends/test_speed_filter.py checks the split is real)
+    Run("fsdp2-torchao-min-speedup",
+        {"precision": {"preset": "torchao-float8", "fp8": {"torchao": EMULATE, "min_speedup": 0.0125}},
+         "hardware": {"gpu": "l40s"}},
+        {"float8_linears": 6}),
     # MoE: experts in MXFP8 (emulated) on both engines pass the first-step audit, which counts the experts'
     # grouped GEMMs; with experts=none the audit fails on the gemm row, naming the experts
     Run("fsdp2-moe-mxfp8-experts",
-        {"precision": {"preset": "torchao-float8", "fp8": {"torchao": {**EMULATE, "experts": "mxfp8"}}}},
+        {"precision": {"preset": "torchao-float8", "fp8": {"torchao": {**EMULATE, "experts": "mxfp8"}}},
+         "hardware": {"gpu": "b200"}},  # the audit's speed row on a GPU that has MXFP8
         {"experts": "fp8dist_mxfp8_emulated"}, model="tiny-mixtral"),
     # Expert parallel on 2 ranks (efsdp 1 x ep 2): 4 of tiny-mixtral's 8 experts per rank, tokens dispatched by
     # all-to-all. The EP=1 comparisons on 2 and 4 ranks are tests/distributed/test_expert_parallel.py.
@@ -254,6 +263,11 @@ REFUSALS = [
             "environment", "msamp"),
     Refusal("torchao-without-fp8-hardware", {"precision": {"preset": "torchao-float8"}}, "refusing FP8",
             "environment", "fp8_gpu"),
+    # precision.fp8.min_speedup written as a number needs a GPU to predict for: hardware.gpu, or a device it knows
+    Refusal("min-speedup-without-a-gpu", {"precision": {"preset": "torchao-float8", "fp8": {
+        "torchao": EMULATE, "min_speedup": 1.0}}}, "no GPU to predict for", "environment", "cuda"),
+    Refusal("hardware-gpu-without-the-recipe", {"precision": {"preset": "torchao-float8", "fp8": {"torchao": {
+        **EMULATE, "recipe_name": "mxfp8"}}}, "hardware": {"gpu": "h200"}}, "torchao mxfp8 does not run on h200"),
     Refusal("torchao-float8-experts-emulated", {"precision": {"preset": "torchao-float8", "fp8": {"torchao": {
         **EMULATE, "experts": "float8"}}}}, "no emulated mode", "environment"),
     Refusal("mxfp8-pad-inner-dim", {"precision": {"preset": "torchao-float8", "fp8": {"torchao": {
@@ -607,6 +621,8 @@ AUDIT_ROWS = {  # what the audit shows for a key: the phases whose expected dtyp
     "precision.fp8.modules.exclude": "FP8 modules list",
     "precision.fp8.modules.skip_first_last": "FP8 modules list",
     "precision.fp8.torchao.pad_inner_dim": "FP8 modules list",
+    "precision.fp8.min_speedup": "FP8 modules list (each Linear kept with its predicted speedup)",
+    "hardware.gpu": "speed (info: the predicted FP8 / bf16 ratio of the GEMMs the step ran, on this GPU)",
     "adapter.kind": "frozen_weights, frozen_state (lora: the other rows cover the adapters only)",
     "adapter.base_dtype": "frozen_weights",
 }

@@ -30,6 +30,19 @@ def unseen_qwen2_qlora():
     return {"model": AutoModelForCausalLM.from_config(config), "make_batch": causal_lm_batch(config.vocab_size)}
 
 
+def unseen_qwen2_qlora_704():
+    """A 2-layer Qwen2 whose Linears hold no whole number of 64 x 256-value NF4 scaler blocks per shard on 2 ranks:
+    MLP 704 (11 x 64), 2 KV heads of 32 (k/v: 64 x 256, one block of 64 x 256 in all), hidden 256, 8 heads."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from fp8dist.runtime.models import causal_lm_batch
+
+    config = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+                         tie_word_embeddings=False)
+    return {"model": AutoModelForCausalLM.from_config(config), "make_batch": causal_lm_batch(config.vocab_size)}
+
+
 def unseen_qwen3_moe():
     """A 2-layer Qwen3-MoE of a shape no other test uses: 4 experts of 96 x 64, top-2 (every expert's share of the
     tokens differs), 6 heads over 2 KV heads of 16, vocabulary 288, untied embeddings."""

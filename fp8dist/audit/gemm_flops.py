@@ -120,6 +120,8 @@ class WeightGemmLedger:
         self.routers: set[str] = set()
         self.kinds: dict[str, str] = {}       # module -> class name
         self.experts: dict[str, bool] = {}    # module -> holds 3-D (per-expert) weights
+        # module -> (M, K, N) of its latest forward weight GEMM (2-D weights): the shape the audit's speed row predicts
+        self.shapes: dict[str, tuple[int, int, int]] = {}
 
     # -- marks, set by the module hooks ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -212,6 +214,9 @@ class WeightGemmLedger:
                 if not backward:  # its weight gradient comes later (a recompute's belongs to the first forward,
                     # and checkpointing may stop recomputing before a block's last GEMM)
                     self._awaiting_wgrad[mark.shape].append(mark.module)
+                    if len(mark.shape) == 2 and mark.shape[0] * mark.shape[1]:  # weight (N out, K in)
+                        n, k = mark.shape
+                        self.shapes[mark.module] = (flops // (2 * k * n), k, n)
                 self._count(mark.module, fmt, "forward", flops)
             else:
                 self._count(mark.module, fmt, "input_gradient", flops)

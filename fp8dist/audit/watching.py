@@ -28,7 +28,8 @@ from typing import Any, Literal, cast
 import fp8dist.audit.probes as probes
 from fp8dist.audit.gemm_flops import clean_name, summarize as summarize_gemm_flops
 from fp8dist.audit.numerics import NumericsRecorder, observe as observe_numerics
-from fp8dist.backends.module_filter import LinearInfo, decide, linear_infos
+from fp8dist.audit.speed_row import speed_row
+from fp8dist.backends.module_filter import SPEED_KEPT, LinearInfo, decide, linear_infos
 from fp8dist.audit.expected import expected, normalize
 from fp8dist.audit.report import build, table, verdict
 from fp8dist.audit.wire import DATA_AXES, REDUCTIONS, WireRecorder
@@ -243,6 +244,7 @@ class Watch:
                        else _obs(compute, "no FP8/FP4 operands seen" + notes, measured=bool(other)))
         out["_fp8_emulated"] = bool(emulated)
         self._weigh_gemms(out["gemm"])
+        out["_speed"] = self._predict_speed()
         master_value, where, separate = self._masters
         if not separate and self._no_master_expected() and normalize(master_value) == self.spec.precision.weight_dtype:
             out["master_weights"] = _obs("n/a", f"no separate master copy: the optimizer steps the weights themselves, "
@@ -285,6 +287,11 @@ class Watch:
         self.observed["_gemm_flops"] = flops
         if not flops["weight_gemm_flops"]:
             return
+        if decisions and not any(d.convert for d in decisions) and any(SPEED_KEPT in d.reason for d in decisions):
+            # the config's own speed rule kept every Linear: the run it asked for has no FP8 GEMM to find
+            gemm["expects"] = (expected(self.spec, 1)["training"][0],
+                               "precision.fp8.min_speedup kept every Linear in the compute dtype (FP8 is predicted "
+                               "slower for each on this GPU: the module filter's report says why)")
         gemm["detail"] += f"; FP8 share of weight-GEMM FLOPs {flops['fp8_share']:.1%}"
         stray = [row for row in flops["high_precision"] if not row["allowed"]]
         if stray:
@@ -294,6 +301,13 @@ class Watch:
                                                       + formats))
             gemm["detail"] += "; weight GEMMs in high precision: " + "; ".join(
                 f"{row['module']} {row['share']:.1%} of the FLOPs ({row['reason']})" for row in stray)
+
+    def _predict_speed(self) -> dict:
+        """The `speed` info row (audit/speed_row.py): the step's observed weight GEMMs on the run's GPU."""
+        from fp8dist.machine import device_info
+
+        ledger = cast(probes.MatmulRecorder, self.matmuls).ledger
+        return speed_row(self.spec, ledger, device_info().get("name"))
 
     def _config_decisions(self) -> list:
         """Which Linears the config keeps in high precision, for a model fp8dist did not convert (Accelerate, HF

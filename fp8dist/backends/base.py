@@ -5,8 +5,9 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any
 
-from fp8dist.backends.module_filter import Decision
+from fp8dist.backends.module_filter import Decision, SpeedRule, speed_rule
 from fp8dist.config.spec import Spec
+from fp8dist.facts.hardware import run_gpu
 from fp8dist.translate.fsdp2 import FSDP2Plan
 
 
@@ -22,9 +23,28 @@ class PrecisionBackend:
 
     def __init__(self, spec: Spec, plan: FSDP2Plan | None = None):
         self.spec = spec
+        self._speed_rule: SpeedRule | None = None
+        self._speed_resolved = False
 
     def check_environment(self, device: dict[str, Any]) -> None:
         """Raise UnsupportedEnvironment (with the fix) when this backend cannot run on `device`."""
+
+    def resolve_speed_rule(self, device: dict[str, Any]) -> SpeedRule | None:
+        """precision.fp8.min_speedup on `device` (hardware.gpu, or the device's name): the rule convert_module
+        applies (module_filter.speed_rule; raises UnsupportedEnvironment for a number with no GPU to predict for).
+        The engines and the preflight call it beside check_environment."""
+        self._speed_rule = speed_rule(self.spec, run_gpu(self.spec.hardware.gpu, device.get("name")))
+        self._speed_resolved = True
+        return self._speed_rule
+
+    @property
+    def speed_rule(self) -> SpeedRule | None:
+        """The resolved speed rule (resolved on this machine's device if nobody did)."""
+        if not self._speed_resolved:
+            from fp8dist.machine import device_info
+
+            return self.resolve_speed_rule(device_info())
+        return self._speed_rule
 
     def convert_module(self, model) -> list[Decision]:
         """Swap layers for their low-precision versions in place; return one decision per candidate layer."""

@@ -89,7 +89,8 @@ class MSAMP(PrecisionBackend):
             return self.te.convert_module(model)
         rules = self.spec.fp8.modules
         # No divisibility rule: MS-AMP pads GEMM operands to multiples of 16 (msamp/operators/gemm/gemm.py).
-        decisions = decide(linear_infos(model), rules.exclude, rules.skip_first_last, None)
+        decisions = decide(linear_infos(model), rules.exclude, rules.skip_first_last, None,
+                           speed_rule=self.speed_rule)
         for decision in decisions:
             setattr(model.get_submodule(decision.fqn), KEEP_LINEAR_FLAG, not decision.convert)
         return [Decision(d.fqn, d.convert, "left to MS-AMP's FP8Linear" if d.convert else d.reason)

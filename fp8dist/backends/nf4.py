@@ -11,8 +11,13 @@ weights (a resume reads the base again). Params4bit packs its codes into a float
 docs/source/fsdp_qlora.md), which FSDP2's parameter handling corrupts (NaN canonicalisation of packed bf16 bytes,
 bitsandbytes#1945), and with the default uint8 storage FSDP2 trains silently wrong (accelerate#3983).
 
-A weight stays in its load dtype when it does not split into NF4's blocks on this mesh (`nf4_unfit`); the run says
-which. The base's bytes are what the audit reads back (fp8dist/backends/storage.py: NF4Tensor's buffers).
+Every weight is quantized whole before FSDP2 splits it by rows, with one scale mean (`scaler_mean`) for all of it.
+Its scales are double-quantized per NF4_SCALER_BLOCK of them (256), or per the largest count under that which divides
+a shard's blocks (`nf4_scaler_block`): NF4Tensor's three buffers must split into whole scaler blocks per shard
+(torchao's `nf4_split`), and a Qwen2 MLP of 704 (11 x 64) on 2 ranks, or a 128 x 896 k_proj, holds no whole number
+of 256-scale blocks per shard. A smaller scaler block only adds one factor (2 bytes) per scaler block. A weight stays
+in its load dtype only when its rows do not split over the shards or a shard's values are not whole NF4 blocks of 64
+(`nf4_unfit`); the run says which. The base's bytes are what the audit reads back (fp8dist/backends/storage.py: NF4Tensor's buffers).
 """
 from __future__ import annotations
 
@@ -22,18 +27,23 @@ from fp8dist.backends.module_filter import linear_infos
 from fp8dist.errors import Fp8distError
 from fp8dist.facts.torchao import NF4_BLOCK, NF4_SCALER_BLOCK
 
-NF4_GROUP = NF4_BLOCK * NF4_SCALER_BLOCK  # values per scaler block: the unit a weight and each shard must hold
-
-
 def nf4_unfit(out_features: int, in_features: int, shards: int) -> str | None:
-    """Why a [out, in] weight cannot be an NF4 base sharded over `shards` ranks, or None when it can."""
-    numel = out_features * in_features
-    if numel % NF4_GROUP:
-        return f"{out_features}x{in_features} is not a whole number of NF4 scaler blocks ({NF4_BLOCK}x{NF4_SCALER_BLOCK})"
-    if (numel // NF4_GROUP) % shards or out_features % shards:
-        return (f"its {numel // NF4_GROUP} NF4 scaler block(s) and {out_features} rows do not split over {shards} "
-                "shards")
+    """Why a [out, in] weight cannot be an NF4 base sharded over `shards` ranks, or None when it can: FSDP2 splits it
+    by rows, and each shard holds whole NF4 blocks of NF4_BLOCK values."""
+    if out_features % shards:
+        return f"its {out_features} rows do not split over {shards} shards"
+    if (out_features // shards * in_features) % NF4_BLOCK:
+        return (f"a shard of {out_features}x{in_features} over {shards} holds {out_features // shards * in_features} "
+                f"values, not whole NF4 blocks of {NF4_BLOCK}")
     return None
+
+
+def nf4_scaler_block(out_features: int, in_features: int, shards: int) -> int:
+    """The scales an NF4 weight double-quantizes together (NF4Tensor's scaler_block_size): NF4_SCALER_BLOCK where a
+    shard holds a whole number of such blocks, else the largest count under it that divides a shard's NF4 blocks
+    (torchao's nf4_split cuts every buffer into whole scaler blocks per shard). For a weight `nf4_unfit` passes."""
+    blocks = out_features * in_features // NF4_BLOCK // shards
+    return max(size for size in range(1, min(NF4_SCALER_BLOCK, blocks) + 1) if blocks % size == 0)
 
 
 def output_layer_names(model) -> set[str]:
@@ -99,15 +109,19 @@ def quantize_frozen_base(model, shards: int) -> tuple[list[str], dict[str, str]]
     """Every frozen Linear weight that fits, in NF4, in place: (the names quantized, name -> why each other frozen
     Linear kept its dtype). Weights already in NF4 (quantized as the base was read: fp8dist.runtime.loading) stay."""
     chosen, kept = nf4_linears(model, shards)
-    for name in kept:  # quantized as the base was read (fp8dist.runtime.loading) for another shard count
-        if is_nf4(model.get_submodule(name).weight):
+    for name in [*kept, *chosen]:  # quantized as the base was read (fp8dist.runtime.loading) for another shard count
+        weight = model.get_submodule(name).weight
+        needed = None if name in kept else nf4_scaler_block(weight.shape[0], weight.shape[1], shards)
+        why = kept.get(name) or (f"its scales are double-quantized per {weight.scaler_block_size}, a shard's per "
+                                 f"{needed}" if is_nf4(weight) and weight.scaler_block_size != needed else None)
+        if is_nf4(weight) and why:
             raise Fp8distError(f"adapter.base_dtype=nf4: {name} was quantized to NF4 when the model was read, but on "
-                               f"{shards} shard(s) it cannot be one: {kept[name]}\n  fix: load the model (fp8dist."
+                               f"{shards} shard(s) it cannot be that one: {why}\n  fix: load the model (fp8dist."
                                "load_model) on the world size and parallel settings the run has")
     for name in chosen:
         linear = model.get_submodule(name)
         if not is_nf4(linear.weight):  # else quantized as the base was read
-            linear.weight = quantize_weight(linear.weight)
+            linear.weight = quantize_weight(linear.weight, shards)
     return chosen, kept
 
 
@@ -117,23 +131,28 @@ def is_nf4(tensor) -> bool:
     return isinstance(tensor, NF4Tensor)
 
 
-def quantize_weight(weight):
-    """One weight as an NF4 base holds it: a frozen Parameter of torchao's NF4Tensor (NF4_BLOCK, NF4_SCALER_BLOCK)."""
-    import torch
+def nf4_of(weight, shards: int):
+    """torchao's NF4Tensor of a [out, in] weight to be sharded over `shards` ranks (NF4_BLOCK, `nf4_scaler_block`)."""
     from torchao.quantization import to_nf4
 
-    return torch.nn.Parameter(to_nf4(weight.detach(), NF4_BLOCK, NF4_SCALER_BLOCK), requires_grad=False)
+    return to_nf4(weight.detach(), NF4_BLOCK, nf4_scaler_block(weight.shape[0], weight.shape[1], shards))
+
+
+def quantize_weight(weight, shards: int):
+    """One weight as an NF4 base on `shards` shards holds it: a frozen Parameter of torchao's NF4Tensor."""
+    import torch
+
+    return torch.nn.Parameter(nf4_of(weight, shards), requires_grad=False)
 
 
 def dequantize_like_training(model, shards: int) -> list[str]:
     """The base as the run computed with it: each weight the run held in NF4 quantized and dequantized again (the
     same bytes the run's `to_nf4` made from the same weights), in place, in its dtype. For a merged export."""
     import torch
-    from torchao.quantization import to_nf4
 
     chosen, _ = nf4_linears(model, shards, frozen_only=False)
     with torch.no_grad():
         for name in chosen:
             weight = model.get_submodule(name).weight
-            weight.copy_(to_nf4(weight.detach(), NF4_BLOCK, NF4_SCALER_BLOCK).get_original_weight())
+            weight.copy_(nf4_of(weight, shards).get_original_weight())
     return chosen

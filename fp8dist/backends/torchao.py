@@ -79,7 +79,8 @@ class TorchaoFloat8(PrecisionBackend):
 
         rules = self.plan.module_filter
         decisions = decide(linear_infos(model), rules.exclude, rules.skip_first_last,
-                           rules.require_dims_multiple_of, "; precision.fp8.torchao.pad_inner_dim=true pads instead")
+                           rules.require_dims_multiple_of, "; precision.fp8.torchao.pad_inner_dim=true pads instead",
+                           self.speed_rule)
         chosen = {d.fqn for d in decisions if d.convert}
         if chosen and self.plan.float8_linear_config.recipe_name == "mxfp8":
             self._to_mxfp8_linears(model, chosen)

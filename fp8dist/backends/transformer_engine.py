@@ -96,7 +96,7 @@ class TransformerEngine(PrecisionBackend):
 
         rules = self.spec.fp8.modules
         decisions = decide(linear_infos(model), rules.exclude, rules.skip_first_last,
-                           TE_RECIPES[self.spec.fp8.te.recipe].dim_multiple)
+                           TE_RECIPES[self.spec.fp8.te.recipe].dim_multiple, speed_rule=self.speed_rule)
         chosen = {d.fqn for d in decisions if d.convert}
         for fqn, module in list(model.named_modules()):
             if fqn in chosen:

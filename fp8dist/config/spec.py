@@ -47,6 +47,23 @@ def float8_all_gather_of(value, recipe_name: str, engine: str, backend: str, sha
     return bool(value)
 
 
+def min_speedup_of(value: Any, gpu: str | None, emulate: bool) -> float | None:
+    """precision.fp8.min_speedup resolved for the GPU the run is predicted on (`gpu`: hardware.gpu, or the device's;
+    None: not one the speed model knows): the predicted speedup below which a Linear stays in the compute dtype, or
+    None for no speed rule. `auto`: 1.0 where the GPU is known and FP8 is not emulated, else none; `off`: none; a
+    number: that number (where no GPU is known the caller refuses it: backends/module_filter.speed_rule)."""
+    if min_speedup_number(value) is None and value != "auto" or gpu is None:  # off (or false: YAML's off)
+        return None
+    if value == "auto":
+        return None if emulate else 1.0
+    return float(value)
+
+
+def min_speedup_number(value: Any) -> float | None:
+    """precision.fp8.min_speedup when it is written as a number (not auto, off or false)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 @dataclass(frozen=True)
 class ModulesSpec:
     exclude: tuple[str, ...]
@@ -94,10 +111,30 @@ class FP8Spec:
     torchao: TorchaoSpec
     te: TESpec
     msamp: MSAMPSpec
+    # "auto" | "off" | False (YAML's off) | a number: the speed-aware module filter (backends/module_filter)
+    min_speedup: Any = "auto"
 
     @property
     def enabled(self) -> bool:
         return self.backend != "none"
+
+    @property
+    def emulated(self) -> bool:
+        """FP8 emulated rather than run on FP8 tensor cores (torchao's emulate; the other backends never emulate)."""
+        return self.backend == "torchao" and self.torchao.emulate
+
+    @property
+    def recipe(self) -> tuple[str, str] | None:
+        """(recipe, backend) as the speed model spells them (fp8dist/speed.py), None without FP8: torchao's
+        recipe_name; Transformer Engine's recipe (also under MS-AMP with use_te); MS-AMP's own Linear as per-tensor
+        delayed scaling."""
+        if self.backend == "torchao":
+            return self.torchao.recipe_name, "torchao"
+        if self.backend == "te" or (self.backend == "msamp" and self.msamp.use_te):
+            return self.te.recipe, "te"
+        if self.backend == "msamp":
+            return "delayed", "msamp"
+        return None
 
 
 @dataclass(frozen=True)
@@ -224,6 +261,11 @@ class DeepSpeedSpec:
 
 
 @dataclass(frozen=True)
+class HardwareSpec:
+    gpu: str  # auto | a GPU the speed model knows (facts/hardware.py GPUS)
+
+
+@dataclass(frozen=True)
 class Spec:
     engine: str
     compile: bool
@@ -236,6 +278,7 @@ class Spec:
     parallel: ParallelSpec
     fsdp2: FSDP2Spec
     deepspeed: DeepSpeedSpec
+    hardware: HardwareSpec = HardwareSpec("auto")
     source: str = field(default="<config>", compare=False)
     # What the config says that does nothing on this engine (fp8dist.config.rules.notes): said by validate,
     # translate and the runtimes, refused by `--strict`.
@@ -255,6 +298,12 @@ class Spec:
     @property
     def fp8(self) -> FP8Spec:
         return self.precision.fp8
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """Tokens a rank's Linears see per micro-batch (M of their GEMMs): micro_batch_size x seq_len, over the
+        context-parallel ranks."""
+        return self.train.micro_batch_size * self.train.seq_len // self.parallel.context_size
 
     @property
     def optimizer_state_dtype(self) -> str:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, cast
 
 from fp8dist.backends.experts import experts_modules
-from fp8dist.backends.module_filter import Decision, LinearInfo, decide, is_router, linear_infos, matching_pattern
+from fp8dist.backends.module_filter import (Decision, LinearInfo, decide, is_router, linear_infos, matching_pattern,
+                                           speed_rule)
 from fp8dist.config.spec import Spec
 from fp8dist.estimate.model import MetaModel
 from fp8dist.estimate.result import Fp8Coverage, LeftOut
@@ -18,13 +19,17 @@ if TYPE_CHECKING:
     import torch
 
 
-def decisions(meta: MetaModel, spec: Spec) -> tuple[list[LinearInfo], list[Decision]]:
-    """(Linear facts, the backend's module-filter decision for each), as the backend would decide."""
+def decisions(meta: MetaModel, spec: Spec, gpu: str | None = None) -> tuple[list[LinearInfo], list[Decision]]:
+    """(Linear facts, the backend's module-filter decision for each), as the backend would decide on `gpu` (the
+    estimate's --gpu or hardware.gpu; None: no GPU, so no speed rule: precision.fp8.min_speedup)."""
     fp8 = spec.fp8
     infos = linear_infos(meta.model)
     multiple = {"te": TE_RECIPES[fp8.te.recipe].dim_multiple, "msamp": None,  # backends/msamp.py: no dims rule
                 "torchao": torchao_dims_multiple(fp8.torchao)}.get(fp8.backend)
-    return infos, decide(infos, fp8.modules.exclude, fp8.modules.skip_first_last, multiple)
+    if fp8.backend == "msamp" and fp8.msamp.use_te:
+        multiple = TE_RECIPES[fp8.te.recipe].dim_multiple  # MS-AMP with use_te converts with TE's filter
+    return infos, decide(infos, fp8.modules.exclude, fp8.modules.skip_first_last, multiple,
+                         speed_rule=speed_rule(spec, gpu) if fp8.enabled else None)
 
 
 def _experts(meta: MetaModel, spec: Spec) -> list[tuple[str, int, str | None]]:
@@ -70,13 +75,13 @@ def _routers(meta: MetaModel) -> list[tuple[str, int]]:
     return found
 
 
-def fp8_coverage(meta: MetaModel, spec: Spec) -> Fp8Coverage:
+def fp8_coverage(meta: MetaModel, spec: Spec, gpu: str | None = None) -> Fp8Coverage:
     """Share of the weight-GEMM FLOPs of one token that run in FP8 under the config's module filter (what the
     audit measures as gemm_flops.fp8_share), the modules left out and why, and the converted Linears below
     torchao's size heuristics. MoE experts count with the experts a token is routed to (top-k). Attention's own
     matmuls (QK^T, AV) multiply activations, not weights, and are not weight GEMMs."""
     fp8 = spec.fp8
-    infos, chosen = decisions(meta, spec)
+    infos, chosen = decisions(meta, spec, gpu)
     experts = _experts(meta, spec)
     if not fp8.enabled:
         return Fp8Coverage(backend="none", fp8_share=0.0, linears=len(infos), converted=0, left_out=(),
@@ -97,12 +102,12 @@ def fp8_coverage(meta: MetaModel, spec: Spec) -> Fp8Coverage:
                        experts=len(experts))
 
 
-def fp8_extra_bytes(meta: MetaModel, spec: Spec, split: TensorSplit) -> tuple[int, str]:
+def fp8_extra_bytes(meta: MetaModel, spec: Spec, split: TensorSplit, gpu: str | None = None) -> tuple[int, str]:
     """Per-rank bytes the FP8 recipe keeps beyond the other stores (the fp8_extras store), and how they were
     counted. A weight tensor parallel splits is kept as its tp rank's shard."""
     if not spec.fp8.enabled:
         return 0, "no FP8 backend"
-    infos, chosen = decisions(meta, spec)
+    infos, chosen = decisions(meta, spec, gpu)
     dims = split.split_dims()
     sizes = [i.in_features * i.out_features // (split.tp if f"{i.fqn}.weight" in dims else 1)
              for i, d in zip(infos, chosen) if d.convert]

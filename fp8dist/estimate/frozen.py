@@ -6,8 +6,8 @@ An NF4 base (`adapter.base_dtype: nf4`, QLoRA) holds in NF4 exactly the frozen L
 fp8dist/backends/nf4.py `nf4_linears` picks for the shard count, on the meta model as on the loaded one (it reads
 names, shapes and requires_grad only): every frozen nn.Linear weight but the output layer, MoE routers and the
 modules to save (adapter.modules_to_save: both PEFT copies), that
-splits into whole NF4 scaler blocks over the ranks FSDP2 shards weights on (dp_shard x cp, the count
-engines/fsdp2/engine.py quantizes for). Biases, norms, embeddings, MoE experts and the Linears that do not fit stay
+splits by rows into whole NF4 blocks over the ranks FSDP2 shards weights on (dp_shard x cp, the count
+engines/fsdp2/engine.py quantizes for), its scales double-quantized per `nf4_scaler_block` of them. Biases, norms, embeddings, MoE experts and the Linears that do not fit stay
 in the load dtype (the other part of the audit's `frozen_weights` cell, e.g. `bf16+nf4`). An NF4 weight's bytes:
 `nf4_tensor_bytes`."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from fp8dist.audit.expected import expected, frozen_bytes_per_param, normalize
-from fp8dist.backends.nf4 import nf4_linears
+from fp8dist.backends.nf4 import nf4_linears, nf4_scaler_block
 from fp8dist.config.spec import Spec
 from fp8dist.dtypes import FAMILY_BYTES
 from fp8dist.errors import Fp8distError
@@ -30,20 +30,20 @@ NF4 = "nf4"  # the format name fp8dist.backends.storage gives an NF4Tensor, and 
 NF4_TABLE_ENTRIES = 16  # the NF4 code book every NF4Tensor holds (`nf4`: 16 values, in the weight's dtype)
 
 
-def nf4_tensor_bytes(numel: int, value_bytes: int, shards: int = 1) -> int:
+def nf4_tensor_bytes(numel: int, value_bytes: int, shards: int = 1, scaler_block: int = NF4_SCALER_BLOCK) -> int:
     """The bytes one rank holds of an NF4 weight of `numel` values quantized from a dtype of `value_bytes` bytes and
     sharded over `shards` ranks: what torchao's NF4Tensor holds (torchao 0.18
     torchao/quantization/quantize_/workflows/nf4/nf4_tensor.py `NF4Tensor.from_tensor`, `double_quantize_scalers`):
     `quantized_data`, the 4-bit codes two per uint8 (numel / 2 bytes); `quantized_scalers`, one int8 scale per
-    NF4_BLOCK values; `quantization_factor`, one per NF4_SCALER_BLOCK scales, in the weight's dtype (`256 / (2 *
+    NF4_BLOCK values; `quantization_factor`, one per `scaler_block` scales (backends/nf4.py nf4_scaler_block), in the weight's dtype (`256 / (2 *
     scaler_absmax)` of the weight's absmax); `scaler_mean`, a 0-d tensor in the weight's dtype; `nf4`, the 16-entry
     table in the weight's dtype. FSDP2 splits the first three by rows over the shards (nf4_tensor.py `nf4_split`:
     `_INNER_TENSOR_NAMES_FOR_SHARDING`); every shard keeps the mean and the table whole (`construct_nf4_args`).
     Counted as fp8dist.backends.storage reads an NF4Tensor (its buffers). `numel` splits into whole scaler blocks
-    over `shards` (backends/nf4.py `nf4_unfit`), so every count is exact."""
+    over `shards` (backends/nf4.py `nf4_unfit`, `nf4_scaler_block`), so every count is exact."""
     codes = numel // 2
     scalers = numel // NF4_BLOCK
-    factors = numel // (NF4_BLOCK * NF4_SCALER_BLOCK) * value_bytes
+    factors = numel // (NF4_BLOCK * scaler_block) * value_bytes
     return (codes + scalers + factors) // shards + (1 + NF4_TABLE_ENTRIES) * value_bytes
 
 
@@ -100,10 +100,13 @@ def frozen_base(meta: MetaModel, spec: Spec, local: Mapping[str, int], shards: i
     value_bytes = int(FAMILY_BYTES[normalize(rest)])  # the load dtype: the weights NF4 quantizes, its factors' dtype
     weights = {f"{name}.weight" for name in chosen}
     quantized = [(fqn, numel) for fqn, numel in frozen if fqn in weights]
-    per_rank = sum(nf4_tensor_bytes(local[fqn], value_bytes, shards) for fqn, _ in quantized)
+    params = dict(meta.model.named_parameters())
+    scaler_block = {fqn: nf4_scaler_block(params[fqn].shape[0], params[fqn].shape[1], shards) for fqn, _ in quantized}
+    per_rank = sum(nf4_tensor_bytes(local[fqn], value_bytes, shards, scaler_block[fqn]) for fqn, _ in quantized)
     held = sum(local[fqn] for fqn, _ in quantized) / shards
     by_format = {NF4: FrozenFormat(parameters=sum(numel for _, numel in quantized),
-                                   bytes=sum(nf4_tensor_bytes(numel, value_bytes) for _, numel in quantized),
+                                   bytes=sum(nf4_tensor_bytes(numel, value_bytes, 1, scaler_block[fqn])
+                                             for fqn, numel in quantized),
                                    per_rank_bytes=per_rank, bytes_per_param=round(per_rank / held, 4)),
                  rest: _plain_format([(fqn, numel) for fqn, numel in frozen if fqn not in weights], local,
                                      value_bytes, shards)}

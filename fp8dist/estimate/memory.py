@@ -8,7 +8,7 @@ from typing import Mapping, cast
 
 from fp8dist.audit.expected import expected, implied_bytes_per_param
 from fp8dist.config.parallel import AXES, check_model_fits, parallel_dims, sequence_parallel
-from fp8dist.config.spec import Spec
+from fp8dist.config.spec import Spec, min_speedup_number
 from fp8dist.dtypes import get as dtype_info
 from fp8dist.engines.registry import facts_for
 from fp8dist.errors import Fp8distError
@@ -109,6 +109,13 @@ def estimate(name: str, spec: Spec, world: int, gpu: str | None = None, nodes: i
         raise Fp8distError(f"--world-size must be at least 1, got {world}")
     dims = parallel_dims(spec, world, "--world-size")  # a world the config's parallel dims do not fit: before the build
     shards = shard_counts(spec, world)
+    if gpu is None and spec.hardware.gpu != "auto":  # the config names the GPU the run is planned for
+        gpu = spec.hardware.gpu
+    if gpu is None and spec.fp8.enabled and min_speedup_number(spec.fp8.min_speedup) is not None:
+        raise Fp8distError(f"precision.fp8.min_speedup={spec.fp8.min_speedup} keeps the Linears FP8 is predicted "
+                           "not to pay for, and the estimate has no GPU to predict for\n  fix: "
+                           "name it: --gpu h100 (or hardware.gpu in the config), or set precision.fp8.min_speedup="
+                           "auto or off")
     if gpu is not None:  # a GPU the speed model does not know, or a recipe it cannot run: before the build too
         check_speed(spec, gpu, nodes, world)
     meta = build_meta_model(name, spec.precision.compute_dtype)
@@ -130,8 +137,8 @@ def estimate(name: str, spec: Spec, world: int, gpu: str | None = None, nodes: i
     per_rank["weights"] += base.per_rank_bytes
     mode = cast(CheckpointingMode, spec.parallel.activation_checkpointing)
     measured = activation_bytes(meta, spec, split, experts)
-    coverage = fp8_coverage(meta, spec)
-    extras, extras_how = fp8_extra_bytes(meta, spec, split)
+    coverage = fp8_coverage(meta, spec, gpu)  # the speed rule on `gpu` decides as the backend will
+    extras, extras_how = fp8_extra_bytes(meta, spec, split, gpu)
     # Buffers (RoPE tables, BERT's position ids) stay whole on every rank, in their own dtype.
     per_rank["buffers"] = sum(b.numel() * b.element_size() for b in meta.model.buffers())
     per_rank["fp8_extras"] = extras

@@ -65,14 +65,7 @@ class _Side:
 
 def _recipe(spec: Spec) -> tuple[str, str] | None:
     """(recipe, backend) the config runs, None without FP8."""
-    fp8 = spec.fp8
-    if fp8.backend == "torchao":
-        return fp8.torchao.recipe_name, "torchao"
-    if fp8.backend == "te":
-        return fp8.te.recipe, "te"
-    if fp8.backend == "msamp":
-        return "delayed", "msamp"
-    return None
+    return spec.fp8.recipe
 
 
 def _collective(volume: float, ranks: int, extent: int, per_node: int, gpu: str, all_reduce: bool = False
@@ -123,9 +116,11 @@ def _attention(meta: MetaModel, spec: Spec, split: TensorSplit, gpu: str) -> flo
     return flops / (speed.gpu_spec(gpu).bf16_flops * speed.ATTENTION_EFFICIENCY)
 
 
-def _linear_rows(meta: MetaModel, spec: Spec, split: TensorSplit) -> list[tuple[LinearInfo, int, int, bool]]:
-    """(Linear, K and N on a rank, converted) of every Linear of the model."""
-    infos, chosen = decisions(meta, spec)
+def _linear_rows(meta: MetaModel, spec: Spec, split: TensorSplit,
+                 gpu: str) -> list[tuple[LinearInfo, int, int, bool]]:
+    """(Linear, K and N on a rank, converted) of every Linear of the model, converted as the backend decides on `gpu`
+    (precision.fp8.min_speedup included: coverage.decisions)."""
+    infos, chosen = decisions(meta, spec, gpu)
     rows = []
     for info, decision in zip(infos, chosen):
         style = split.linears.get(info.fqn)
@@ -145,7 +140,7 @@ def _side(meta: MetaModel, spec: Spec, split: TensorSplit, dims: ParallelDims, g
     in_blocks = tuple(f"{name}." for name, _ in blocks(meta.model, spec))
     shared: set[tuple[str, str]] = set()
     full, selective = (spec.parallel.activation_checkpointing == mode for mode in ("full", "selective"))
-    for info, k, n, converted in _linear_rows(meta, spec, split):
+    for info, k, n, converted in _linear_rows(meta, spec, split, gpu):
         last = info.fqn.rsplit(".", 1)[-1]
         group, input_from, grad_from = ROLES.get(last, ("", "opaque", "opaque"))
         block = info.fqn.startswith(in_blocks)

@@ -1,5 +1,5 @@
 """The NVIDIA compute capabilities FP8 GEMMs need, shared by the libraries' own gates (torchao, Transformer Engine),
-and the datasheet figures of the GPUs fp8dist's speed model knows (fp8dist/estimate/speed.py).
+and the datasheet figures of the GPUs fp8dist's speed model knows (fp8dist/speed.py).
 
 FP8 tensor-core GEMMs: SM 8.9 (Ada) and 9.0 (Hopper) (TransformerEngine 2.20 transformer_engine/pytorch/quantization.py
 check_fp8_support); rowwise/axiswise scaling needs 9.0 (pytorch/ao v0.18.0 test/float8/test_base.py
@@ -53,3 +53,23 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     GpuSpec("l40s", (8, 9), 362.05e12, 733e12, None, 864e9, 32e9, "PCIe Gen4 x16",
             "https://www.nvidia.com/en-us/data-center/l40s/ (datasheet)"),
 )}
+
+# The names the CUDA driver reports (torch.cuda.get_device_name) contain the product's model: "NVIDIA H100 80GB HBM3",
+# "NVIDIA H200", "NVIDIA B200", "NVIDIA L40S". An H100 PCIe or NVL reports "H100 PCIe" / "H100 NVL": a different
+# card (fewer FLOPs, HBM2e), which the speed model does not know.
+_DEVICE_NAMES = (("h100", "H100", ("PCIE", "NVL")), ("h200", "H200", ("NVL",)), ("b200", "B200", ()),
+                 ("l40s", "L40S", ()))
+
+
+def gpu_from_device_name(name: str | None) -> str | None:
+    """The speed model's name (GPUS) of a device by the name the driver reports, None for one it does not know."""
+    upper = (name or "").upper()
+    for key, model, other_cards in _DEVICE_NAMES:
+        if model in upper and not any(other in upper for other in other_cards):
+            return key
+    return None
+
+
+def run_gpu(setting: str, device_name: str | None) -> str | None:
+    """hardware.gpu resolved: a named GPU as written, `auto` the device's (gpu_from_device_name), None for none."""
+    return setting if setting != "auto" else gpu_from_device_name(device_name)

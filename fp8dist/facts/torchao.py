@@ -154,9 +154,9 @@ TORCHAO_LOW_BIT_MIN_NUMEL = 4096
 # 4-bit codes two per byte (`quantized_data`, uint8), one scale per NF4_BLOCK values quantized to int8 per
 # NF4_SCALER_BLOCK scales (`quantized_scalers`, int8) with one factor per scaler block (`quantization_factor`, in the
 # weight's dtype): to_nf4's defaults, torchtune's and the QLoRA paper's (block 64, double quantization of the scales).
-# A weight must hold a whole number of scaler blocks (numel % (64 x 256) == 0), 2-D only; FSDP2 splits each of the
-# three buffers by rows (NF4Tensor's aten.split: every buffer's numel divisible by the shard count), so the scaler
-# blocks must divide by the shard count too.
+# to_nf4 takes any scaler_block_size that divides the weight's blocks; FSDP2 splits each of the three buffers by rows
+# (NF4Tensor's aten.split: every buffer's numel divisible by the shard count), so a shard must hold whole scaler
+# blocks: fp8dist/backends/nf4.py nf4_scaler_block takes 256 where that fits, else the largest count under it.
 NF4_BLOCK = 64
 NF4_SCALER_BLOCK = 256
 

@@ -278,7 +278,7 @@ def load_nf4_base(path: Path, spec, shards: int) -> LoadedModel | str:
         owner, _, attr = name.rpartition(".")
         module = model.get_submodule(owner) if owner else model
         if attr in module._parameters:
-            module._parameters[attr] = (quantize_weight(value) if name in quantized else
+            module._parameters[attr] = (quantize_weight(value, shards) if name in quantized else
                                         torch.nn.Parameter(value, requires_grad=tensor.requires_grad))
         else:
             module._buffers[attr] = value

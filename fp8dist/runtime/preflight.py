@@ -38,7 +38,9 @@ def preflight(spec: Spec, plan: EnginePlan | None = None) -> EnginePlan:
     device = device_info()
     checks = Checks()
     with checks.one():
-        get_backend(spec).check_environment(device)
+        backend = get_backend(spec)
+        backend.check_environment(device)
+        backend.resolve_speed_rule(device)  # precision.fp8.min_speedup: a number needs a GPU to predict for
     with checks.one():
         check_optimizer_environment(spec, device)
     with checks.one():

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 from fp8dist.config.parallel import sequence_parallel
-from fp8dist.config.spec import Dtype, Spec
+from fp8dist.config.spec import Dtype, Spec, min_speedup_number, min_speedup_of
 from fp8dist.errors import ConfigError, Issue
 from fp8dist.facts import versions
 from fp8dist.facts.torchao import NEWEST_KNOWN_TORCHAO, TORCHAO_MX_BLOCK, torchao_force_recompute
@@ -269,11 +269,38 @@ class CompilePlan(PlanSection):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SpeedRulePlan(PlanSection):
+    """precision.fp8.min_speedup (backends/module_filter.SpeedRule): a Linear whose predicted speedup at
+    `tokens_per_micro_batch` on `gpu` in `recipe` is below `min_speedup` stays in the compute dtype. `gpu` auto: the
+    device at start (a `min_speedup` of auto is then 1.0 on a GPU the speed model knows, no rule elsewhere)."""
+    min_speedup: float | Literal["auto"]
+    gpu: str
+    recipe: str
+    tokens_per_micro_batch: int
+    compiled: bool
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModuleFilterPlan(PlanSection):
     """Which Linears a float8 backend converts (backends/module_filter.py decide)."""
     exclude: tuple[str, ...]
     skip_first_last: bool
     require_dims_multiple_of: int | None  # None: any dims (torchao pads them)
+    speed_rule: SpeedRulePlan | None = _left_out_when(None)  # None: no speed rule can act
+
+
+def speed_rule_plan(spec: Spec) -> SpeedRulePlan | None:
+    """The speed rule as far as the config decides it (min_speedup_of; `auto` GPU: resolved at start)."""
+    fp8 = spec.fp8
+    written = min_speedup_number(fp8.min_speedup)
+    if fp8.recipe is None or (written is None and (fp8.min_speedup != "auto" or fp8.emulated)):
+        return None  # off (or false), or auto while emulating
+    gpu = spec.hardware.gpu
+    threshold = fp8.min_speedup if gpu == "auto" else min_speedup_of(fp8.min_speedup, gpu, fp8.emulated)
+    if threshold is None:
+        return None
+    return SpeedRulePlan(min_speedup=threshold, gpu=gpu, recipe=fp8.recipe[0],
+                         tokens_per_micro_batch=spec.tokens_per_micro_batch, compiled=spec.compile)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -440,7 +467,7 @@ def module_filter_plan(spec: Spec) -> ModuleFilterPlan:
     dims_multiple = (TE_RECIPES[fp8.te.recipe].dim_multiple if fp8.backend == "te"
                      else torchao_dims_multiple(fp8.torchao))
     return ModuleFilterPlan(exclude=tuple(fp8.modules.exclude), skip_first_last=fp8.modules.skip_first_last,
-                            require_dims_multiple_of=dims_multiple)
+                            require_dims_multiple_of=dims_multiple, speed_rule=speed_rule_plan(spec))
 
 
 def te_float8_plan(spec: Spec, te_version: str | None = None) -> TEFloat8Plan:

@@ -52,12 +52,14 @@ def test_qlora_on_one_rank_keeps_the_nf4_weights_out_of_fsdp2():
 
 def test_qlora_resumes_bitwise_and_merges_into_the_base_it_computed_with(tmp_path):
     """From a Hugging Face directory, whose base is quantized tensor by tensor as it is read
-    (fp8dist.runtime.loading.load_nf4_base)."""
-    from tests.tp_models import unseen_qwen2_qlora
+    (fp8dist.runtime.loading.load_nf4_base). A shape with no whole 64 x 256-value scaler block per shard (MLP 704,
+    k/v 64 x 256 on 2 ranks): every frozen Linear but lm_head in NF4 all the same, its scales double-quantized per
+    the largest count under 256 that a shard holds whole."""
+    from tests.tp_models import unseen_qwen2_qlora_704
 
     model = tmp_path / "model"
     torch.manual_seed(0)
-    unseen_qwen2_qlora()["model"].to(torch.bfloat16).save_pretrained(model)
+    unseen_qwen2_qlora_704()["model"].to(torch.bfloat16).save_pretrained(model)
     checkpoints = tmp_path / "ckpt"
     common = ["--model", model, "--fp8dist-config", QLORA, "--checkpoint-dir", checkpoints]
     straight = in_world(TRAIN, "--model", model, "--fp8dist-config", QLORA, "--steps", "6", timeout=600)
@@ -78,10 +80,13 @@ def test_qlora_resumes_bitwise_and_merges_into_the_base_it_computed_with(tmp_pat
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
-    with torch.no_grad():  # the base the run computed with: every Linear but lm_head through NF4 and back
+    with torch.no_grad():  # the base the run computed with: every Linear but lm_head through NF4 and back, its
+        # scales per the most (up to 256) that divide a shard's blocks of 64: 176 for the MLP, 128 for k/v, 256 q/o
         for name, module in base.named_modules():
             if isinstance(module, torch.nn.Linear) and name != "lm_head":
-                module.weight.copy_(to_nf4(module.weight.detach(), 64, 256).get_original_weight())
+                blocks = module.weight.numel() // 64 // 2
+                scaler_block = max(size for size in range(1, 257) if blocks % size == 0)
+                module.weight.copy_(to_nf4(module.weight.detach(), 64, scaler_block).get_original_weight())
     expected = PeftModel.from_pretrained(base.float(), str(adapter)).merge_and_unload().state_dict()
     got = AutoModelForCausalLM.from_pretrained(merged).state_dict()
     assert set(got) == set(expected)

@@ -35,8 +35,10 @@ needs_msamp = pytest.mark.skipif(importlib.util.find_spec("msamp") is None, reas
 
 
 def audit(config, nproc=1, *overrides):
+    # tiny-llama's Linears are far too small for FP8 to pay: precision.fp8.min_speedup's `auto` would keep every one in
+    # bf16 on a GPU the speed model knows, and these tests are about the FP8 GEMMs themselves
     result = run_cli("audit", "tiny-llama", "--config", ROOT / "configs" / f"{config}.yaml", "--nproc", nproc,
-                     "--format", "json", *overrides, timeout=900)
+                     "--format", "json", "precision.fp8.min_speedup=off", *overrides, timeout=900)
     assert result.returncode in (0, 1), result.stdout + result.stderr
     data = json.loads(result.stdout)
     return data, {c["phase"]: c for c in data["checks"]}

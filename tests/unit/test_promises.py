@@ -50,6 +50,26 @@ def test_a_missing_row_is_not_measured_either():
     assert not result["passed"] and {c["phase"]: c["status"] for c in result["checks"]}["gemm"] == "NOT MEASURED"
 
 
+def test_a_one_process_audit_says_its_communication_row_was_not_observed():
+    """Issue 46 item 11: one rank reduces no gradients, so `reduce_dtype: bf16` is unchecked there: the verdict
+    names the row it could not observe (table, markdown, JSON) instead of "every phase was measured"."""
+    from fp8dist.audit.expected import expected
+    from fp8dist.audit.report import markdown, verdict
+
+    spec = load_config(ROOT / "configs" / "fsdp2-bf16.yaml")
+    observed = {phase: {"observed": value, "detail": "", "measured": True}
+                for phase, (value, _) in {**expected(spec, nproc=1), "engine": (spec.engine, "")}.items()}
+    result = build(spec, "tiny-llama", observed, nproc=1)
+    assert result["passed"] is True and "communication" not in {c["phase"] for c in result["checks"]}
+    assert result["not_observed"]["communication"]["expected"] == spec.precision.reduce_dtype
+    assert "every phase was measured" not in verdict(result)
+    assert "not observed on 1 process: communication" in verdict(result)
+    assert "? communication: expected" in table(result) and "not observed" in table(result)
+    assert "| communication |" in markdown(result)
+    two = build(spec, "tiny-llama", _observed_everything(spec), nproc=2)
+    assert two["not_observed"] == {} and verdict(two).startswith("PASS: every phase was measured")
+
+
 def _scaler(**settings):
     from fp8dist.config.spec import LossScalingSpec
     from fp8dist.engines.loss_scaling import DynamicLossScaler

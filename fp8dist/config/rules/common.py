@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import fp8dist.speed as speed
 from fp8dist.config.spec import FP8Spec, Spec
-from fp8dist.errors import Issue
+from fp8dist.errors import Fp8distError, Issue
 
 
 def written(explicit: Mapping[str, Any], *path: str) -> Any:
@@ -26,7 +27,23 @@ def blocks_in_use(fp8: FP8Spec) -> tuple[str, ...]:
 
 def check(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
     return [*_master_needs_mixed_precision(spec), *_explicit_block_matches_backend(spec, explicit),
-            *_loss_scaling(spec, explicit), *_adapter(spec, explicit), *_mesh(spec)]
+            *_loss_scaling(spec, explicit), *_adapter(spec, explicit), *_mesh(spec),
+            *_hardware(spec)]
+
+
+def _hardware(spec: Spec) -> list[Issue]:
+    """A GPU named in hardware.gpu that has no tensor cores or kernels for the FP8 recipe (the libraries' own
+    capability gates, fp8dist/speed.py check_supported): the run could not run there, nor be predicted."""
+    recipe = spec.fp8.recipe
+    if spec.hardware.gpu == "auto" or recipe is None:
+        return []
+    try:
+        speed.check_supported(recipe[0], spec.hardware.gpu, recipe[1])
+    except Fp8distError as error:
+        return [Issue("hardware.gpu", str(error), spec.hardware.gpu,
+                      "name the GPU the run is on, or pick an FP8 recipe it has (precision.fp8.torchao.recipe_name / "
+                      "precision.fp8.te.recipe)")]
+    return []
 
 
 def _mesh(spec: Spec) -> list[Issue]:

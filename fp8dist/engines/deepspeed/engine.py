@@ -98,7 +98,9 @@ def initialize(model, spec: Spec, optimizer=None, model_parameters=None, trainin
         raise Fp8distError("fp8dist builds the DeepSpeed config from the fp8dist spec; put raw keys in "
                            "deepspeed.extra instead of passing config=")
     backend = get_backend(spec)
-    backend.check_environment(device_info())  # a missing library is the first thing to say
+    device = device_info()
+    backend.check_environment(device)  # a missing library is the first thing to say
+    backend.resolve_speed_rule(device)  # precision.fp8.min_speedup on this device (or hardware.gpu)
     training_mode(model)
     config = plan or to_deepspeed(spec)
     check_environment(spec, config)

@@ -170,7 +170,9 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
                            "(launch with torchrun; see launch/train.py)")
     plan = plan or to_fsdp2(spec)
     backend = get_backend(spec, plan)
-    backend.check_environment(device_info())
+    device = device_info()
+    backend.check_environment(device)
+    backend.resolve_speed_rule(device)  # precision.fp8.min_speedup on this device (or hardware.gpu)
     training_mode(model)
 
     if plan.upcast_before_shard:

@@ -9,10 +9,30 @@ from fp8dist.backends.storage import storage
 
 
 @pytest.mark.parametrize("shape, shards, fits", [((256, 256), 2, True), ((128, 256), 2, True),
-                                                  ((128, 128), 1, True), ((128, 128), 2, False),
-                                                  ((64, 64), 1, False), ((96, 256), 4, False)])
-def test_a_weight_fits_nf4_when_its_scaler_blocks_and_rows_split_over_the_shards(shape, shards, fits):
+                                                  ((128, 128), 2, True), ((64, 64), 1, True), ((704, 256), 2, True),
+                                                  ((64, 256), 2, True), ((3, 256), 2, False), ((2, 96), 2, False)])
+def test_a_weight_fits_nf4_when_its_rows_split_over_the_shards_into_whole_nf4_blocks(shape, shards, fits):
     assert (nf4_unfit(*shape, shards) is None) == fits
+
+
+@pytest.mark.parametrize("shape, shards, scaler_block", [((256, 256), 2, 256), ((704, 256), 2, 176),
+                                                         ((256, 704), 2, 176), ((64, 256), 2, 128),
+                                                         ((128, 896), 2, 224), ((64, 64), 1, 64)])
+def test_a_weight_quantizes_whole_with_the_largest_scaler_block_a_shard_holds_whole(shape, shards, scaler_block):
+    """torchao's NF4Tensor of the whole weight, split by rows as FSDP2 splits it: every shard holds whole scaler
+    blocks, and the shards put back together dequantize to the whole weight's values."""
+    from fp8dist.backends.nf4 import nf4_of, nf4_scaler_block
+
+    assert nf4_scaler_block(*shape, shards) == scaler_block
+    torch.manual_seed(0)
+    weight = torch.randn(*shape, dtype=torch.bfloat16)
+    nf4 = nf4_of(weight, shards)
+    assert nf4.scaler_block_size == scaler_block and nf4.block_size == 64
+    pieces = torch.chunk(nf4, shards, dim=0)  # NF4Tensor's aten.split: what FSDP2's sharding runs
+    assert all(piece.quantization_factor.numel() * scaler_block * 64 == piece.numel() for piece in pieces)
+    whole = nf4.get_original_weight()
+    assert torch.equal(torch.cat([piece.get_original_weight() for piece in pieces]), whole)
+    assert 0 < (whole.float() - weight.float()).abs().max() / weight.abs().max() < 0.2
 
 
 def _adapted_llama(targets=("q_proj", "v_proj"), tied=False):

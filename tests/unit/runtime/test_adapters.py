@@ -221,7 +221,8 @@ def test_the_adapter_export_records_the_bases_quantization_in_its_model_card(tmp
     write_adapter({}, load_config({"adapter": {"kind": "lora"}}).to_dict(), "tiny-llama", lora)
     card = ModelCard.load(qlora / "README.md")
     assert card.data.library_name == "peft" and card.data.base_model == "org/base: v1"
-    assert "torchao NF4 (`torchao.quantization.to_nf4`, block_size 64, scaler_block_size 256)" in card.text
+    assert ("torchao NF4 (`torchao.quantization.to_nf4`, block_size 64, scaler_block_size 256, or the largest count "
+            "under it that divides a shard's blocks)") in card.text
     plain = ModelCard.load(lora / "README.md")
     assert plain.data.base_model == "tiny-llama" and "frozen base during training: bf16" in plain.text
     assert "NF4" not in plain.text
