@@ -8,6 +8,7 @@ script that launches itself under torchrun runs as a job of a world (its ranks' 
 any other runs its own process's code here, with its launches (benchmarks/_common.py `torchrun`, `fp8dist_cli`,
 and the CLI's N-rank jobs) in the worlds; cli_latency.py, which times fresh interpreters, runs as its own process."""
 import fnmatch
+import logging
 import os
 import runpy
 import subprocess
@@ -63,12 +64,16 @@ def run_here(name, monkeypatch, capsys) -> subprocess.CompletedProcess:
     monkeypatch.setattr(sys, "argv", script)
     monkeypatch.chdir(ROOT)
     code = 0
+    levels = {name: logging.getLogger(name).level for name in logging.Logger.manager.loggerDict}
     try:
         runpy.run_path(script[0], run_name="__main__")
     except SystemExit as stop:  # a message instead of a code: printed, exit 1, as the interpreter does
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         if not isinstance(stop.code, (int, type(None))):
             print(stop.code, file=sys.stderr)
+    finally:  # the script quiets the libraries' loggers (quiet_libraries): not for the tests after it
+        for name in list(logging.Logger.manager.loggerDict):
+            logging.getLogger(name).setLevel(levels.get(name, logging.NOTSET))
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(script, code, out, err)
 
