@@ -17,7 +17,8 @@ a shard's blocks (`nf4_scaler_block`): NF4Tensor's three buffers must split into
 (torchao's `nf4_split`), and a Qwen2 MLP of 704 (11 x 64) on 2 ranks, or a 128 x 896 k_proj, holds no whole number
 of 256-scale blocks per shard. A smaller scaler block only adds one factor (2 bytes) per scaler block. A weight stays
 in its load dtype only when its rows do not split over the shards or a shard's values are not whole NF4 blocks of 64
-(`nf4_unfit`); the run says which. The base's bytes are what the audit reads back (fp8dist/backends/storage.py: NF4Tensor's buffers).
+(`nf4_unfit`); the run says which. The base's bytes are what the audit reads back (fp8dist/backends/storage.py:
+NF4Tensor's buffers).
 """
 from __future__ import annotations
 

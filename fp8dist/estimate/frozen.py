@@ -7,9 +7,9 @@ fp8dist/backends/nf4.py `nf4_linears` picks for the shard count, on the meta mod
 names, shapes and requires_grad only): every frozen nn.Linear weight but the output layer, MoE routers and the
 modules to save (adapter.modules_to_save: both PEFT copies), that
 splits by rows into whole NF4 blocks over the ranks FSDP2 shards weights on (dp_shard x cp, the count
-engines/fsdp2/engine.py quantizes for), its scales double-quantized per `nf4_scaler_block` of them. Biases, norms, embeddings, MoE experts and the Linears that do not fit stay
-in the load dtype (the other part of the audit's `frozen_weights` cell, e.g. `bf16+nf4`). An NF4 weight's bytes:
-`nf4_tensor_bytes`."""
+engines/fsdp2/engine.py quantizes for), its scales double-quantized per `nf4_scaler_block` of them. Biases, norms,
+embeddings, MoE experts and the Linears that do not fit stay in the load dtype (the other part of the audit's
+`frozen_weights` cell, e.g. `bf16+nf4`). An NF4 weight's bytes: `nf4_tensor_bytes`."""
 from __future__ import annotations
 
 import math
@@ -35,8 +35,8 @@ def nf4_tensor_bytes(numel: int, value_bytes: int, shards: int = 1, scaler_block
     sharded over `shards` ranks: what torchao's NF4Tensor holds (torchao 0.18
     torchao/quantization/quantize_/workflows/nf4/nf4_tensor.py `NF4Tensor.from_tensor`, `double_quantize_scalers`):
     `quantized_data`, the 4-bit codes two per uint8 (numel / 2 bytes); `quantized_scalers`, one int8 scale per
-    NF4_BLOCK values; `quantization_factor`, one per `scaler_block` scales (backends/nf4.py nf4_scaler_block), in the weight's dtype (`256 / (2 *
-    scaler_absmax)` of the weight's absmax); `scaler_mean`, a 0-d tensor in the weight's dtype; `nf4`, the 16-entry
+    NF4_BLOCK values; `quantization_factor`, one per `scaler_block` scales (backends/nf4.py nf4_scaler_block), in the
+    weight's dtype (`256 / (2 * scaler_absmax)` of the weight's absmax); `scaler_mean`, a 0-d tensor in the weight's dtype; `nf4`, the 16-entry
     table in the weight's dtype. FSDP2 splits the first three by rows over the shards (nf4_tensor.py `nf4_split`:
     `_INNER_TENSOR_NAMES_FOR_SHARDING`); every shard keeps the mean and the table whole (`construct_nf4_args`).
     Counted as fp8dist.backends.storage reads an NF4Tensor (its buffers). `numel` splits into whole scaler blocks

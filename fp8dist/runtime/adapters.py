@@ -212,8 +212,8 @@ def model_card(spec, model_name: str) -> str:
         from fp8dist.facts.torchao import NF4_BLOCK, NF4_SCALER_BLOCK
 
         held = (f"torchao NF4 (`torchao.quantization.to_nf4`, block_size {NF4_BLOCK}, scaler_block_size "
-                f"{NF4_SCALER_BLOCK}, or the largest count under it that divides a shard's blocks) on every frozen Linear but the output layer and MoE routers (fp8dist "
-                f"adapter.base_dtype: nf4), the rest in {precision.load_dtype}; `fp8dist export --merge` merges into "
+                f"{NF4_SCALER_BLOCK}, or the largest count under it that divides a shard's blocks) on every frozen "
+                f"Linear but the output layer and MoE routers (fp8dist adapter.base_dtype: nf4), the rest in {precision.load_dtype}; `fp8dist export --merge` merges into "
                 "that NF4-dequantized base")
     else:
         held = precision.load_dtype

@@ -106,7 +106,8 @@ def test_a_shard_size_that_does_not_divide_the_ranks_stops_before_loading():
 
 
 def test_efficient_loading_needs_a_model_directory():
-    result = cli_in_world("audit", "tiny-llama", "--config", ROOT / "configs" / "fsdp2-float8-efficient.yaml", timeout=120)
+    result = cli_in_world("audit", "tiny-llama", "--config", ROOT / "configs" / "fsdp2-float8-efficient.yaml",
+                          timeout=120)
     assert result.returncode == 2 and "reads a local Hugging Face model directory" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
     bad = cli_in_world("audit", "tiny-llama", "--config", ROOT / "configs" / "fsdp2-hybrid.yaml", "--nproc", "3",

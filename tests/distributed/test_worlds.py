@@ -26,7 +26,8 @@ def test_a_script_runs_as_torchrun_runs_it():
     for _ in range(2):  # the second job says what a fresh process says: the warning again
         done = WORLDS.run(script, 0)
         assert done.returncode == 0 and done.stdout == "argv ['0']\n" * 2  # both ranks' streams
-        assert done.stderr.count("to stderr\n") == 2 and done.stderr.count("UserWarning: shown once per place per process") == 2
+        assert done.stderr.count("to stderr\n") == 2
+        assert done.stderr.count("UserWarning: shown once per place per process") == 2
     assert WORLDS.run(script, 3).returncode == 3  # the exit code `leave` was given
 
 
