@@ -77,7 +77,10 @@ BENCHMARKS = {
         "ep_gather_and_reduce_bytes_ep2_vs_ep1", "ep_step_time_ep2_vs_ep1", "ep_step_time_noise_floor")),
     "gpu_throughput": Benchmark("gpu_throughput.py", ("--steps", "5", "--warmup", "2"), (
         "gpu_tokens_per_s_float8_tensorwise_vs_bf16", "gpu_tokens_per_s_float8_rowwise_vs_bf16",
-        "gpu_tokens_per_s_te_Float8CurrentScaling_vs_bf16")),
+        "gpu_tokens_per_s_te_Float8CurrentScaling_vs_bf16", "gpu_tokens_per_s_float8_tensorwise_filter_off_vs_bf16",
+        "gpu_tokens_per_s_float8_rowwise_filter_off_vs_bf16", "gpu_tokens_per_s_hand_tensorwise_vs_bf16",
+        "gpu_tokens_per_s_hand_rowwise_vs_bf16", "gpu_tokens_per_s_*_vs_bf16_m*", "gpu_fp8dist_over_hand_tensorwise_m*",
+        "gpu_fp8dist_over_hand_rowwise_m*")),
 }
 GPU_REFUSED = 2  # gpu_throughput.py's exit code without an FP8 GPU
 SIZES = ("full", "quick", "smoke")
