@@ -99,7 +99,7 @@ BENIGN_WARNINGS = (
         category=FutureWarning,
         module=r"transformers\.modeling_utils",
         message=r"`is_gradient_checkpointing` is deprecated",
-        source="transformers 5.25 modeling_utils.py PreTrainedModel.is_gradient_checkpointing (a deprecated property "
+        source="transformers 5.24 modeling_utils.py PreTrainedModel.is_gradient_checkpointing (a deprecated property "
                "that warns when read), read by peft 0.21 peft_model.py PeftModel.__init__ (getattr(model, "
                "'is_gradient_checkpointing', True)) as fp8dist applies the LoRA adapters, once per rank",
         why="PEFT's read of the deprecated name, not the user's: the property returns is_activation_checkpointing, "

@@ -168,8 +168,11 @@ def check_supported(recipe: str, gpu: str, backend: str | None = None) -> None:
     if cap < low or (high is not None and cap >= high):
         need = f">= {low[0]}.{low[1]}" + (f" and < {high[0]}.{high[1]}" if high else "")
         blackwell = " (Blackwell's MX / NVFP4 tensor cores)" if low >= (10, 0) else ""
+        able = [name for name in GPU_NAMES if low <= gpu_spec(name).capability and (
+            high is None or gpu_spec(name).capability < high)]
         raise Fp8distError(f"{what} does not run on {gpu}: it needs compute capability {need}{blackwell}, and {gpu} "
-                           f"is SM {cap[0]}.{cap[1]}")
+                           f"is SM {cap[0]}.{cap[1]}\n  fix: predict for a GPU that has it ({', '.join(able) or 'none'}"
+                           f" of {', '.join(GPU_NAMES)}), or choose a recipe {gpu} runs")
 
 
 def gemm_seconds(m: float, k: float, n: float, fmt: Format, gpu: str, scale_bytes: float = 0.0,

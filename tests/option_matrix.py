@@ -118,6 +118,10 @@ RUNS = [
         {"precision": {"preset": "torchao-float8", "fp8": {"torchao": EMULATE, "min_speedup": 0.0125}},
          "hardware": {"gpu": "l40s"}},
         {"float8_linears": 6}),
+    Run("fsdp2-torchao-min-speedup-off",  # the same GPU with the rule off: every Linear but lm_head in float8
+        {"precision": {"preset": "torchao-float8", "fp8": {"torchao": EMULATE, "min_speedup": "off"}},
+         "hardware": {"gpu": "l40s"}},
+        {"float8_linears": 14}),
     # MoE: experts in MXFP8 (emulated) on both engines pass the first-step audit, which counts the experts'
     # grouped GEMMs; with experts=none the audit fails on the gemm row, naming the experts
     Run("fsdp2-moe-mxfp8-experts",

@@ -246,10 +246,18 @@ def _outer_product(name: str, args) -> bool:
 PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+# Op namespaces below a GEMM on tensor subclasses that are never a GEMM themselves: aten's own (its matmuls are
+# told by name), and the collectives DTensor runs inside a tensor-parallel mm (they move float8 bytes, multiply none).
+NOT_GEMMS = ("aten", "prims", "_c10d_functional", "c10d", "_dtensor")
+# A block-scaled format's scales (MX's E8M0) are fp8-typed but values of no GEMM operand.
+SCALE_FORMATS = ("fp8_e8m0",)
+
+
 def native_operands(tensors: Iterable[torch.Tensor]) -> Iterator[bool]:
     """Per plain operand of a GEMM that ran: whether it holds low-precision values itself (`torch._scaled_mm` of
-    float8 tensors), as a native FP8/FP4 kernel takes them; dequantized values in fp32/bf16 do not."""
-    return (storage(t).format.startswith(LOW_PRECISION) for t in tensors)
+    float8 tensors), as a native FP8/FP4 kernel takes them; dequantized values in fp32/bf16 do not, nor do scales."""
+    return (storage(t).format.startswith(LOW_PRECISION) and not storage(t).format.startswith(SCALE_FORMATS)
+            for t in tensors)
 
 
 class KernelProbe(TorchDispatchMode):
@@ -273,7 +281,7 @@ class KernelProbe(TorchDispatchMode):
         tensors = [a for a in args[:3] if isinstance(a, torch.Tensor)]
         if name in MATMULS and len(tensors) >= 2:
             self.kernels.append(any(native_operands(tensors)))
-        elif func.namespace not in ("aten", "prims") and any(native_operands(tensors)):
+        elif func.namespace not in NOT_GEMMS and any(native_operands(tensors)):
             self.kernels.append(True)  # a library's own low-precision GEMM op (torchao's CUTLASS MX kernels)
         return func(*args, **kwargs)
 

@@ -14,13 +14,14 @@ from fp8dist.errors import Fp8distError
 from fp8dist.facts.hardware import run_gpu
 
 
-def speed_row(spec: Spec, ledger: WeightGemmLedger, device_name: str | None) -> dict[str, Any]:
-    """{"observed": the ratio or why there is none, "detail": ..., "gpu", "fp8_over_bf16", "losing": [...]}."""
+def speed_row(spec: Spec, ledger: WeightGemmLedger, device_name: str | None) -> dict[str, Any] | None:
+    """{"observed": the ratio or why there is none, "detail": ..., "gpu", "fp8_over_bf16", "losing": [...]}; None
+    for a run without FP8 (nothing to compare: no row, the first screen's audit stays as it was)."""
     gpu = run_gpu(spec.hardware.gpu, device_name)
     recipe = spec.fp8.recipe
     base: dict[str, Any] = {"gpu": gpu, "fp8_over_bf16": None, "losing": [], "linears": []}
     if recipe is None:
-        return {**base, "observed": "no prediction", "detail": "no FP8 backend in the config: nothing to compare"}
+        return None
     if gpu is None:
         where = device_name or "no GPU (CPU)"
         return {**base, "observed": "no prediction",

@@ -302,7 +302,7 @@ class Watch:
             gemm["detail"] += "; weight GEMMs in high precision: " + "; ".join(
                 f"{row['module']} {row['share']:.1%} of the FLOPs ({row['reason']})" for row in stray)
 
-    def _predict_speed(self) -> dict:
+    def _predict_speed(self) -> dict | None:
         """The `speed` info row (audit/speed_row.py): the step's observed weight GEMMs on the run's GPU."""
         from fp8dist.machine import device_info
 

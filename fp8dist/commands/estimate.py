@@ -164,8 +164,9 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     spec = load_config(args.config, overrides=args.overrides)
-    if args.gpu is None and args.nodes != 1:
-        raise Fp8distError("--nodes places the ranks for the speed prediction: name the GPU with --gpu too")
+    if args.gpu is None and spec.hardware.gpu == "auto" and args.nodes != 1:
+        raise Fp8distError(f"--nodes {args.nodes}: the nodes place the ranks for the speed prediction, which needs a "
+                           "GPU to predict for\n  fix: add --gpu h100 (or h200, b200, l40s), or set hardware.gpu")
     result = estimate(args.model, spec, args.world_size, gpu=args.gpu, nodes=args.nodes)
     sys.stdout.write(dump_json(result.to_json()) if args.format == "json"
                      else render_table(result, markdown=args.format == "markdown"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from fp8dist.backends.module_filter import SPEED_KEPT
 from fp8dist.config.spec import Spec
 from fp8dist.facts.torchao import torchao_fp8_hardware, torchao_too_small_to_gain
 
@@ -85,3 +86,15 @@ def advise_small_gemms(spec: Spec, model, rank: int | None = None) -> bool:
                                 "be slower than bf16 for this model; it runs, for numerics, not for speed", rank)
         return True
     return False
+
+
+def say_when_fp8_is_kept_off_every_linear(decisions: list) -> None:
+    """precision.fp8.min_speedup kept every Linear in the compute dtype: the run asked for FP8 and computes without
+    it, said at start (the audit's gemm row then expects the compute dtype, and says why)."""
+    kept = [d for d in decisions if SPEED_KEPT in d.reason]
+    if kept and not any(d.convert for d in decisions):
+        say("speed-kept-every-linear",
+            f"precision.fp8.min_speedup kept all {len(kept)} Linears in the compute dtype, so this run computes "
+            f"without FP8: FP8 is predicted slower for each at its tokens per micro-batch on this GPU (e.g. "
+            f"{kept[0].reason})\n  fix, if FP8 is what you want: compile: true and more tokens per micro-batch "
+            "(docs/speed.md), or precision.fp8.min_speedup=off")

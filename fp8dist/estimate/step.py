@@ -361,7 +361,8 @@ def check(spec: Spec, gpu: str, nodes: int, world: int) -> None:
     world, or a recipe the GPU cannot run."""
     speed.gpu_spec(gpu)
     if nodes < 1 or world % nodes:
-        raise Fp8distError(f"--nodes {nodes} must be at least 1 and divide --world-size {world}")
+        raise Fp8distError(f"--nodes {nodes} must be at least 1 and divide --world-size {world}\n  fix: --nodes N "
+                           f"with N dividing {world} (the ranks of one node each: {world} / N)")
     recipe = _recipe(spec)
     if recipe is not None:
         speed.check_supported(recipe[0], gpu, recipe[1])

@@ -210,6 +210,9 @@ def _factory_module(target: str, *, find_only: bool = False):
             sys.path.remove(here)
     if not found():
         top = module_name.split(".")[0]
+        if top != module_name and importlib.util.find_spec(top) is not None:
+            raise Fp8distError(f"cannot import MODEL factory {target!r}: package {top!r} is found, but it has no "
+                               f"module {module_name!r}\n  fix: check the module path (package.module:function)")
         raise Fp8distError(f"cannot import MODEL factory {target!r}: no module {module_name!r} on the Python path or "
                            f"in the current directory ({here})\n  fix: run from the directory that holds {top}/ (or "
                            f"{top}.py), or add that directory to PYTHONPATH")

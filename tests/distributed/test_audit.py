@@ -40,6 +40,17 @@ def test_table_b_rows_reproduce(config, row):
         assert data["communication_bytes"]["all_reduce"]["fp32"]["bytes"] > 100_000, data["communication_bytes"]
 
 
+def test_the_main_job_through_the_real_launcher():
+    """`fp8dist audit` as the README runs it: a fresh process and its own torchrun launch of 2 ranks (the other
+    audits here run their rank job in the kept world)."""
+    result = run_cli("audit", "tiny-llama", "--config", ROOT / "configs" / "fsdp2-bf16.yaml", "--nproc", "2",
+                     "--format", "json", timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data, by_phase = checks(result)
+    assert data["passed"] is True and data["nproc"] == 2 and by_phase["communication"]["observed"] == "fp32"
+    assert data["not_observed"] == {} and "ChildFailedError" not in result.stderr
+
+
 def test_torchao_float8_gemm_and_float8_all_gather():
     result = audit("tiny-llama", "fsdp2-torchao-float8")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""`fp8dist compare` for real (torchrun, gloo): float8 and fp32 track bf16 within tolerance, a run built to
+"""`fp8dist compare` for real (2 gloo ranks: the kept world, and torchrun for the timeout): float8 and fp32 track bf16 within tolerance, a run built to
 diverge fails with exit 1, the PNG and the JSON carry both curves, a user's text file feeds the batches."""
 import json
 

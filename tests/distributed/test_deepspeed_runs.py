@@ -1,4 +1,5 @@
-"""`deepspeed --num_gpus 2 launch/train.py --fp8dist-config ...` for real, on CPU with gloo."""
+"""launch/train.py with DeepSpeed configs for real on CPU with gloo: ZeRO-2 through `deepspeed --num_gpus 2` (the
+launcher), ZeRO-3, float8 and the refusals as jobs of the kept 2-rank world (tests/distributed/worlds.py)."""
 import math
 
 import pytest
@@ -10,7 +11,7 @@ pytestmark = pytest.mark.distributed
 
 
 # ZeRO-0/1 and torchao float8 on DeepSpeed also run in the option matrix (tests/distributed/test_option_runs.py);
-# these go through the deepspeed launcher for 12 steps and check that the loss goes down.
+# these train 12 steps and check that the loss goes down.
 @pytest.mark.parametrize("config", ["deepspeed-bf16-zero2", "deepspeed-bf16-zero3"])
 def test_deepspeed_trains(config):
     launch = deepspeed if config.endswith("zero2") else in_world  # the launcher once; ZeRO-3 in the kept world

@@ -169,6 +169,8 @@ def _refuse_mixed_runs(directory: Path, complete: list[Path]) -> None:
     newest: dict[str, Path] = {}
     for path in complete:
         run = run_of(peek_manifest(path))
+        if run is None and newest:  # an unidentified checkpoint after an identified one: written by another run
+            run = f"without a recorded id ({path.name})"  # (this fp8dist records an id in every checkpoint it writes)
         if run is not None:
             newest[run] = path  # oldest first: the last one seen is the run's newest
     if len(newest) > 1:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import fp8dist.engines.activation_checkpointing as activation_checkpointing
 from fp8dist.backends.base import get_backend
 from fp8dist.config.spec import Spec
-from fp8dist.engines.advice import advise_small_gemms
+from fp8dist.engines.advice import advise_small_gemms, say_when_fp8_is_kept_off_every_linear
 from fp8dist.engines.base import Engine, FirstStepAudit, forward_loss, training_mode
 from fp8dist.engines.blocks import wrap_units
 from fp8dist.engines.deepspeed.checkpointing import Checkpointing
@@ -106,6 +106,7 @@ def initialize(model, spec: Spec, optimizer=None, model_parameters=None, trainin
     check_environment(spec, config)
     before = dict(model.named_parameters())
     decisions = backend.convert_module(model)
+    say_when_fp8_is_kept_off_every_linear(decisions)
     advise_small_gemms(spec, model)
     if optimizer is None:
         params = (trainable_parameters(model) if model_parameters is None

@@ -24,7 +24,7 @@ from fp8dist.backends.base import get_backend
 from fp8dist.config.spec import Spec
 from fp8dist.config.parallel import check_model_fits, parallel_dims, sequence_parallel
 from fp8dist.dtypes import torch_dtype
-from fp8dist.engines.advice import advise_small_gemms, say
+from fp8dist.engines.advice import advise_small_gemms, say, say_when_fp8_is_kept_off_every_linear
 from fp8dist.engines.base import Engine, FirstStepAudit, forward_loss, training_mode
 from fp8dist.engines.blocks import wrap_units
 from fp8dist.engines.fsdp2.checkpointing import Checkpointing
@@ -207,6 +207,7 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
         say("tensor-parallel", tp_plan.summary())
     if backend.converts_after_tensor_parallel:
         decisions = backend.convert_module(model)
+    say_when_fp8_is_kept_off_every_linear(decisions)
     expert_mesh, ep_plan = build_expert_mesh(dims), None
     if expert_mesh is not None:  # after the conversions, which choose the experts' implementation
         _check_expert_parallel_model(model, spec)

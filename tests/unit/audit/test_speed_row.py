@@ -75,8 +75,16 @@ def test_watch_puts_the_row_in_the_report():
 
     model = FeatureMLP()
     optimizer = torch.optim.AdamW(model.parameters())
-    with watch(model, optimizer, {"precision": {"preset": "fp32"}, "hardware": {"gpu": "h100"}},
-               on_mismatch="ignore") as audit:
+    config = {"precision": {"preset": "torchao-float8", "fp8": {"torchao": {"emulate": True}}},
+              "hardware": {"gpu": "h100"}}
+    with watch(model, optimizer, config, on_mismatch="ignore") as audit:  # a model nobody converted: all bf16
         forward_loss(model, infer_batch(model)(2, 8, 0)).backward()
         optimizer.step()
-    assert audit.report["speed"]["gpu"] == "h100" and "no FP8 backend" in audit.report["speed"]["detail"]
+    row = audit.report["speed"]
+    assert row["gpu"] == "h100" and row["fp8_over_bf16"] == 1.0 and row["linears"], row
+    assert {r["format"] for r in row["linears"]} == {"bf16"} and row["losing"] == []
+
+
+def test_a_run_without_fp8_has_no_speed_row():
+    spec = load_config({"hardware": {"gpu": "h100"}})  # bf16 preset: nothing to compare
+    assert speed_row(spec, _ledger(_spec()), None) is None

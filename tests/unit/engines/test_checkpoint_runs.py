@@ -98,3 +98,10 @@ def test_a_directory_holding_two_runs_has_no_newest_checkpoint(one_rank, tmp_pat
     named = run_cli("export", mixed / "step-00000004", tmp_path / "out")
     assert named.returncode == 0 and named.stdout.startswith("exported step 4 of run "), named.stderr[-3000:]
     assert (mixed / "step-00000004" / MANIFEST).is_file()
+    # the directory: the older run's newest step written before checkpoints had a run id
+    manifest_file = mixed / "step-00000008" / MANIFEST
+    manifest = json.loads(manifest_file.read_text())
+    del manifest["run"]
+    manifest_file.write_text(json.dumps(manifest))
+    with pytest.raises(Fp8distError, match=r"holds checkpoints of 2 runs .*step-00000008: a run without a recorded id"):
+        resume(fresh, mixed, model_name=MODEL)

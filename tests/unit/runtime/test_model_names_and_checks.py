@@ -104,9 +104,6 @@ def test_a_factory_module_is_found_from_the_directory_a_launch_starts_in(tmp_pat
     done = subprocess.run([*check, "tests.tp_models:unseen_qwen2_qlora"], capture_output=True, text=True, cwd=ROOT,
                           env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    from fp8dist.runtime.models import load_model
-
-    assert load_model("tests.audit_factories:token_mlp", "fp32").model is not None  # the same resolution, loaded
     done = subprocess.run([*check, "tests.tp_models:unseen_qwen2_qlora"], capture_output=True, text=True,
                           cwd=tmp_path, env=env, timeout=300)
     assert done.returncode == 2 and done.stderr.count("cannot import MODEL factory") == 1, done.stderr[-2000:]

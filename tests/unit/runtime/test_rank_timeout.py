@@ -12,6 +12,8 @@ from fp8dist.errors import Fp8distError
 from fp8dist.runtime.ranks import launch
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.distributed  # 2 ranks under the real torchrun
+
 NPROC = 2
 
 
