@@ -136,7 +136,7 @@ def _side(meta: MetaModel, spec: Spec, split: TensorSplit, dims: ParallelDims, g
     """The compute of one micro-batch on one rank, with FP8 as configured (`fp8`) or every Linear in bf16."""
     side, compiled = _Side(), spec.compile
     recipe = _recipe(spec) if fp8 else None
-    tokens = spec.train.micro_batch_size * spec.train.seq_len // spec.parallel.context_size
+    tokens = spec.tokens_per_micro_batch
     in_blocks = tuple(f"{name}." for name, _ in blocks(meta.model, spec))
     shared: set[tuple[str, str]] = set()
     full, selective = (spec.parallel.activation_checkpointing == mode for mode in ("full", "selective"))
@@ -252,7 +252,7 @@ def _communication(meta: MetaModel, spec: Spec, result: Estimate, split: TensorS
             ga = spec.train.gradient_accumulation_steps  # once a step: a micro-batch's share
             out["dp_weights_after_step"] = {"bytes": weights / ga, "seconds": s / ga,
                                             "link": link, "overlapped": False}
-    tokens = spec.train.micro_batch_size * spec.train.seq_len // spec.parallel.context_size
+    tokens = spec.tokens_per_micro_batch
     if tp > 1:  # per block, forward and backward: 4 gathers (float8 under torchao's tensorwise styles), 4 reductions
         gather = 1 if fp8 and _recipe(spec) == ("tensorwise", "torchao") else compute
         volume = tokens * meta.config.hidden_size * (4 * gather + 4 * compute) * meta.config.num_hidden_layers
@@ -385,7 +385,7 @@ def step_speed(meta: MetaModel, spec: Spec, result: Estimate, split: TensorSplit
         side.parts["communication_exposed"] = _exposed(comms[fp8], compute, units)
         side.parts = {p: v * ga for p, v in side.parts.items()}
         side.parts["optimizer"] = _optimizer(result, gpu)
-    tokens = spec.train.micro_batch_size * spec.train.seq_len // spec.parallel.context_size
+    tokens = spec.tokens_per_micro_batch
     per_gpu = ga * tokens / split.tp
     step, twin = (sum(sides[fp8].parts.values()) for fp8 in (True, False))
     linears = _grouped(sides[True].linears)
