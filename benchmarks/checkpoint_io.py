@@ -39,7 +39,8 @@ def worker(size: str, repeats: int, root: str) -> None:
     from fp8dist import load_config
     from fp8dist.runtime.data import batches_for
     import fp8dist.engines.checkpoint as checkpoint
-    from fp8dist.runtime.models import _llama_config, causal_lm_batch
+    from fp8dist.runtime.models import causal_lm_batch
+    from fp8dist.config.models import _llama_config
 
     process_group.init(deepspeed=True)  # gloo on the CPU accelerator; serves FSDP2 too
     rank = dist.get_rank()

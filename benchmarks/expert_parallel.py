@@ -31,7 +31,7 @@ CONFIG = {"engine": "fsdp2", "precision": {"preset": "bf16"}, "audit": {"first_s
 
 
 def model_config(size: str):
-    from fp8dist.runtime import models
+    from fp8dist.config import models
 
     return models.small_mixtral_config() if size == "full" else models.tiny_config("mixtral")
 

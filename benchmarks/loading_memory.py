@@ -76,7 +76,7 @@ def save_model(size: str, directory: str) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fp8dist.runtime.models import _llama_config
+    from fp8dist.config.models import _llama_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_llama_config(**SIZES[size]), dtype=torch.bfloat16)

@@ -64,7 +64,7 @@ def run_side(side: str, model_name: str, steps: int) -> None:
 
         from fp8dist.engines.optim import build_optimizer
         from fp8dist.integrations import accelerator_kwargs
-        from fp8dist.runtime.adapters import lora_config
+        from fp8dist.backends.adapters import lora_config
         from fp8dist.runtime.models import load_model
 
         loaded = load_model(model_name, spec.precision.load_dtype, seed=spec.train.seed)

@@ -76,7 +76,7 @@ def accelerate_bnb(model_dir: str, spec):
 
     from fp8dist.engines.optim import build_optimizer
     from fp8dist.integrations import accelerator_kwargs
-    from fp8dist.runtime.adapters import lora_config
+    from fp8dist.backends.adapters import lora_config
 
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                       bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)

@@ -38,7 +38,8 @@ BF16 = {**FLOAT8, "precision": {"preset": "bf16"}}
 
 
 def llama(layers: int):
-    from fp8dist.runtime.models import _from_hf_config, _llama_config
+    from fp8dist.runtime.models import _from_hf_config
+    from fp8dist.config.models import _llama_config
 
     return _from_hf_config(_llama_config(hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
                                          num_attention_heads=8, num_key_value_heads=4), "bf16", seed=0)

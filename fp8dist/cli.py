@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     import fp8dist
     from fp8dist.estimate.shapes import HUB_IDS, SHAPES
     from fp8dist.facts.hardware import GPUS
-    from fp8dist.runtime.models import MODEL_FORMS, model_forms
+    from fp8dist.config.models import MODEL_FORMS, model_forms
 
     parser = _Parser(prog="fp8dist")
     parser.add_argument("--version", action="version", version=f"fp8dist {fp8dist.__version__}")
@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", choices=["deepspeed", "fsdp2", "accelerate"], required=True)
     p.add_argument("-o", "--output", help="write to this file (atomically) instead of stdout")
     p.add_argument("--deepspeed-version", help="target DeepSpeed version (default: installed, else newest known)")
-    p.add_argument("--torchao-version", help="target torchao version for --to fsdp2 (default: installed, else newest known)")
+    p.add_argument("--torchao-version",
+                   help="target torchao version for --to fsdp2 (default: installed, else newest known)")
     p.add_argument("--te-version", help="target Transformer Engine version for --to fsdp2: the recipe fields that "
                    "release keeps (default: installed, else newest known)")
     p.add_argument("--strict", action="store_true", help="exit 2, writing nothing, when the config holds keys that do "
@@ -223,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "costs up to 3x a plain one")
     p.set_defaults(func=_audit)
 
-    p = sub.add_parser("run", usage="fp8dist run CONFIG [KEY=VALUE ...] [--nproc N] [--launcher L] -- SCRIPT [ARGS ...]",
+    p = sub.add_parser("run",
+                       usage="fp8dist run CONFIG [KEY=VALUE ...] [--nproc N] [--launcher L] -- SCRIPT [ARGS ...]",
                        help="check, then launch a training script on N ranks with the config (torchrun or deepspeed)",
                        description="Check the config and this machine in one process (a refusal: one message, exit "
                        "2, no rank started), then run SCRIPT under the launcher of the config's engine with "

@@ -11,7 +11,8 @@ class ExitCode(IntEnum):
     """Every exit code of the CLI, launch/train.py and the rank processes."""
 
     OK = 0
-    MISMATCH = 1  # the audit saw another dtype than the config's (or could not measure a phase); compare beyond tolerance
+    # the audit saw another dtype than the config's (or could not measure a phase); compare beyond tolerance
+    MISMATCH = 1
     ERROR = 2  # a usage, config or environment error: the message says which, and the fix
     LOST_PEER = 3  # launch/train.py: another rank died or stopped answering within train.process_group_timeout_s
     INTERRUPTED = 130  # Ctrl-C

@@ -28,7 +28,7 @@ import sys
 
 import fp8dist
 from fp8dist.errors import Checks, ExitCode, Fp8distError
-from fp8dist.runtime.models import MODEL_FORMS
+from fp8dist.config.models import MODEL_FORMS
 
 
 def parse_args(argv=None):
@@ -122,9 +122,9 @@ def main(argv=None) -> int:
             print(f"train.py: {args.fp8dist_config or 'the schema defaults'}: can run here (engine {spec.engine}, FP8 backend "
                   f"{spec.fp8.backend}, --model {args.model})", flush=True)
             return ExitCode.OK
-        loaded, plan = loop.prepare_run(spec, args.model, export_hf=args.export_hf)
-        session = loop.start(spec, loaded, plan=plan)
-        to_export = loop.train(session, loop.Plan(steps=args.steps or spec.train.steps, model_name=args.model,
+        loaded, plan, dims = loop.prepare_run(spec, args.model, export_hf=args.export_hf)
+        session = loop.start(spec, loaded, plan=plan, dims=dims)
+        to_export = loop.train(session, loop.TrainOptions(steps=args.steps or spec.train.steps, model_name=args.model,
                                                   checkpoint_dir=args.checkpoint_dir, save_every=args.save_every,
                                                   resume=args.resume, export_hf=args.export_hf), on_step, say)
         process_group.tear_down()

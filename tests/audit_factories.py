@@ -116,7 +116,7 @@ def raises():
 def _tiny_moe(arch):
     import transformers
 
-    from fp8dist.runtime.models import tiny_moe_config
+    from fp8dist.config.models import tiny_moe_config
 
     torch.manual_seed(0)
     config = tiny_moe_config(arch)

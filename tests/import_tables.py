@@ -113,7 +113,7 @@ def document() -> str:
                             "The file says only which adapter trains: the output is an fp8dist config with that "
                             "`adapter` (kind lora, r, alpha, dropout, target_modules) and every other section at "
                             "fp8dist's defaults, said in a `# resolved:` comment. fp8dist builds plain LoRA with "
-                            "PEFT's defaults (runtime/adapters.py lora_config: bias none, init_lora_weights true, "
+                            "PEFT's defaults (backends/adapters.py lora_config: bias none, init_lora_weights true, "
                             "alpha / r scaling), so a key that changes which parameters train or the adapters' "
                             "numerics is refused where its value does so, and noted where it does not.")])
 

@@ -25,7 +25,7 @@ class Run:
     config: dict
     expect: dict = field(default_factory=dict)  # facts the worker reports, checked by the run test
     inject_inf: dict | None = None  # {"rank": r, "step": s}: a non-finite gradient on one rank
-    model: str = "tiny-llama"  # a built-in model (fp8dist.runtime.models.BUILTIN)
+    model: str = "tiny-llama"  # a built-in model (fp8dist.config.models.BUILTIN)
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from fp8dist.facts.torchao import TORCHAO_MXFP8_DISPATCH
 from fp8dist.dtypes import FAMILY_BYTES
+from fp8dist.config.engines import TRAITS
 from fp8dist.config.parallel import sequence_parallel
 from fp8dist.config.schema import read_schema_file
 from fp8dist.config.spec import Spec
-from fp8dist.engines.registry import facts_for
+from fp8dist.engines.registry import profile_for
 
 # Optimizer states per parameter when a cell names one dtype for all of them (torch Adam/AdamW: exp_avg,
 # exp_avg_sq; fp8dist's SGD has no momentum).
@@ -76,7 +77,7 @@ def expected(spec: Spec, nproc: int = 1) -> dict[str, tuple[str, str]]:
     """phase -> (expected dtype, why). Phases that need 2+ ranks are left out for nproc 1."""
     p, compute = spec.precision, spec.precision.compute_dtype
     row: dict[str, tuple[str, str]] = {"loading": (p.load_dtype, "precision.load_dtype")}
-    row.update(facts_for(spec).expected_stores(spec))  # what the engine keeps where (engines/<name>/facts.py)
+    row.update(profile_for(spec).expected_stores(spec))  # what the engine keeps where (engines/<name>/profile.py)
     row["training"] = (compute, "precision.mixed_precision (or the weight dtype without it)")
     if not spec.fp8.enabled:
         row["gemm"] = (compute, "no FP8 backend: GEMMs run in the compute dtype")
@@ -95,7 +96,7 @@ def expected(spec: Spec, nproc: int = 1) -> dict[str, tuple[str, str]]:
             row[phase] = (cells[phase], f"table A, MS-AMP {spec.fp8.msamp.opt_level}")
     if spec.parallel.tensor_size > 1:
         row.update(_tensor_parallel_rows(spec, compute))
-    if spec.parallel.expert_size > 1 and spec.engine == "fsdp2":  # DeepSpeed AutoEP's groups are its own
+    if spec.parallel.expert_size > 1 and TRAITS[spec.engine].own_expert_parallel:  # AutoEP's groups are its own
         row["ep_all_to_all"] = (compute, "fp8dist's expert parallel dispatches and combines tokens in the compute "
                                          f"dtype (no low-precision dispatch: {TORCHAO_MXFP8_DISPATCH})")
     if spec.adapter.enabled:
@@ -140,5 +141,5 @@ def implied_bytes_per_param(spec: Spec) -> dict[str, float]:
     states = row["optimizer"][0]
     optimizer = size(states) if "+" in states else size(states) * STATES_PER_PARAM[spec.optimizer.name]
     return {"weights": size(row["weights"][0]),
-            "master": size(row["master_weights"][0]) if facts_for(spec).separate_master_bytes(spec) else 0.0,
+            "master": size(row["master_weights"][0]) if profile_for(spec).separate_master_bytes(spec) else 0.0,
             "gradients": size(row["weight_gradients"][0]), "optimizer": optimizer}

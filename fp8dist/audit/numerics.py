@@ -171,7 +171,7 @@ def quiet(tally: Tally, name: str) -> Iterator[None]:
         tally.unmeasured[name] = f"its probe failed: {type(exc).__name__}: {exc}"
 
 
-def _plain(tensor: torch.Tensor) -> torch.Tensor:
+def _forward_weight_values(tensor: torch.Tensor) -> torch.Tensor:
     """The high-precision values of a weight as its forward sees them, kept for its backward: torchao's float8
     all-gather wrapper holds them in `_tensor`; a ZeRO-3 parameter's gathered values are copied (DeepSpeed frees
     or reuses their memory after the module's forward), FSDP2's unsharded ones are gathered again for backward."""
@@ -227,7 +227,7 @@ class Float8LinearProbe:
             given = _float8_values(hp, weight)
             weight_t = given.transposed()
         else:
-            hp = _plain(weight)
+            hp = _forward_weight_values(weight)
             weight_t = _float8_cast(hp.t(), config.cast_config_weight, GemmInputRole.WEIGHT, 0, self.module)
         self.tally.gemm(self.name, self.name, "forward",
                         Operand("input", x, _float8_cast(x, config.cast_config_input, GemmInputRole.INPUT, -1,
@@ -285,7 +285,7 @@ class MXLinearProbe:
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> Any:
         mode = self.module.scale_calculation_mode
-        x, hp = x.reshape(-1, x.shape[-1]), _plain(weight)
+        x, hp = x.reshape(-1, x.shape[-1]), _forward_weight_values(weight)
         self.tally.gemm(self.name, self.name, "forward", Operand("input", x, _mx_cast(x, mode)),
                         Operand("weight", hp.t(), _mx_cast(hp, mode).transposed()))
         return x, hp
@@ -595,7 +595,8 @@ def describe(finding: dict[str, Any]) -> str:
     if finding["metric"] == "sqnr_db":
         return f"{what} SQNR {finding['value']} dB < {finding['limit']:g} dB"
     if finding["metric"] == "lagged_passes":
-        return f"{what}: the delayed scale lagged a new amax in {finding['value']} pass(es) (its largest values clamped)"
+        return (f"{what}: the delayed scale lagged a new amax in {finding['value']} pass(es) "
+                "(its largest values clamped)")
     return f"{what} {finding['metric']} {finding['value']:.3g} > {finding['limit']:g}"
 
 

@@ -17,7 +17,8 @@ def build(spec: Spec, model: str, observed: dict[str, Any], nproc: int,
     a value read from a setting, or no probe result at all, is NOT MEASURED and keeps the verdict from PASS.
     `outside`: phases that happen before the observed block (phase -> why), left out of the checks and said.
     `data_size`: the data-parallel ranks, whose gradients reduce (default: all `nproc` ranks). A row whose cell has
-    `layouts` (the optimizer's block-quantized states: codes dtype, block size, scale dtype per state key) keeps them."""
+    `layouts` (the optimizer's block-quantized states: codes dtype, block size, scale dtype per state key) keeps
+    them."""
     outside = outside or {}
     checks = []
     rows = {"engine": (spec.engine, "engine (recognised from the prepared model and optimizer)"),

@@ -35,12 +35,12 @@ from fp8dist.audit.report import build, table, verdict
 from fp8dist.audit.wire import DATA_AXES, REDUCTIONS, WireRecorder
 from fp8dist.backends.storage import bnb_4bit_quant_states, held_of, is_scaling_tensor
 from fp8dist.config.load import load_config
-from fp8dist.config.parallel import parallel_dims
+from fp8dist.config.parallel import EP, TP, ParallelDims
 from fp8dist.config.spec import Spec
 from fp8dist.engines.optim import full_precision_by_design
 from fp8dist.engines.registry import inspector_for
 from fp8dist.facts.torchao import TORCHAO_HIGH_PRECISION_GEMMS
-from fp8dist.runtime.adapters import split_parameters, trained_beside_base
+from fp8dist.backends.adapters import split_parameters, trained_beside_base
 from fp8dist.errors import ExitCode, Fp8distError
 from fp8dist.translate.fsdp2 import module_filter_plan
 
@@ -96,7 +96,9 @@ class Watch:
         self.inspector = inspector_for(self.model, self.optimizer)
         self.nproc = distributed.world_size()
         self.rank = distributed.rank() if self.nproc > 1 else 0
-        self.data_size = parallel_dims(self.spec, self.nproc).data_size  # the ranks whose gradients reduce
+        # the ranks whose gradients reduce: the watch is this process's entry (a user's own loop), so it builds the
+        # layout the config gives this world
+        self.data_size = ParallelDims.of(self.spec, self.nproc).data_size
         self._observe_stores()
         self.matmuls, self.wire = probes.MatmulRecorder(), WireRecorder(self.inspector.mesh_axes())
         import torch
@@ -146,7 +148,7 @@ class Watch:
 
     def _observe_frozen(self) -> None:
         """Trainable vs frozen. Under `adapter` the base is every parameter that is neither a LoRA adapter's nor a
-        module to save's trained copy (PEFT's names, runtime/adapters.trained_beside_base), whatever the loop did
+        module to save's trained copy (PEFT's names, backends/adapters.trained_beside_base), whatever the loop did
         with it: stored in the expected dtype (an fp32 copy of a bf16 base is a mismatch), with no gradient and
         never stepped by the optimizer."""
         named = list(self.inspector.module.named_parameters())
@@ -346,7 +348,7 @@ class Watch:
         if self.spec.parallel.tensor_size > 1:
             self._observe_tensor_parallel(wire)
         if self.spec.parallel.expert_size > 1:
-            sent = wire.dtypes({"all_to_all"}, axes=("ep",))
+            sent = wire.dtypes({"all_to_all"}, axes=(EP,))
             carried = [dtype for dtype in sent if not dtype.startswith(("int", "uint"))]  # split counts are int64
             out["ep_all_to_all"] = _obs("+".join(carried) or "none", "all-to-alls on the ep axis (the split counts "
                                         f"left out): {wire.by_axis().get('ep', {}).get('all_to_all', {})}")
@@ -363,11 +365,11 @@ class Watch:
     def _observe_tensor_parallel(self, wire: WireRecorder) -> None:
         """What crossed the `tp` axis: the activations all-gathered (sequence parallel) and the partial sums
         reduced (row-wise outputs, column-wise input gradients)."""
-        out, record = self.observed, wire.by_axis().get("tp", {})
-        reduced = wire.dtypes(REDUCTIONS, axes=("tp",))
+        out, record = self.observed, wire.by_axis().get(TP, {})
+        reduced = wire.dtypes(REDUCTIONS, axes=(TP,))
         out["tp_reduction"] = _obs("+".join(reduced) or "none", f"reductions on the tp axis (scalars left out): "
                                    f"{ {k: v for k, v in record.items() if k in REDUCTIONS} }")
-        gathered = set(wire.dtypes({"all_gather"}, axes=("tp",)))
+        gathered = set(wire.dtypes({"all_gather"}, axes=(TP,)))
         float8 = gathered & FLOAT8_WIRE
         gather = "fp8" if float8 and normalize(expected(self.spec, self.data_size).get(
             "tp_all_gather", ("",))[0]) == "fp8" else "+".join(sorted(gathered)) or "none"

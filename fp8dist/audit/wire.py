@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8dist.backends.storage import storage
+from fp8dist.config.parallel import DATA_AXES as MESH_DATA_AXES
 from fp8dist.engines.mesh import axis_of
 
 # c10d op name -> kind. Reductions carry gradients; gathers carry weights.
@@ -43,9 +44,9 @@ REDUCTIONS = {"all_reduce", "reduce", "reduce_scatter"}
 # Gathers and reduce-scatters take (outputs, inputs); the others reduce or broadcast their first argument
 # in place (torch 2.13 c10d op schemas, torch/csrc/distributed/c10d/Ops.cpp).
 INPUT_SECOND = {"all_gather", "reduce_scatter", "all_to_all"}
-# where gradients reduce and FSDP gathers weights (`efsdp`: the experts' data axis under expert parallel)
-DATA_AXES = ("dp_replicate", "dp_shard", "dp_shard_cp", "efsdp", "world")
-WORLD = "world"
+WORLD = "world"  # a group that is no mesh axis's (the default group of a run without a mesh)
+# where gradients reduce and FSDP gathers weights: the layout's data axes, and the world without a mesh
+DATA_AXES = MESH_DATA_AXES + (WORLD,)
 
 
 def _tensors(value) -> list:

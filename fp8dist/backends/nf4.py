@@ -62,8 +62,9 @@ SAVED_MODULE_REASON = ("a module to save (adapter.modules_to_save): PEFT's froze
 
 
 def saved_module_originals(model) -> set[int]:
-    """The ids of the frozen `original_module` of each module to save and of every module inside it (adapter.modules_to_save: peft 0.21
-    utils/other.py ModulesToSaveWrapper, whose trained copy is not frozen, so no NF4 candidate). A module trained
+    """The ids of the frozen `original_module` of each module to save and of every module inside it
+    (adapter.modules_to_save: peft 0.21 utils/other.py ModulesToSaveWrapper, whose trained copy is not frozen, so no
+    NF4 candidate). A module trained
     whole stays out of NF4 in both copies: the frozen one runs only with the adapters disabled, where it stands for
     the module as loaded, and QLoRA's modules to save (embeddings, the output layer) are those bitsandbytes leaves
     unquantized."""

@@ -3,7 +3,8 @@
 Logical `.dtype` lies for every low-precision container the audit meets, so each is read by its storage:
 - DTensor (FSDP2 shards): `.to_local()`;
 - torchao: `Float8TrainingTensor._data`, `WeightWithDynamicFloat8CastTensor._tensor`, `MXTensor.qdata`, low-bit
-  optimizer state `.codes`, `NF4Tensor`'s codes and scales (torchao 0.18 torchao/float8/float8_training_tensor.py, fsdp_utils.py, optim/subclass_*.py);
+  optimizer state `.codes`, `NF4Tensor`'s codes and scales (torchao 0.18 torchao/float8/float8_training_tensor.py,
+  fsdp_utils.py, optim/subclass_*.py);
 - bitsandbytes 4-bit weights (`Params4bit`): packed codes in any storage dtype, read by `quant_state`;
 - Transformer Engine quantized tensors (`Float8Tensor`, `MXFP8Tensor`, `Float8BlockwiseQTensor`,
   `NVFP4Tensor` and their `*Storage` bases, `*TensorBase` up to 2.8): uint8 buffers `_data` / `_rowwise_data` /

@@ -50,7 +50,8 @@ class TorchaoFloat8(PrecisionBackend):
                                          _EXPERTS_FIX)
         if ao.emulate:
             return
-        ok, reason = torchao_fp8_hardware(ao.recipe_name, tuple(device["capability"]) if device.get("capability") else None)
+        ok, reason = torchao_fp8_hardware(ao.recipe_name,
+                                          tuple(device["capability"]) if device.get("capability") else None)
         if not ok:
             raise UnsupportedEnvironment(f"refusing FP8: {reason}",
                                          "run on an H100/H200 (SM 9.0) or Ada (SM 8.9) GPU, or set "

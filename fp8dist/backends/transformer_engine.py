@@ -78,8 +78,10 @@ class TransformerEngine(PrecisionBackend):
             import transformer_engine.pytorch  # noqa: F401
         except Exception as exc:  # TE raises RuntimeError/OSError without CUDA libraries, not only ImportError
             raise UnsupportedEnvironment(f"Transformer Engine {fmt(version)} is installed but cannot be "
-                                         f"imported: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                                         "TE needs the NVIDIA driver and CUDA libraries; run on a GPU machine") from None
+                                         f"imported: {type(exc).__name__}: "
+                                         f"{str(exc).splitlines()[0] if str(exc) else ''}",
+                                         "TE needs the NVIDIA driver and CUDA libraries; run on a GPU machine"
+                                         ) from None
         recipe = self.spec.fp8.te.recipe
         cuda = parse_version(device["cuda"]) if device.get("cuda") else None
         ok, reason = te_recipe_hardware(recipe, tuple(device["capability"]) if device.get("capability") else None, cuda)

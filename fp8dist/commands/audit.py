@@ -1,5 +1,5 @@
 """`fp8dist audit MODEL [--config C] [KEY=VALUE ...]`: check what can be checked here, run the measuring worker
-(fp8dist.audit.worker) on N ranks (torchrun, gloo on CPU) within a time bound, and report.
+(fp8dist.commands.audit_worker) on N ranks (torchrun, gloo on CPU) within a time bound, and report.
 
 Before anything is launched, the parent checks the config, the model name and the environment (the FP8
 backend's library and hardware; what DeepSpeed itself would refuse), so such errors exit 2 with fp8dist's
@@ -38,9 +38,9 @@ def measure(model: str, config: str | None, nproc: int, steps: int, timeout: flo
             overrides: Sequence[str] = (), numerics: bool = False) -> dict:
     """The watch's report of `steps` steps of MODEL under the config, on `nproc` ranks; `numerics`: with the FP8
     numerics check (fp8dist.audit.numerics)."""
-    from fp8dist.audit.worker import NUMERICS
+    from fp8dist.commands.audit_worker import NUMERICS
 
-    return launch("fp8dist.audit.worker", [model, config or "", str(steps), "\n".join(overrides),
+    return launch("fp8dist.commands.audit_worker", [model, config or "", str(steps), "\n".join(overrides),
                                            NUMERICS if numerics else ""], nproc, timeout, "audit run")
 
 

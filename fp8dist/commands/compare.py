@@ -163,7 +163,8 @@ def parting_text(report: dict[str, Any]) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"**fp8dist compare** `{result['config']}` vs baseline `{result['baseline']}` on `{result['model']}`: "
-             f"**{'PASS' if result['passed'] else 'FAIL'}** (largest relative gap {_gap_text(result['max_relative_gap'])}, "
+             f"**{'PASS' if result['passed'] else 'FAIL'}** "
+             f"(largest relative gap {_gap_text(result['max_relative_gap'])}, "
              f"tolerance {result['tolerance']:.2%})", "", "| step | baseline | config | gap |", "|---|---|---|---|"]
     for i, (base, got, gap) in enumerate(zip(result["losses"]["baseline"], result["losses"]["config"],
                                              result["relative_gaps"]), 1):

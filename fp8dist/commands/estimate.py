@@ -7,6 +7,7 @@ import argparse
 from fp8dist.commands.output import dump_json
 from fp8dist.commands.estimate_speed import NO_GPU, render_speed
 from fp8dist.config.load import load_config
+from fp8dist.config.parallel import CP, TP
 from fp8dist.errors import ExitCode, Fp8distError
 from fp8dist.estimate.memory import estimate
 from fp8dist.estimate.result import PHASES, STORES, Estimate, Phase
@@ -62,7 +63,7 @@ def _mesh(result: Estimate) -> str:
 def _divided_note(result: Estimate) -> str:
     """What each store was divided by: the mesh axes, so that a figure can be traced to them."""
     shards = ", ".join(f"{store.replace('_', ' ')} {n}" for store, n in result.shards.items())
-    tp, cp, split = result.mesh["tp"], result.mesh["cp"], result.tensor_parallel
+    tp, cp, split = result.mesh[TP], result.mesh[CP], result.tensor_parallel
     if tp == 1:
         note = f"divided by mesh {_mesh(result)}: each store over the ranks it is sharded on ({shards})"
     else:

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import IO, cast
 
 from fp8dist.config.load import load_config
-from fp8dist.config.parallel import parallel_dims
-from fp8dist.engines.registry import facts_for
+from fp8dist.config.parallel import ParallelDims
+from fp8dist.engines.registry import profile_for
 from fp8dist.errors import Checks, ExitCode, Fp8distError
 from fp8dist.runtime.ranks import is_launcher_report
 
@@ -75,12 +75,12 @@ def check_before_launch(args) -> str:
     if spec is not None:
         if args.nproc is None or args.nproc >= 1:
             with checks.one():
-                parallel_dims(spec, args.nproc or default_nproc(), "--nproc")
+                ParallelDims.of(spec, args.nproc or default_nproc(), "--nproc")  # before the ranks start
         with checks.one():
             preflight(spec)
     checks.raise_found()
     assert spec is not None  # raise_found raised when the config was refused
-    return args.launcher or facts_for(spec).launcher
+    return args.launcher or profile_for(spec).launcher
 
 
 def run(args) -> int:

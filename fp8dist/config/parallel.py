@@ -13,7 +13,8 @@ Axes, outermost first (the order of the DeviceMesh and of the rank numbering):
   factor of the world size: it borrows its ranks from dp_shard (torchtitan parallel_dims.py, "EP borrows ranks from
   FSDP and TP: efsdp = dp_shard * cp * tp / ep"; fp8dist borrows from dp_shard only), so the experts live on a mesh
   of their own, (efsdp, ep), over the same ranks as dp_shard, and are FSDP-sharded over `efsdp`.
-A new axis gets its config key, its size rule in `parallel_dims`, and its mesh dim here.
+A new axis gets its config key, its size rule in `ParallelDims.of`, and its mesh dim here (the meshes are built
+from these dims in one place, fp8dist.engines.mesh.build_meshes; docs/architecture.md lists the files an axis touches).
 
 The data-parallel group is dp_replicate x dp_shard: the ranks that read different batches. Data loading,
 checkpoints and the audit count data-parallel ranks (`data_rank`, `data_size`), which equal the global rank and
@@ -27,12 +28,25 @@ from typing import Any, Mapping
 from fp8dist.config.engines import TRAITS
 from fp8dist.errors import Fp8distError
 
-# The mesh dims, outermost first (torchtitan's order: dp_replicate, dp_shard, cp, tp).
-AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+# The mesh dim names: the one place they are spelled (the meshes, the audit's axes and the estimate read them here).
+DP_REPLICATE, DP_SHARD, CP, TP = "dp_replicate", "dp_shard", "cp", "tp"
+EP, EFSDP = "ep", "efsdp"  # the experts' own mesh (expert_mesh_shape)
+FSDP = "dp_shard_cp"  # dp_shard x cp flattened: the dim FSDP shards a dense model over when cp > 1
+# The dense mesh's dims, outermost first (torchtitan's order: dp_replicate, dp_shard, cp, tp).
+AXES = (DP_REPLICATE, DP_SHARD, CP, TP)
+# The axes whose collectives carry gradients and weight shards (FSDP's gathers and reductions, DDP's all-reduce).
+DATA_AXES = (DP_REPLICATE, DP_SHARD, FSDP, EFSDP)
+
+# How ranks already launched were given their number, for a fix said inside them (the commands that launch name
+# their own flag: --nproc, --world-size).
+RANKS_LAUNCHED = "torchrun --nproc_per_node / deepspeed --num_gpus"
 
 
 @dataclass(frozen=True)
 class ParallelDims:
+    """The run's layout: built once per process with `ParallelDims.of(spec, world)` (and once by the commands that
+    launch, before the ranks start), then handed down; nothing below recomputes it."""
+
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
@@ -42,19 +56,55 @@ class ParallelDims:
     replicate_dim: bool = False
     """Keep the dp_replicate dim in the mesh at size 1 too: `parallel.sharding` hybrid and replicate name a 2-D
     (replicate, shard) layout, and FSDP2 runs HSDP on it as configured whatever the world size."""
+    sequence_parallel: bool = False
+    """`parallel.sequence_parallel` resolved (`sequence_parallel(spec)`): the activations between a block's
+    tensor-parallel Linears split along the sequence too. Only with tp > 1."""
 
     def __post_init__(self) -> None:
-        for axis in AXES + ("ep",):
+        for axis in AXES + (EP,):
             if getattr(self, axis) < 1:
                 raise ValueError(f"ParallelDims.{axis} must be >= 1, got {getattr(self, axis)}")
         if self.dp_shard % self.ep:
             raise ValueError(f"ParallelDims.ep={self.ep} must divide dp_shard={self.dp_shard}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("ParallelDims.sequence_parallel needs tp > 1")
 
-    @property
-    def efsdp(self) -> int:
-        """The expert-data axis: the ranks that hold the same experts and FSDP-shard them."""
-        return self.dp_shard // self.ep
+    @classmethod
+    def of(cls, spec, world: int, world_flag: str = RANKS_LAUNCHED) -> ParallelDims:
+        """The dims of `spec` on `world` ranks, or an Fp8distError naming the key when they do not fit (said when
+        the ranks start, and by the launching commands before they do). tp and cp come first; the data axes are what
+        is left of the world size (torchtitan's dp_shard = -1). `world_flag`: the option that sets the world size
+        where the caller was given it (`--nproc`, `--world-size`), named with a world size that fits in the fix."""
+        par = spec.parallel
+        tp, cp, ep = par.tensor_size, par.context_size, par.expert_size
+        sequence = sequence_parallel(spec)
+        if world % (tp * cp):
+            keys = " x ".join(f"parallel.{key}={value}" for key, value in (("tensor_size", tp), ("context_size", cp))
+                              if value > 1)
+            raise Fp8distError(f"{keys} does not divide the {world} ranks of this job: the mesh is dp_replicate x "
+                               f"dp_shard x cp x tp = world size\n  fix: {_ranks_fix(world, tp * cp, world_flag)}, "
+                               f"or lower {keys.split('=')[0]} to a divisor of {world}")
+        data = world // (tp * cp)
+        if par.sharding == "hybrid":
+            size = par.shard_size
+            if data % size:
+                left = (f"the {data} data-parallel ranks left by tp x cp" if tp * cp > 1
+                        else f"the {world} ranks of this job")
+                raise Fp8distError(f"parallel.shard_size={size} does not divide {left}: hybrid sharding needs whole "
+                                   f"shard groups\n  fix: set parallel.shard_size to a divisor of {data} (e.g. the "
+                                   f"GPUs per node / tensor_size), or {_ranks_fix(world, tp * cp * size, world_flag)}")
+            return cls(dp_replicate=data // size, dp_shard=size, cp=cp, tp=tp, replicate_dim=True,
+                       sequence_parallel=sequence)
+        if par.sharding == "replicate":
+            return cls(dp_replicate=data, dp_shard=1, cp=cp, tp=tp, replicate_dim=True, sequence_parallel=sequence)
+        if data % ep:
+            raise Fp8distError(f"parallel.expert_size={ep} does not divide the {data} data-parallel ranks of this "
+                               f"job: expert parallel borrows its ranks from dp_shard, whole groups of {ep}\n  fix: "
+                               f"{_ranks_fix(world, tp * cp * ep, world_flag)}, or set parallel.expert_size to a "
+                               f"divisor of {data}")
+        return cls(dp_shard=data, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence)
 
+    # -- sizes ----------------------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.cp * self.tp
@@ -64,62 +114,113 @@ class ParallelDims:
         """The data-parallel ranks: how many different batches one step reads."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def fsdp_size(self) -> int:
+        """The ranks one copy of the dense model is sharded over: dp_shard x cp (torchtitan parallel_dims.py:
+        "fsdp = dp_shard * cp"; the cp ranks of a batch hold different tokens but the same weights)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """The expert-data axis: the ranks that hold the same experts and FSDP-shard them."""
+        return self.dp_shard // self.ep
+
+    @property
+    def seq_len_divisor(self) -> int:
+        """What the sequence length must divide by: tp where sequence parallel shards it, 2 x cp where context
+        parallel does (its load balancer cuts each cp shard in two; torchtitan ParallelDims.seq_len_divisor)."""
+        return (self.tp if self.sequence_parallel else 1) * (2 * self.cp if self.cp > 1 else 1)
+
+    # -- which axes are used ----------------------------------------------------------------------------------
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Each dense mesh axis's size, outermost first (AXES), used or not."""
+        return {axis: getattr(self, axis) for axis in AXES}
+
     def data_rank(self, rank: int) -> int:
         """The data-parallel index of global `rank`: the ranks of one cp x tp group read the same batch."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
         return rank // (self.cp * self.tp)
 
+    # -- the meshes' shapes (built by fp8dist.engines.mesh.build_meshes) ----------------------------------------
     def mesh_shape(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """(dim names, sizes) of the DeviceMesh: (dp_replicate, dp_shard) when ranks replicate or the layout
         names the replicate dim (FSDP2 wants a named 2-D mesh for HSDP and replicate, torch 2.13 _fsdp_init.py
         _validate_mesh), else a 1-D shard mesh; cp and tp only when they are used."""
-        dims = [("dp_replicate", self.dp_replicate)] if self.dp_replicate > 1 or self.replicate_dim else []
-        dims.append(("dp_shard", self.dp_shard))
-        dims += [(axis, getattr(self, axis)) for axis in ("cp", "tp") if getattr(self, axis) > 1]
+        dims = [(DP_REPLICATE, self.dp_replicate)] if self.dp_replicate > 1 or self.replicate_dim else []
+        dims.append((DP_SHARD, self.dp_shard))
+        dims += [(axis, getattr(self, axis)) for axis in (CP, TP) if getattr(self, axis) > 1]
         return tuple(name for name, _ in dims), tuple(size for _, size in dims)
+
+    def data_mesh_dims(self) -> tuple[tuple[str, ...], str | None]:
+        """The dims of the dense mesh FSDP shards over, outermost first, and the name they are flattened to (None:
+        used as they are): dp_replicate (when in the mesh) and dp_shard, with cp folded into the shard dim."""
+        names = self.mesh_shape()[0]
+        replicate = (DP_REPLICATE,) if DP_REPLICATE in names else ()
+        if self.cp_enabled:
+            return replicate + (DP_SHARD, CP), FSDP
+        return replicate + (DP_SHARD,), None
 
     def expert_mesh_shape(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """(dim names, sizes) of the experts' DeviceMesh: dp_shard's ranks as (efsdp, ep), ep innermost (the ranks
         of one ep group are neighbours, as in torchtitan's sparse mesh)."""
-        return ("efsdp", "ep"), (self.efsdp, self.ep)
+        return (EFSDP, EP), (self.efsdp, self.ep)
 
-
-# How ranks already launched were given their number, for a fix said inside them (the commands that launch name
-# their own flag: --nproc, --world-size).
-RANKS_LAUNCHED = "torchrun --nproc_per_node / deepspeed --num_gpus"
-
-
-def parallel_dims(spec, world: int, world_flag: str = RANKS_LAUNCHED) -> ParallelDims:
-    """The dims of `spec` on `world` ranks, or an Fp8distError naming the key when they do not fit (said when the
-    ranks start, and by the launching commands before they do). tp and cp come first; the data axes are what is left
-    of the world size (torchtitan's dp_shard = -1). `world_flag`: the option that sets the world size where the
-    caller was given it (`--nproc`, `--world-size`), named with a world size that fits in the fix."""
-    par = spec.parallel
-    tp, cp, ep = par.tensor_size, par.context_size, par.expert_size
-    if world % (tp * cp):
-        keys = " x ".join(f"parallel.{key}={value}" for key, value in (("tensor_size", tp), ("context_size", cp))
-                          if value > 1)
-        raise Fp8distError(f"{keys} does not divide the {world} ranks of this job: the mesh is dp_replicate x "
-                           f"dp_shard x cp x tp = world size\n  fix: {_ranks_fix(world, tp * cp, world_flag)}, or "
-                           f"lower {keys.split('=')[0]} to a divisor of {world}")
-    data = world // (tp * cp)
-    if par.sharding == "hybrid":
-        size = par.shard_size
-        if data % size:
-            left = f"the {data} data-parallel ranks left by tp x cp" if tp * cp > 1 else f"the {world} ranks of this job"
-            raise Fp8distError(f"parallel.shard_size={size} does not divide {left}: hybrid sharding needs whole shard "
-                               f"groups\n  fix: set parallel.shard_size to a divisor of {data} (e.g. the GPUs per "
-                               f"node / tensor_size), or {_ranks_fix(world, tp * cp * size, world_flag)}")
-        return ParallelDims(dp_replicate=data // size, dp_shard=size, cp=cp, tp=tp, replicate_dim=True)
-    if par.sharding == "replicate":
-        return ParallelDims(dp_replicate=data, dp_shard=1, cp=cp, tp=tp, replicate_dim=True)
-    if data % ep:
-        raise Fp8distError(f"parallel.expert_size={ep} does not divide the {data} data-parallel ranks of this job: "
-                           f"expert parallel borrows its ranks from dp_shard, whole groups of {ep}\n  fix: "
-                           f"{_ranks_fix(world, tp * cp * ep, world_flag)}, or set parallel.expert_size to a divisor "
-                           f"of {data}")
-    return ParallelDims(dp_shard=data, cp=cp, tp=tp, ep=ep)
+    # -- does this model split --------------------------------------------------------------------------------
+    def check_model(self, config: Mapping[str, Any], seq_len: int, *, source: str) -> None:
+        """Refuse, before any weight is loaded, a mesh the model cannot be split on: heads, KV heads, hidden and MLP
+        sizes by tp (each rank holds whole heads: torchtitan and DeepSpeed AutoTP distribute heads whole); experts
+        whole by ep; the sequence length by `seq_len_divisor`. `config`: the model's config.json values; `source`:
+        where they come from, for the message."""
+        problems, fixes = [], []
+        experts = expert_count(config)
+        if self.ep > 1 and (not experts or experts % self.ep):
+            problems.append(f"its {experts or 'no'} MoE experts do not split whole over parallel.expert_size="
+                            f"{self.ep}" if experts else f"it has no MoE experts for parallel.expert_size={self.ep} "
+                            "to split")
+            fixes.append(f"a parallel.expert_size that divides {experts}" if experts else "parallel.expert_size=1")
+        if self.tp > 1 and experts > 1:
+            problems.append(f"it has {experts} MoE experts, which fp8dist's tensor parallel does not split (routed "
+                            "experts are expert parallel's: torchao's MoE tutorial recommends against TP on them)")
+            fixes.append("parallel.tensor_size=1 for this model")
+        if self.tp > 1:
+            for key, what in _TP_DIVIDES:
+                value = config.get(key)
+                if isinstance(value, int) and value % self.tp:
+                    problems.append(f"{what} ({key}={value}) do not divide by parallel.tensor_size={self.tp}")
+            if len(problems) > len(fixes):
+                fixes.append("a parallel.tensor_size that divides every size named, or parallel.tensor_size=1")
+        factors = ([f"tp {self.tp}"] if self.sequence_parallel else []) + (
+            [f"2 x cp {self.cp}"] if self.cp > 1 else [])
+        divisor = self.seq_len_divisor
+        if divisor > 1 and seq_len % divisor:
+            problems.append(f"the sequence length (train.seq_len={seq_len}) does not divide by {divisor} "
+                            f"({' x '.join(factors)}: each rank holds an equal slice of the sequence)")
+            fixes.append(f"train.seq_len={-(-seq_len // divisor) * divisor} (a multiple of {divisor})")
+        if problems:
+            raise Fp8distError(f"{source}: the model does not split on this mesh: " + "; ".join(problems)
+                               + "\n  fix: " + "; ".join(dict.fromkeys(fixes)))
 
 
 def _ranks_fix(world: int, multiple: int, world_flag: str) -> str:
@@ -130,12 +231,13 @@ def _ranks_fix(world: int, multiple: int, world_flag: str) -> str:
 
 
 def sequence_parallel(spec) -> bool:
-    """`parallel.sequence_parallel` resolved: `auto` is on where the engine's tensor parallel can shard the sequence
+    """`parallel.sequence_parallel` resolved from the config alone (the pure translation says it; a run reads
+    ParallelDims.sequence_parallel): `auto` is on where the engine's tensor parallel can shard the sequence
     (FSDP2's DTensor plans; DeepSpeed AutoTP has no sequence parallel) and tensor_size > 1."""
     value = spec.parallel.sequence_parallel
     if value == "auto":
         return spec.parallel.tensor_size > 1 and TRAITS[spec.engine].sequence_parallel
-    return bool(value)
+    return bool(value) and spec.parallel.tensor_size > 1
 
 
 # What each mesh axis must divide in a Hugging Face config (the names transformers 5 uses across decoder models).
@@ -151,39 +253,3 @@ def expert_count(config: Mapping[str, Any]) -> int:
     count = next((config[key] for key in _EXPERT_COUNTS if isinstance(config.get(key), int)), 0)
     text = config.get("text_config")
     return count or (expert_count(text) if isinstance(text, Mapping) else 0)
-
-
-def check_model_fits(dims: ParallelDims, config: Mapping[str, Any], seq_len: int, *, sequence_split: bool,
-                     source: str) -> None:
-    """Refuse, before any weight is loaded, a mesh the model cannot be split on: heads, KV heads, hidden and MLP
-    sizes by tp (each rank holds whole heads: torchtitan and DeepSpeed AutoTP distribute heads whole); the
-    sequence length by tp x 2 x cp where the sequence is split (torchtitan ParallelDims.seq_len_divisor: sequence
-    parallel shards by tp, context parallel's load balancer cuts each cp shard in two). `config`: the model's
-    config.json values; `source`: where they come from, for the message."""
-    problems, fixes = [], []
-    experts = expert_count(config)
-    if dims.ep > 1 and (not experts or experts % dims.ep):
-        problems.append(f"its {experts or 'no'} MoE experts do not split whole over parallel.expert_size={dims.ep}"
-                        if experts else f"it has no MoE experts for parallel.expert_size={dims.ep} to split")
-        fixes.append(f"a parallel.expert_size that divides {experts}" if experts else "parallel.expert_size=1")
-    if dims.tp > 1 and experts > 1:
-        problems.append(f"it has {experts} MoE experts, which fp8dist's tensor parallel does not split (routed experts "
-                        "are expert parallel's: torchao's MoE tutorial recommends against TP on them)")
-        fixes.append("parallel.tensor_size=1 for this model")
-    if dims.tp > 1:
-        for key, what in _TP_DIVIDES:
-            value = config.get(key)
-            if isinstance(value, int) and value % dims.tp:
-                problems.append(f"{what} ({key}={value}) do not divide by parallel.tensor_size={dims.tp}")
-        if len(problems) > len(fixes):
-            fixes.append("a parallel.tensor_size that divides every size named, or parallel.tensor_size=1")
-    factors = ([f"tp {dims.tp}"] if sequence_split and dims.tp > 1 else []) + (
-        [f"2 x cp {dims.cp}"] if dims.cp > 1 else [])
-    divisor = (dims.tp if sequence_split else 1) * (2 * dims.cp if dims.cp > 1 else 1)
-    if divisor > 1 and seq_len % divisor:
-        problems.append(f"the sequence length (train.seq_len={seq_len}) does not divide by {divisor} "
-                        f"({' x '.join(factors)}: each rank holds an equal slice of the sequence)")
-        fixes.append(f"train.seq_len={-(-seq_len // divisor) * divisor} (a multiple of {divisor})")
-    if problems:
-        raise Fp8distError(f"{source}: the model does not split on this mesh: " + "; ".join(problems)
-                           + "\n  fix: " + "; ".join(dict.fromkeys(fixes)))

@@ -11,9 +11,11 @@ resolved config `validate` prints reads back the same). FSDP2 reads `parallel` o
 |-----------|---------------------------------------------------------|-----------------------------------------|
 | full      | 1-D mesh, reshard_after_forward=True (FULL_SHARD)       | ZeRO-3                                  |
 | grad_op   | 1-D mesh, reshard_after_forward=False (SHARD_GRAD_OP)   | ZeRO-2                                  |
-| hybrid    | 2-D mesh (replicate, shard=shard_size) (HYBRID_SHARD)   | ZeRO-3 + ZeRO++ hpZ (zero_hpz_partition_size=shard_size) |
+| hybrid    | 2-D mesh (replicate, shard=shard_size) (HYBRID_SHARD)   | ZeRO-3 + ZeRO++ hpZ (see below)         |
 | replicate | 2-D mesh (world, 1): nothing sharded (NO_SHARD)         | ZeRO-0                                  |
 | auto      | full                                                    | deepspeed.zero_stage (default 2)        |
+
+hybrid on DeepSpeed: ZeRO-3 + ZeRO++ hpZ (zero_hpz_partition_size=shard_size).
 
 Sources: torchtitan docs/fsdp.md (FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD mapping), torch 2.13
 torch/distributed/fsdp/_fully_shard/_fsdp_init.py (2-D mesh = HSDP), torchtitan PR #2900 (replicate as
@@ -73,13 +75,14 @@ def derive(doc: dict[str, Any], explicit: Mapping[str, Any], own: Mapping[str, A
     if sharding != "auto":
         stage = ZERO_STAGE[sharding]
         if _written(explicit, "deepspeed", "zero_stage") and ds["zero_stage"] != stage:
+            preset_sharding = {v: k for k, v in ZERO_STAGE.items() if k != "hybrid"}.get(ds["zero_stage"], "auto")
             issues.append(Issue("deepspeed.zero_stage", f"{origin('deepspeed', 'zero_stage')} conflicts with "
                                 f"parallel.sharding={sharding}, which is ZeRO-{stage} on DeepSpeed".lstrip(),
                                 ds["zero_stage"],
                                 "remove one of the two keys (parallel.sharding keeps its meaning on both engines)"
                                 if not origin("deepspeed", "zero_stage") else
                                 f"leave parallel.sharding auto, or set it to the preset's stage "
-                                f"({ {v: k for k, v in ZERO_STAGE.items() if k != 'hybrid'}.get(ds['zero_stage'], 'auto')})"))
+                                f"({preset_sharding})"))
         ds["zero_stage"] = stage
     if _written(explicit, "parallel", "offload"):
         optimizer, param = DEEPSPEED_OFFLOAD[par["offload"]]

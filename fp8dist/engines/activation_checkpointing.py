@@ -152,8 +152,9 @@ def apply(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]], mode
         return units
     if not units:
         raise Fp8distError(f"parallel.activation_checkpointing={mode} wraps the model's blocks, and "
-                           f"{type(model).__name__} has none that fp8dist finds (no _no_split_modules, no nn.ModuleList)"
-                           "\n  fix: list the block class names in fsdp2.wrap, or set parallel.activation_checkpointing=none")
+                           f"{type(model).__name__} has none that fp8dist finds (no _no_split_modules, no "
+                           "nn.ModuleList)\n  fix: list the block class names in fsdp2.wrap, or set "
+                           "parallel.activation_checkpointing=none")
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "use_cache", False):
         # A Hugging Face model in training still fills a KV cache when use_cache is on; the recompute would then

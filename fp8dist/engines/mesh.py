@@ -1,8 +1,12 @@
-"""The run's DeviceMesh, built once from its fp8dist.config.parallel.ParallelDims after the process group starts
-(the runtime loop builds it and hands it to the engine; an engine set up alone builds it here too)."""
+"""The run's DeviceMeshes, built in one place (`build_meshes`) from its fp8dist.config.parallel.ParallelDims after
+the process group starts: the runtime loop builds them and hands them to the engine; an engine set up alone (the
+public `prepare`) builds them here too. Nothing else builds a mesh or slices one by name."""
 from __future__ import annotations
 
-from fp8dist.config.parallel import ParallelDims
+from dataclasses import dataclass
+from typing import Any
+
+from fp8dist.config.parallel import CP, EFSDP, EP, TP, ParallelDims
 
 
 def device_type() -> str:
@@ -11,31 +15,59 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build_device_mesh(dims: ParallelDims):
-    """A DeviceMesh over the default process group with the dims of `dims` (ParallelDims.mesh_shape). Named dims,
-    so a later axis (cp, tp) is sliced by name: mesh["dp_shard"]."""
+@dataclass(frozen=True)
+class Meshes:
+    """The meshes of one layout, each None where its axis is not used."""
+
+    dims: ParallelDims
+    dense: Any
+    """The whole dense mesh (ParallelDims.mesh_shape): dp_replicate?, dp_shard, cp?, tp?."""
+    data: Any
+    """What FSDP2 shards the dense model over: the data dims, cp folded into the shard dim (ParallelDims.
+    data_mesh_dims; torchtitan parallel_dims.py "fsdp = dp_shard * cp": FSDP always applies when cp is used)."""
+    tp: Any = None
+    cp: Any = None
+    experts: Any = None
+    """The experts' own mesh, (efsdp, ep) over the dp_shard ranks (ParallelDims.expert_mesh_shape): a root of its
+    own, so that the experts' DTensors and their FSDP2 sharding live on it while the dense layers stay on `dense`."""
+
+    @property
+    def expert_data(self):
+        """The experts' FSDP2 shard dim (efsdp)."""
+        return None if self.experts is None else self.experts[EFSDP]
+
+    @property
+    def expert_parallel(self):
+        """The ranks one MoE layer's experts split over (ep)."""
+        return None if self.experts is None else self.experts[EP]
+
+    def all(self) -> list:
+        """Every mesh built, for the audit's map of process groups to axes."""
+        return [mesh for mesh in (self.dense, self.experts) if mesh is not None]
+
+
+def build_meshes(dims: ParallelDims) -> Meshes:
+    """The meshes of `dims` over the default process group (named dims: an axis is sliced by its name here)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     names, shape = dims.mesh_shape()
-    return init_device_mesh(device_type(), shape, mesh_dim_names=names)
+    dense = init_device_mesh(device_type(), shape, mesh_dim_names=names)
+    data_names, flattened = dims.data_mesh_dims()
+    if flattened is None:
+        data = dense if data_names == names else dense[data_names]
+    else:  # (dp_shard, cp) flattened, beside dp_replicate where it is in the mesh
+        shard = dense[data_names[-2:]]._flatten(flattened)
+        data = dense[data_names[0], flattened] if len(data_names) == 3 else shard
+    experts = None
+    if dims.ep_enabled:
+        if dims.world_size != dims.dp_shard:
+            raise ValueError(f"expert parallel borrows dp_shard's ranks; this mesh has other axes ({dims})")
+        expert_names, expert_shape = dims.expert_mesh_shape()
+        experts = init_device_mesh(device_type(), expert_shape, mesh_dim_names=expert_names)
+    return Meshes(dims, dense, data, tp=dense[TP] if dims.tp_enabled else None,
+                  cp=dense[CP] if dims.cp_enabled else None, experts=experts)
 
 
-
-def build_expert_mesh(dims: ParallelDims):
-    """The experts' DeviceMesh, (efsdp, ep) over the dp_shard ranks (ParallelDims.expert_mesh_shape); None without
-    expert parallel. Its own mesh (a root of its own): the experts' DTensors and their FSDP2 sharding both live on
-    it, while the dense layers stay on `build_device_mesh`'s."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if dims.ep == 1:
-        return None
-    if dims.world_size != dims.dp_shard:
-        raise ValueError(f"expert parallel borrows dp_shard's ranks; this mesh has other axes ({dims})")
-    names, shape = dims.expert_mesh_shape()
-    return init_device_mesh(device_type(), shape, mesh_dim_names=names)
-
-
-EXPERT_AXIS = "ep"
 SHARED_AXES = "|"  # joins the names of axes whose groups hold the same ranks (`merge_axes`)
 
 
@@ -57,9 +89,9 @@ def axis_of(names: str, kind: str) -> str:
     options = names.split(SHARED_AXES)
     if len(options) == 1:
         return names
-    if kind == "all_to_all" and EXPERT_AXIS in options:
-        return EXPERT_AXIS
-    return next(name for name in options if name != EXPERT_AXIS)
+    if kind == "all_to_all" and EP in options:
+        return EP
+    return next(name for name in options if name != EP)
 
 
 def axis_ranks(mesh) -> dict[frozenset[int], str]:
@@ -75,14 +107,3 @@ def axis_ranks(mesh) -> dict[frozenset[int], str]:
         index[dim] = slice(None)
         out[frozenset(mesh.mesh[tuple(index)].flatten().tolist())] = name
     return out
-
-def data_mesh(mesh):
-    """The sub-mesh FSDP2 shards over: the data axes (dp_replicate, when in the mesh, and dp_shard), with cp folded
-    into the shard axis (torchtitan parallel_dims.py: "fsdp = dp_shard * cp"; FSDP always applies when cp is
-    used)."""
-    names = mesh.mesh_dim_names or ()
-    if "cp" in names:
-        shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        return mesh["dp_replicate", "dp_shard_cp"] if "dp_replicate" in names else shard
-    data = tuple(name for name in ("dp_replicate", "dp_shard") if name in names)
-    return mesh if data == names else mesh[data]

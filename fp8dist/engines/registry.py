@@ -1,15 +1,19 @@
 """The engines, keyed by the config's `engine`. Importing this module imports no torch.
 
-- `facts_for(spec)`: what fp8dist knows about the engine before anything runs (fp8dist.engines.facts.EngineFacts,
-  answered in engines/<name>/facts.py: its translation, the dtypes it keeps, how it shards, offloads, loads and
+- `profile_for(spec)`: what fp8dist knows about the engine before anything runs (fp8dist.engines.profile.EngineProfile,
+  answered in engines/<name>/profile.py: its translation, the dtypes it keeps, how it shards, offloads, loads and
   launches), which the runtime, the commands, estimate and the audit ask instead of testing the engine's name;
 - `setup(model, spec, ...)`: the prepared run (an fp8dist.engines.base.Engine);
 - `checkpoint_reader(path, manifest)`: the model tensors of a checkpoint the engine wrote, read offline (export);
 - `inspector_for(model, optimizer)`: the engine recognised from a prepared run's objects alone, whoever prepared
   them (fp8dist, the user, Accelerate or HF Trainer).
 
-A new engine is one package (fp8dist/engines/<name>/ with `facts.FACTS`, `setup` and, if torch's own checks below do
-not recognise its objects, `recognize`), one entry in ENGINES, and its value in the schema's `engine` enum.
+A new engine is its package, fp8dist/engines/<name>/ (`profile.PROFILE`, `setup`, `checkpointing.Reader` and, if
+torch's own checks below do not recognise its objects, `recognize`), with one entry in ENGINES and PROFILES here, plus
+the pure parts that the layer order keeps below engines/ (config -> translate -> ... -> engines): its config traits
+(fp8dist.config.engines TRAITS), its config rules (fp8dist/config/rules/<name>.py, ENGINE_RULES) and its translation
+(fp8dist/translate/<name>.py, which `profile.translate` calls), and its value in the schema's `engine` enum
+(docs/architecture.md, "Where a change goes").
 """
 from __future__ import annotations
 
@@ -18,16 +22,16 @@ from types import ModuleType
 from fp8dist.config.spec import Spec
 from fp8dist.engines import deepspeed, fsdp2
 from fp8dist.engines.base import Engine
-from fp8dist.engines.facts import EngineFacts
+from fp8dist.engines.profile import EngineProfile
 from fp8dist.errors import Fp8distError
 
 ENGINES: dict[str, ModuleType] = {"fsdp2": fsdp2, "deepspeed": deepspeed}
-# The same engines' facts, typed: the type checker holds each to the EngineFacts protocol.
-FACTS: dict[str, EngineFacts] = {"fsdp2": fsdp2.facts.FACTS, "deepspeed": deepspeed.facts.FACTS}
+# Their profiles, named one by one so that the type checker holds each to the EngineProfile protocol.
+PROFILES: dict[str, EngineProfile] = {"fsdp2": fsdp2.profile.PROFILE, "deepspeed": deepspeed.profile.PROFILE}
 
 
-def facts_for(spec: Spec) -> EngineFacts:
-    return FACTS[spec.engine]
+def profile_for(spec: Spec) -> EngineProfile:
+    return PROFILES[spec.engine]
 
 
 def setup(model, spec: Spec, **kwargs) -> Engine:

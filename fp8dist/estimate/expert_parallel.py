@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from fp8dist.backends.experts import expert_parameters, experts_modules
+from fp8dist.config.engines import TRAITS
 from fp8dist.config.spec import Spec
 from fp8dist.errors import Fp8distError
 
@@ -60,10 +61,10 @@ class ExpertSplit:
 
 def expert_split(model: torch.nn.Module, spec: Spec) -> ExpertSplit:
     """What `parallel.expert_size` splits in `model` (the meta model). The experts' count dividing by ep is
-    config/parallel.py check_model_fits's refusal; a model with no experts module for ep > 1 to split is refused
+    ParallelDims.check_model's refusal; a model with no experts module for ep > 1 to split is refused
     here (its config may name experts that transformers does not build as an experts module)."""
     ep = spec.parallel.expert_size
-    if ep > 1 and spec.engine != "fsdp2":
+    if ep > 1 and not TRAITS[spec.engine].own_expert_parallel:
         raise Fp8distError(f"parallel.expert_size={ep} with engine={spec.engine}: the estimate models fp8dist's FSDP2 "
                            "expert parallel (its expert mesh and token dispatch); DeepSpeed's AutoEP keeps its own "
                            "layer and layout, which it does not model\n  fix: engine=fsdp2 to estimate expert "

@@ -36,11 +36,11 @@ def nf4_tensor_bytes(numel: int, value_bytes: int, shards: int = 1, scaler_block
     torchao/quantization/quantize_/workflows/nf4/nf4_tensor.py `NF4Tensor.from_tensor`, `double_quantize_scalers`):
     `quantized_data`, the 4-bit codes two per uint8 (numel / 2 bytes); `quantized_scalers`, one int8 scale per
     NF4_BLOCK values; `quantization_factor`, one per `scaler_block` scales (backends/nf4.py nf4_scaler_block), in the
-    weight's dtype (`256 / (2 * scaler_absmax)` of the weight's absmax); `scaler_mean`, a 0-d tensor in the weight's dtype; `nf4`, the 16-entry
-    table in the weight's dtype. FSDP2 splits the first three by rows over the shards (nf4_tensor.py `nf4_split`:
-    `_INNER_TENSOR_NAMES_FOR_SHARDING`); every shard keeps the mean and the table whole (`construct_nf4_args`).
-    Counted as fp8dist.backends.storage reads an NF4Tensor (its buffers). `numel` splits into whole scaler blocks
-    over `shards` (backends/nf4.py `nf4_unfit`, `nf4_scaler_block`), so every count is exact."""
+    weight's dtype (`256 / (2 * scaler_absmax)` of the weight's absmax); `scaler_mean`, a 0-d tensor in the weight's
+    dtype; `nf4`, the 16-entry table in the weight's dtype. FSDP2 splits the first three by rows over the shards
+    (nf4_tensor.py `nf4_split`: `_INNER_TENSOR_NAMES_FOR_SHARDING`); every shard keeps the mean and the table whole
+    (`construct_nf4_args`). Counted as fp8dist.backends.storage reads an NF4Tensor (its buffers). `numel` splits into
+    whole scaler blocks over `shards` (backends/nf4.py `nf4_unfit`, `nf4_scaler_block`), so every count is exact."""
     codes = numel // 2
     scalers = numel // NF4_BLOCK
     factors = numel // (NF4_BLOCK * scaler_block) * value_bytes

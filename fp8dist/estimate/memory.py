@@ -7,10 +7,10 @@ from dataclasses import replace
 from typing import Mapping, cast
 
 from fp8dist.audit.expected import expected, implied_bytes_per_param
-from fp8dist.config.parallel import AXES, check_model_fits, parallel_dims, sequence_parallel
+from fp8dist.config.parallel import ParallelDims
 from fp8dist.config.spec import Spec, min_speedup_number
 from fp8dist.dtypes import get as dtype_info
-from fp8dist.engines.registry import facts_for
+from fp8dist.engines.registry import profile_for
 from fp8dist.errors import Fp8distError
 from fp8dist.estimate.coverage import fp8_coverage, fp8_extra_bytes
 from fp8dist.estimate.expert_parallel import expert_split
@@ -24,17 +24,17 @@ from fp8dist.estimate.step import step_speed
 from fp8dist.estimate.tensor_parallel import tensor_split
 
 
-# The engine's facts, asked here only (engines/<name>/facts.py, through the registry).
-def shard_counts(spec: Spec, world: int) -> dict[ShardedStore, int]:
+# The engine's facts, asked here only (engines/<name>/profile.py, through the registry).
+def shard_counts(spec: Spec, dims: ParallelDims) -> dict[ShardedStore, int]:
     """Over how many data-parallel ranks each store is divided (1: every rank holds all of it); a parameter tensor
     parallel splits is divided by tp on top (tensor_parallel.py); an expert parameter is divided by these alone, its
     ep x efsdp ranks being the dp_shard ranks (expert_parallel.py)."""
-    return facts_for(spec).shard_counts(spec, parallel_dims(spec, world))
+    return profile_for(spec).shard_counts(spec, dims)
 
 
 def offloaded(spec: Spec) -> set[ShardedStore]:
     """The stores that live in host memory instead of the accelerator's."""
-    return facts_for(spec).offloaded(spec)
+    return profile_for(spec).offloaded(spec)
 
 
 def bytes_per_param(spec: Spec) -> dict[ShardedStore, float]:
@@ -47,7 +47,7 @@ def bytes_per_param(spec: Spec) -> dict[ShardedStore, float]:
 
 def masters_note(spec: Spec, per_param: dict[ShardedStore, float]) -> str | None:
     """Why the master-weights store holds no bytes of its own (None when it does): no master copy at all, or the
-    engine's weights are the masters (FSDP2 shards the parameters in the master dtype: engines/fsdp2/facts.py)."""
+    engine's weights are the masters (FSDP2 shards the parameters in the master dtype: engines/fsdp2/profile.py)."""
     if per_param["master_weights"]:
         return None
     cell = expected(spec, nproc=2)["master_weights"][0]
@@ -107,8 +107,8 @@ def estimate(name: str, spec: Spec, world: int, gpu: str | None = None, nodes: i
     `spec` on `world` ranks; with `gpu`, its predicted step on `nodes` nodes of that GPU too (step.py)."""
     if world < 1:
         raise Fp8distError(f"--world-size must be at least 1, got {world}")
-    dims = parallel_dims(spec, world, "--world-size")  # a world the config's parallel dims do not fit: before the build
-    shards = shard_counts(spec, world)
+    dims = ParallelDims.of(spec, world, "--world-size")  # a world the config's layout does not fit: before the build
+    shards = shard_counts(spec, dims)
     if gpu is None and spec.hardware.gpu != "auto":  # the config names the GPU the run is planned for
         gpu = spec.hardware.gpu
     if gpu is None and spec.fp8.enabled and min_speedup_number(spec.fp8.min_speedup) is not None:
@@ -119,8 +119,7 @@ def estimate(name: str, spec: Spec, world: int, gpu: str | None = None, nodes: i
     if gpu is not None:  # a GPU the speed model does not know, or a recipe it cannot run: before the build too
         check_speed(spec, gpu, nodes, world)
     meta = build_meta_model(name, spec.precision.compute_dtype)
-    check_model_fits(dims, meta.config.to_dict(), spec.train.seq_len, sequence_split=sequence_parallel(spec),
-                     source=name)
+    dims.check_model(meta.config.to_dict(), spec.train.seq_len, source=name)
     trainable, frozen = adapted_counts(meta, spec)
     split = tensor_split(meta.model, spec)
     local = split.local_numels(meta.model)  # a tp rank's elements of each parameter
@@ -151,13 +150,13 @@ def estimate(name: str, spec: Spec, world: int, gpu: str | None = None, nodes: i
                                 dora_transient_bytes(meta.model, compute))
     tensor_parallel = TensorParallelCounted(
         plan=split.plan, split_parameters=sum(param.numel() for fqn, param in params if local[fqn] < param.numel()),
-        vocabulary_split=split.vocabulary is not None, sequence_parallel=split.tp > 1 and sequence_parallel(spec))
+        vocabulary_split=split.vocabulary is not None, sequence_parallel=dims.sequence_parallel)
     expert_parallel = ExpertParallelCounted(
         ep=dims.ep, efsdp=dims.efsdp, expert_parameters=sum(param.numel() for fqn, param in params
                                                            if fqn in experts.parameters),
         moe_layers=len(experts.modules), dispatch_kept=measured.dispatch_kept)
     result = Estimate(
-        model=name, shape_only=meta.shape_only, world_size=world, mesh={axis: getattr(dims, axis) for axis in AXES},
+        model=name, shape_only=meta.shape_only, world_size=world, mesh=dims.sizes,
         trainable_parameters=trainable, frozen_parameters=frozen, frozen_bytes_per_param=base.bytes_per_param,
         frozen_bytes_by_format=base.by_format, nf4_kept=base.nf4_kept,
         engine=spec.engine, config=spec.source, preset=spec.precision.preset,

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from fp8dist.config.parallel import sequence_parallel
 from fp8dist.config.spec import Spec
 from fp8dist.dtypes import torch_dtype
 from fp8dist.engines.base import forward_loss
@@ -17,8 +16,8 @@ from fp8dist.estimate.expert_parallel import ExpertSplit, expert_split
 from fp8dist.estimate.result import CheckpointingMode
 from fp8dist.estimate.shapes import HUB_IDS, SHAPES
 from fp8dist.estimate.tensor_parallel import TensorSplit, local_linears, tensor_split
-from fp8dist.runtime.adapters import apply_adapter, split_parameters
-from fp8dist.runtime.models import BUILTIN, hub_config, model_kind
+from fp8dist.backends.adapters import apply_adapter, split_parameters
+from fp8dist.config.models import BUILTIN, hub_config, model_kind
 
 if TYPE_CHECKING:
     import torch
@@ -54,8 +53,8 @@ _SHAPE_OF_HUB_ID = {hub_id: shape for shape, hub_id in HUB_IDS.items()}
 
 
 def _hf_config(name: str) -> Any:
-    """The transformers config `name` stands for, read as every command reads MODEL (runtime.models.model_kind) with
-    the shapes added: a built-in shape (or the Hub id it is the config.json of: no network), a built-in model, a
+    """The transformers config `name` stands for, read as every command reads MODEL (fp8dist.config.models.model_kind)
+    with the shapes added: a built-in shape (or the Hub id it is the config.json of: no network), a built-in model, a
     model directory or a config.json, a Hub id (as transformers resolves it). A factory is refused: its model exists
     only when it runs."""
     name = _SHAPE_OF_HUB_ID.get(name, name)
@@ -165,7 +164,7 @@ def activation_bytes(meta: MetaModel, spec: Spec, split: TensorSplit | None = No
     split = split or tensor_split(model, spec)
     experts = experts or expert_split(model, spec)
     # what is kept while `on_sequence_shard` is a rank's sequence shard: divided by tp under sequence parallel
-    sequence_shards = split.tp if sequence_parallel(spec) else 1
+    sequence_shards = split.tp if split.sequence_parallel else 1
     units = [module for _, module in blocks(model, spec)]
     current: list[int | None] = [None]
     on_sequence_shard = [False]  # in a block outside its regions, or in a sequence-parallel module outside blocks

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Mapping
 
-from fp8dist.engines.facts import Store as ShardedStore
+from fp8dist.engines.profile import Store as ShardedStore
 
-# The stores of a rank's memory, in the order the table lists them: the four an engine shards (engines/facts.py),
+# The stores of a rank's memory, in the order the table lists them: the four an engine shards (engines/profile.py),
 # then what every rank keeps whole.
 Store = Literal[ShardedStore, "buffers", "fp8_extras", "activations"]
 STORES: tuple[Store, ...] = ("weights", "master_weights", "gradients", "optimizer", "buffers", "fp8_extras",

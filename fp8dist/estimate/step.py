@@ -31,8 +31,9 @@ from typing import Any, Mapping
 
 from fp8dist.backends.experts import experts_modules
 from fp8dist.backends.module_filter import LinearInfo
-from fp8dist.config.parallel import ParallelDims, sequence_parallel
+from fp8dist.config.parallel import DP_REPLICATE, DP_SHARD, EP, TP, ParallelDims
 from fp8dist.config.spec import Spec
+from fp8dist.engines.registry import profile_for
 from fp8dist.errors import Fp8distError
 from fp8dist.estimate import speed
 from fp8dist.estimate.coverage import decisions
@@ -90,7 +91,7 @@ def _elementwise(meta: MetaModel, spec: Spec, split: TensorSplit, tokens: int, g
     head_dim = getattr(c, "head_dim", None) or hidden // heads
     kv = getattr(c, "num_key_value_heads", None) or heads
     inner = (getattr(c, "moe_intermediate_size", None) or c.intermediate_size) * getattr(c, "num_experts_per_tok", 1)
-    norm_elements = hidden // (tp if sequence_parallel(spec) else 1)  # a norm runs on its sequence shard
+    norm_elements = hidden // (tp if split.sequence_parallel else 1)  # a norm runs on its sequence shard
     rotary = getattr(c, "rope_parameters", None) or hasattr(c, "rope_theta")  # transformers 5 / older configs
     sizes = {"norm": (norm_elements, 2), "rope": ((heads + kv) * head_dim // tp, 1 if rotary else 0),
              "mlp_activation": (inner // tp, 1)}  # kind -> (elements per token, how many per block)
@@ -231,16 +232,16 @@ def _communication(meta: MetaModel, spec: Spec, result: Estimate, split: TensorS
     grads = sum(local[f] * reduce for f, p in params if p.requires_grad)
     tp, out = dims.tp, {}
     shard = result.shards["weights"]
-    if spec.engine == "fsdp2" or spec.deepspeed.zero_stage >= 3:
+    if profile_for(spec).gathers_weights(spec):
         extent = shard * tp
         volume = 2 * gathered + grads
         seconds = (_collective(2 * gathered, shard, extent, per_node, gpu)[0]
                    + _collective(grads, shard, extent, per_node, gpu)[0])
-        out["dp_shard"] = {"bytes": volume, "seconds": seconds,
+        out[DP_SHARD] = {"bytes": volume, "seconds": seconds,
                            "link": _collective(1, shard, extent, per_node, gpu)[1], "overlapped": True}
         if dims.dp_replicate > 1:
             s, link = _collective(grads / shard, dims.dp_replicate, result.world_size, per_node, gpu, all_reduce=True)
-            out["dp_replicate"] = {"bytes": 2 * grads / shard, "seconds": s, "link": link, "overlapped": True}
+            out[DP_REPLICATE] = {"bytes": 2 * grads / shard, "seconds": s, "link": link, "overlapped": True}
     else:
         ranks = dims.data_size
         stage = spec.deepspeed.zero_stage
@@ -256,13 +257,13 @@ def _communication(meta: MetaModel, spec: Spec, result: Estimate, split: TensorS
     if tp > 1:  # per block, forward and backward: 4 gathers (float8 under torchao's tensorwise styles), 4 reductions
         gather = 1 if fp8 and _recipe(spec) == ("tensorwise", "torchao") else compute
         volume = tokens * meta.config.hidden_size * (4 * gather + 4 * compute) * meta.config.num_hidden_layers
-        s, link = _collective(volume, tp, tp, per_node, gpu, all_reduce=not sequence_parallel(spec))
-        out["tp"] = {"bytes": volume, "seconds": s, "link": link, "overlapped": False}
+        s, link = _collective(volume, tp, tp, per_node, gpu, all_reduce=not split.sequence_parallel)
+        out[TP] = {"bytes": volume, "seconds": s, "link": link, "overlapped": False}
     if dims.ep > 1:
         top_k = getattr(meta.config, "num_experts_per_tok", 1)
         volume = 4 * tokens * top_k * meta.config.hidden_size * compute * result.expert_parallel.moe_layers
         s, link = _collective(volume, dims.ep, dims.ep * dims.cp * tp, per_node, gpu)
-        out["ep"] = {"bytes": volume, "seconds": s, "link": link, "overlapped": False}
+        out[EP] = {"bytes": volume, "seconds": s, "link": link, "overlapped": False}
     return out
 
 

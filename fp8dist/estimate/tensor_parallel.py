@@ -19,6 +19,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Mapping
 
+from fp8dist.config.parallel import sequence_parallel
 from fp8dist.config.spec import Spec
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ class TensorSplit:
     vocabulary: tuple[str, str] | None  # (embedding, LM head) fqns where the vocabulary is split over tp
     final_norm: str | None  # the base model's norm after the blocks: on the sequence shard under sequence parallel
     plan: str  # where the plan came from ("" without tensor parallel)
+    sequence_parallel: bool = False  # the activations between the split modules split along the sequence too
 
     def split_dims(self) -> dict[str, int]:
         """Parameter fqn -> the dim split over tp (a parameter not named stays whole on every tp rank)."""
@@ -72,7 +74,7 @@ def tensor_split(model: torch.nn.Module, spec: Spec) -> TensorSplit:
     linears = {names[id(module)]: style
                for style, module in planned_linears(base_model(model), plan, type(model).__name__).values()}
     return TensorSplit(tp=tp, linears=linears, vocabulary=vocabulary_split(model, tp), final_norm=final_norm(model),
-                       plan=source)
+                       plan=source, sequence_parallel=sequence_parallel(spec))
 
 
 @contextlib.contextmanager

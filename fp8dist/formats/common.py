@@ -91,7 +91,8 @@ class Launcher:
     """The launch's own values, which Accelerate and the HF Trainer write into a DeepSpeed config's "auto" entries
     (`fp8dist import` flags, named as `accelerate launch` / TrainingArguments name them; None: not given)."""
 
-    mixed_precision: str | None = None  # no | fp16 | bf16: accelerate launch --mixed_precision, TrainingArguments bf16/fp16
+    # no | fp16 | bf16: accelerate launch --mixed_precision, TrainingArguments bf16/fp16
+    mixed_precision: str | None = None
     per_device_train_batch_size: int | None = None
     gradient_accumulation_steps: int | None = None
     learning_rate: float | None = None
@@ -101,7 +102,8 @@ class Launcher:
         return {LAUNCHER_FLAGS[name]: value for name, value in vars(self).items() if value is not None}
 
 
-LAUNCHER_FLAGS = {"mixed_precision": "--mixed-precision", "per_device_train_batch_size": "--per-device-train-batch-size",
+LAUNCHER_FLAGS = {"mixed_precision": "--mixed-precision",
+                  "per_device_train_batch_size": "--per-device-train-batch-size",
                   "gradient_accumulation_steps": "--gradient-accumulation-steps", "learning_rate": "--learning-rate"}
 
 
@@ -171,7 +173,8 @@ def read_beside(path: str, base: Path, key: str, source: str) -> tuple[Any, str]
             document, _ = read_document(candidate)
             return document, candidate
     raise ImportProblem([Issue(key, "names a file that does not exist (looked in the current directory and beside "
-                               f"{source})", path, "give the path of the DeepSpeed JSON, or copy it beside the config")],
+                               f"{source})", path,
+                               "give the path of the DeepSpeed JSON, or copy it beside the config")],
                         source)
 
 
@@ -260,8 +263,9 @@ def hf_optimizer(key: str, name: Any, deepspeed: bool, optimizer: dict[str, Any]
     name = str(name)
     mapped, state = names.get(name, (None, None))
     if state == "fp32" and stepped not in (None, "fp32"):
-        issues.append(Issue(key, f"{name} keeps fp32 Adam states (bitsandbytes optim_bits=32) over the {stepped} weights "
-                            f"it steps; fp8dist's torch.optim AdamW keeps them in the weights' dtype ({stepped})", name,
+        issues.append(Issue(key, f"{name} keeps fp32 Adam states (bitsandbytes optim_bits=32) over the {stepped} "
+                            "weights it steps; fp8dist's torch.optim AdamW keeps them in the weights' dtype "
+                            f"({stepped})", name,
                             f"use adamw_torch ({stepped} states, as the weights), or {fsdp_fix}, which keeps fp32 "
                             "master weights"))
     elif mapped is None:

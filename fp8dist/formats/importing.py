@@ -111,8 +111,8 @@ def evidence(document: Mapping[str, Any]) -> dict[str, list[str]]:
 
 
 def detect(document: Mapping[str, Any]) -> str | None:
-    """The one kind the keys are evidence of (accelerate | axolotl | deepspeed | trl | peft | fp8dist), or None when they are
-    evidence of none; a file with evidence of two kinds is refused by `import_file`, asking for --from."""
+    """The one kind the keys are evidence of (accelerate | axolotl | deepspeed | trl | peft | fp8dist), or None when
+    they are evidence of none; a file with evidence of two kinds is refused by `import_file`, asking for --from."""
     found = evidence(document)
     return next(iter(found)) if len(found) == 1 else None
 
@@ -155,7 +155,8 @@ def launcher_issues(launcher: Launcher, kind: str) -> list[Issue]:
         elif name == "mixed_precision" and value not in ("no", "fp16", "bf16"):
             issues.append(Issue(flag, "not a precision the launch takes", value, "use no, fp16 or bf16"))
         elif name != "mixed_precision" and (isinstance(value, bool) or not value > 0 or value == float("inf")):
-            issues.append(Issue(flag, "must be a positive finite number", value, f"pass {flag} with the launch's value"))
+            issues.append(Issue(flag, "must be a positive finite number", value,
+                                f"pass {flag} with the launch's value"))
     return issues
 
 
@@ -216,7 +217,8 @@ def fp8dist_refusals(document: Mapping[str, Any], kind: str, source: str) -> lis
     return []
 
 
-def convert(kind: str, document: Mapping[str, Any], text: str, source: str, launcher: Launcher = Launcher()) -> Imported:
+def convert(kind: str, document: Mapping[str, Any], text: str, source: str,
+            launcher: Launcher = Launcher()) -> Imported:
     try:
         if kind in LAUNCHED:
             return IMPORTERS[kind](dict(document), text, source, launcher)

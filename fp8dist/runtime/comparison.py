@@ -28,7 +28,8 @@ def check_before_launch(specs: dict[str, Any], model: str, nproc: int, *, layer_
 
     from fp8dist.runtime.data import read_texts
     from fp8dist.runtime.layer_probes import parse_steps
-    from fp8dist.runtime.models import check_mesh_fits, check_model_name
+    from fp8dist.runtime.models import check_mesh_fits
+    from fp8dist.config.models import check_model_name
     from fp8dist.runtime.preflight import preflight
 
     checks = Checks()
@@ -84,14 +85,14 @@ def check_engine_order(baseline, config) -> None:
 def check_probes(specs: dict[str, Any], layer_steps: tuple[int, ...], fixed_routing: bool) -> None:
     """--layer-steps needs engines that run probe passes between steps; both flags need eager blocks (their taps and
     the routing replay are module hooks and a TorchFunctionMode, which a compiled block would trace or skip)."""
-    from fp8dist.engines.registry import facts_for
+    from fp8dist.engines.registry import profile_for
 
     flags = " and ".join(flag for flag, on in (("--layer-steps", layer_steps), ("--fixed-routing", fixed_routing))
                          if on)
     if not flags:
         return
     for role, spec in specs.items():
-        if layer_steps and not facts_for(spec).runs_probes:
+        if layer_steps and not profile_for(spec).runs_probes:
             raise Fp8distError(f"--layer-steps: the {role}'s engine ({spec.engine}) cannot run a probe pass between "
                                "optimizer steps (an extra backward would move DeepSpeed's gradient-accumulation "
                                "boundary and fill its reduce buckets)\n  fix: compare engine: fsdp2 configs for "
@@ -121,7 +122,7 @@ def check_has_experts(model_name: str) -> None:
     """--fixed-routing on a model whose config says it has no experts (a factory model's is not known here: the
     ranks refuse it when they find no router)."""
     from fp8dist.config.parallel import expert_count
-    from fp8dist.runtime.models import config_values
+    from fp8dist.config.models import config_values
 
     values = config_values(model_name)
     if values is not None and not expert_count(values):
@@ -188,11 +189,11 @@ def worker(model_name: str, baseline: str, config: str, steps: int, data: str,
     for whatever the run draws (dropout)."""
     import torch
 
-    from fp8dist.config.parallel import parallel_dims
-    from fp8dist.engines.registry import facts_for
+    from fp8dist.config.parallel import ParallelDims
+    from fp8dist.engines.registry import profile_for
     from fp8dist.runtime import loop, process_group
     from fp8dist.runtime.data import SYNTHETIC_BATCHES, BatchMaker, file_batches, token_stream
-    from fp8dist.runtime.adapters import apply_adapter
+    from fp8dist.backends.adapters import apply_adapter
     from fp8dist.runtime.models import load_model
 
     result: dict[str, Any] = {}
@@ -205,11 +206,11 @@ def worker(model_name: str, baseline: str, config: str, steps: int, data: str,
         specs = {"baseline": load_config(baseline, overrides=overrides),
                  "config": load_config(config, overrides=overrides)}
         # one group for both runs (DeepSpeed's init serves an FSDP2 config too)
-        process_group.init(deepspeed=any(facts_for(spec).deepspeed_process_group for spec in specs.values()))
+        process_group.init(deepspeed=any(profile_for(spec).deepspeed_process_group for spec in specs.values()))
         rank, seed = process_group.rank(), specs["baseline"].train.seed  # the parent checked both train sections
         # both runs read batches by the data ranks of the run that splits the model most (tp and cp peers: one)
-        batch_dims = max((parallel_dims(s, process_group.world_size()) for s in specs.values()),
-                         key=lambda dims: dims.tp * dims.cp)
+        layouts = {name: ParallelDims.of(spec, process_group.world_size()) for name, spec in specs.items()}
+        batch_dims = max(layouts.values(), key=lambda dims: dims.tp * dims.cp)
         make_batch: BatchMaker | None = None
         pool: int | None = SYNTHETIC_BATCHES
         for name, spec in specs.items():
@@ -226,7 +227,8 @@ def worker(model_name: str, baseline: str, config: str, steps: int, data: str,
                     make_batch, pool = file_batches(ids), None  # fresh windows every step
                     if rank == 0:
                         emit(PROGRESS, "data", f"data: {len(ids)} tokens, {how}")
-            session = loop.start(spec, loaded, make_batch=make_batch, pool=pool, batch_dims=batch_dims)
+            session = loop.start(spec, loaded, make_batch=make_batch, pool=pool, batch_dims=batch_dims,
+                                 dims=layouts[name])
             torch.manual_seed(seed)
             result[name] = _train(name, session, steps, rank, probes, seed)
         if layer_steps:

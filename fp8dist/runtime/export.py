@@ -131,7 +131,8 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: 
                                                     for i in range(len(groups))]
         weight_map, tensors = {}, 0
         for name, group in zip(names, groups):
-            shard = _unless_unreadable(path, lambda: {key: _plain(value, target) for key, value in reader.read(group)})
+            shard = _unless_unreadable(path, lambda group=group: {key: _plain_cpu_copy(value, target)
+                                                                  for key, value in reader.read(group)})
             save_file(shard, str(scratch / name), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(shard, name))
             tensors += len(shard)
@@ -167,10 +168,11 @@ def _export_adapter(reader, manifest: dict, path: Path, scratch: Path, out: Path
     """The adapters and the modules trained whole beside them (adapter.modules_to_save) of the checkpoint (the frozen
     base is not in it) as a PEFT adapter directory, or merged."""
     from fp8dist.dtypes import torch_dtype
-    from fp8dist.runtime.adapters import trained_beside_base, write_adapter, write_merged
+    from fp8dist.backends.adapters import trained_beside_base
+    from fp8dist.runtime.adapter_files import write_adapter, write_merged
 
     keys = [key for key in reader.sizes(torch_dtype(dtype)) if trained_beside_base(key)]
-    tensors = _unless_unreadable(path, lambda: {key: _plain(value, torch_dtype(dtype))
+    tensors = _unless_unreadable(path, lambda: {key: _plain_cpu_copy(value, torch_dtype(dtype))
                                                 for key, value in reader.read(keys)})
     model_name = manifest["model"]["name"]
     if merge:
@@ -213,7 +215,7 @@ def _unless_unreadable(path: Path, read):
                            f"\n  fix: restore its files, or export the checkpoint before it") from None
 
 
-def _plain(value, dtype):
+def _plain_cpu_copy(value, dtype):
     """A plain, contiguous CPU tensor in `dtype` (floating tensors only are cast). Copying into a new plain
     tensor strips tensor subclasses (torchao's WeightWithDynamicFloat8CastTensor unwraps itself in copy_)."""
     import torch

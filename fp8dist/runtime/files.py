@@ -2,8 +2,8 @@
 
 Atomic writers make a private temporary file or directory (tempfile.mkstemp / mkdtemp: mode 0600 / 0700) and rename
 it into place, and safetensors 0.8's save_file writes its files 0600 as well (transformers' and PEFT's save_pretrained
-with it); renamed as they are, an exported model or a written config could not be read by the rest of a cluster. `share` gives them the mode `open()` / `mkdir()` would
-have: 0666 / 0777 less the umask.
+with it); renamed as they are, an exported model or a written config could not be read by the rest of a cluster.
+`share` gives them the mode `open()` / `mkdir()` would have: 0666 / 0777 less the umask.
 """
 from __future__ import annotations
 

@@ -1,16 +1,15 @@
 """RAM-efficient loading of a local Hugging Face model directory (`parallel.cpu_ram_efficient_loading`):
 no rank ever holds the full model.
 
-FSDP2 (as Accelerate 1.15 utils/fsdp_utils.py fsdp2_prepare_model does it; verified on gloo): build on the meta device in the master dtype, with the
-buffers real (accelerate.init_empty_weights(include_buffers=False): RoPE's inv_freq is computed, not
-stored); `fsdp2.prepare` converts, wraps, compiles and shards it; then `ShardOnRead.materialize`
-allocates the local shards (`to_empty`), puts the buffers back and reads each rank's rows straight from
-the safetensors files with positional reads (`read_local_shards`). torch.distributed.checkpoint's
-HuggingFaceStorageReader reads the same slices but through safetensors' mmap, and measured here it
-doubled the peak host memory of a rank (benchmarks/loading_memory.py). It copies into the sharded
-parameters: they keep the master dtype and torchao's float8 all-gather wrapper. The other load
-path, `load_state_dict(assign=True)` on meta parameters, silently turns fp32 masters into the file's bf16
-and drops the wrapper (scaling.md 1.5), which is why it is not used.
+FSDP2 (as Accelerate 1.15 utils/fsdp_utils.py fsdp2_prepare_model does it; verified on gloo): build on the meta device
+in the master dtype, with the buffers real (accelerate.init_empty_weights(include_buffers=False): RoPE's inv_freq is
+computed, not stored); `fsdp2.prepare` converts, wraps, compiles and shards it; then `ShardOnRead.materialize` allocates
+the local shards (`to_empty`), puts the buffers back and reads each rank's rows straight from the safetensors files with
+positional reads (`read_local_shards`). torch.distributed.checkpoint's HuggingFaceStorageReader reads the same slices
+but through safetensors' mmap, and measured here it doubled the peak host memory of a rank
+(benchmarks/loading_memory.py). It copies into the sharded parameters: they keep the master dtype and torchao's float8
+all-gather wrapper. The other load path, `load_state_dict(assign=True)` on meta parameters, silently turns fp32 masters
+into the file's bf16 and drops the wrapper (scaling.md 1.5), which is why it is not used.
 
 DeepSpeed: ZeRO-3 builds the model inside `deepspeed.zero.Init` (transformers does so while an
 HfDeepSpeedConfig is alive, transformers 5.23 modeling_utils get_init_context) and loads each parameter
@@ -26,15 +25,16 @@ from typing import Any, cast
 
 import torch
 
-from fp8dist.config.parallel import expert_count
+from fp8dist.config.parallel import ParallelDims, expert_count
 from fp8dist.errors import Fp8distError
 from fp8dist.facts.transformers import HF_MOE_CHECKPOINT_LAYOUT
 import fp8dist.dtypes as dtypes
 from fp8dist.dtypes import torch_dtype
 from fp8dist.engines.advice import say
-from fp8dist.runtime.adapters import apply_adapter
-from fp8dist.runtime.models import BUILTIN, LoadedModel, causal_lm_batch, check_model_name, load_model
-from fp8dist.engines.registry import facts_for
+from fp8dist.backends.adapters import apply_adapter
+from fp8dist.runtime.models import LoadedModel, causal_lm_batch, load_model
+from fp8dist.config.models import BUILTIN, check_model_name
+from fp8dist.engines.registry import profile_for
 from fp8dist.translate import EnginePlan
 
 
@@ -43,7 +43,8 @@ def _torch_dtype(code: str, file: Path, tensor: str):
     entry = dtypes.from_safetensors(code)
     if entry is None or not hasattr(torch, entry.torch):
         raise Fp8distError(f"{file}: {tensor} is stored as {code}, which fp8dist cannot read shard by shard "
-                           f"(known: {', '.join(dtypes.safetensors_codes())}); set parallel.cpu_ram_efficient_loading=false")
+                           f"(known: {', '.join(dtypes.safetensors_codes())}); set "
+                           "parallel.cpu_ram_efficient_loading=false")
     return getattr(torch, entry.torch)
 
 
@@ -331,14 +332,15 @@ def check_efficient_loading(name: str, spec) -> None:
                                "converts the experts)")
 
 
-def load_for_run(name: str, spec, plan: EnginePlan | None = None) -> LoadedModel:
+def load_for_run(name: str, spec, plan: EnginePlan | None = None, dims: ParallelDims | None = None) -> LoadedModel:
     """MODEL as the run needs it (`fp8dist.load_model`): RAM-efficiently where `parallel.cpu_ram_efficient_loading`
     says so (a local Hugging Face directory only), else fully on every rank (fp8dist.runtime.models.load_model).
     `plan`: the run's translation, when the caller made it already (ZeRO-3 builds under zero.Init from it).
     With `adapter.kind=lora` the adapters are added here, before the engine converts and shards (the rules refuse
-    them with RAM-efficient loading)."""
+    them with RAM-efficient loading). `dims`: the run's layout (default: `spec`'s on this world)."""
     if not spec.parallel.cpu_ram_efficient_loading:
-        read = load_nf4_base(Path(name), spec, _nf4_shards(spec)) if _reads_nf4_base(name, spec) else None
+        read = (load_nf4_base(Path(name), spec, (dims or _this_world(spec)).fsdp_size)
+                if _reads_nf4_base(name, spec) else None)
         if isinstance(read, str):
             say("nf4_base", f"adapter.base_dtype=nf4: {name} is loaded whole and quantized after, not tensor by "
                 f"tensor as it is read: {read}")
@@ -347,10 +349,10 @@ def load_for_run(name: str, spec, plan: EnginePlan | None = None) -> LoadedModel
         loaded.model = apply_adapter(loaded.model, spec.adapter, spec.precision.weight_dtype, spec.train.seed)
         return loaded
     check_efficient_loading(name, spec)
-    facts = facts_for(spec)
-    if facts.efficient_loading == "zero_init":
+    profile = profile_for(spec)
+    if profile.efficient_loading == "zero_init":
         # zero_init is DeepSpeed's loading, and a DeepSpeed engine's translation is its ds_config dict
-        ds_config = plan if isinstance(plan, dict) else cast(dict[str, Any], facts.translate(spec))
+        ds_config = plan if isinstance(plan, dict) else cast(dict[str, Any], profile.translate(spec))
         return load_zero3(Path(name), spec, ds_config)
     return load_empty(Path(name), spec.precision.weight_dtype)
 
@@ -365,15 +367,13 @@ def _reads_nf4_base(name: str, spec) -> bool:
             and any(Path(name).glob("*.safetensors")) and expert_count(json.loads(config.read_text())) <= 1)
 
 
-def _nf4_shards(spec) -> int:
-    """The ranks FSDP2 will shard an NF4 weight over (fsdp2.prepare: dp_shard x cp), on this world: NF4 weights must
-    split into whole scaler blocks on them (fp8dist.backends.nf4.nf4_unfit)."""
+def _this_world(spec) -> ParallelDims:
+    """The layout of `spec` on this process's world, for a caller that loads without one (the public
+    `fp8dist.load_model`): NF4 weights must split into whole scaler blocks on the ranks FSDP2 shards them over
+    (ParallelDims.fsdp_size; fp8dist.backends.nf4.nf4_unfit)."""
     import os
 
     import torch.distributed as dist
 
-    from fp8dist.config.parallel import parallel_dims
-
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    dims = parallel_dims(spec, world)
-    return dims.dp_shard * dims.cp
+    return ParallelDims.of(spec, world)

@@ -1,10 +1,10 @@
 """The run loop, written once: process group, preflight, loading, engine setup, the first-step audit, steps,
-checkpoints, resume and export. launch/train.py runs all of it (`run`); the audit's ranks (fp8dist.audit.worker)
-and `fp8dist compare` start a Session and step it.
+checkpoints, resume and export. launch/train.py runs all of it (`run`); the audit's ranks
+(fp8dist.commands.audit_worker) and `fp8dist compare` start a Session and step it.
 
     session = start(spec, loaded)              # the engine the config names, around the loaded model
     loss, note = session.step(0)               # one optimizer step on the run's batches of step 0
-    train(session, Plan(steps=8, checkpoint_dir="ckpt"), on_step=..., say=...)
+    train(session, TrainOptions(steps=8, checkpoint_dir="ckpt"), on_step=..., say=...)
 
 The first-step audit is the engines' (fp8dist.engines.base.Engine.train_step); a caller above the audit layer may
 hand in its own (`first_step_audit=`), this module never imports the audit.
@@ -24,12 +24,12 @@ import torch.distributed as dist
 
 import fp8dist.engines.checkpoint as checkpoint
 from fp8dist.config.spec import Spec
-from fp8dist.config.parallel import ParallelDims, parallel_dims
+from fp8dist.config.parallel import ParallelDims
 from fp8dist.engines import registry
 from fp8dist.engines.advice import advise
 from fp8dist.engines.base import Engine, FirstStepAudit
-from fp8dist.engines.mesh import build_device_mesh
-from fp8dist.engines.registry import facts_for
+from fp8dist.engines.mesh import build_meshes
+from fp8dist.engines.registry import profile_for
 from fp8dist.errors import Checks, Fp8distError
 from fp8dist.runtime import process_group
 from fp8dist.runtime.data import SYNTHETIC_BATCHES, BatchMaker, batches_for
@@ -65,23 +65,25 @@ class Session:
 
 def start(spec: Spec, loaded: LoadedModel, *, plan: EnginePlan | None = None, audit: str | None = None,
           first_step_audit: FirstStepAudit | None = None, make_batch=None, pool: int | None = SYNTHETIC_BATCHES,
-          batch_dims: ParallelDims | None = None) -> Session:
+          batch_dims: ParallelDims | None = None, dims: ParallelDims | None = None) -> Session:
     """The engine `spec.engine` names around `loaded` (the process group is up). `audit`: the first-step audit's
     mode (default audit.first_step); `make_batch`/`pool`: the data (default: the model's synthetic batches);
     `batch_dims`: the dims whose data-parallel ranks pick each rank's batches (default the run's own; `fp8dist
-    compare` hands a tensor-parallel run's to its baseline, so both train on the same batches)."""
-    facts, dims = facts_for(spec), parallel_dims(spec, process_group.world_size())
-    if torch.cuda.is_available() and loaded.materialize is None and not facts.moves_model_to_device:
+    compare` hands a tensor-parallel run's to its baseline, so both train on the same batches); `dims`: the run's
+    layout, built once by the process (prepare_run; default: `spec`'s on this world)."""
+    profile, dims = profile_for(spec), dims or ParallelDims.of(spec, process_group.world_size())
+    if torch.cuda.is_available() and loaded.materialize is None and not profile.moves_model_to_device:
         loaded.model.to("cuda")  # a meta-built model is allocated on the device by the engine
-    mesh = {"mesh": build_device_mesh(dims)} if facts.uses_device_mesh else {}
+    meshes = {"meshes": build_meshes(dims)} if profile.uses_device_mesh else {}
     engine = registry.setup(loaded.model, spec, optimizer=loaded.make_optimizer, audit=audit, plan=plan,
-                            first_step_audit=first_step_audit, materialize=loaded.materialize, **mesh)
+                            first_step_audit=first_step_audit, materialize=loaded.materialize, **meshes)
     return Session(spec, loaded, engine, make_batch or loaded.make_batch, batch_dims or dims, pool)
 
 
 @dataclass(frozen=True)
-class Plan:
-    """What `train` does beyond stepping (launch/train.py's flags)."""
+class TrainOptions:
+    """What `train` does beyond stepping (launch/train.py's flags). Not a plan: fp8dist's plans are translations
+    (fp8dist.translate)."""
 
     steps: int  # the step the run ends at (with resume, counted from step 0)
     model_name: str = ""
@@ -91,51 +93,53 @@ class Plan:
     export_hf: str | None = None
 
 
-def train(session: Session, plan: Plan, on_step: Callable[[int, float, str | None], None],
+def train(session: Session, options: TrainOptions, on_step: Callable[[int, float, str | None], None],
           say: Callable[[str], None]) -> tuple[Path, bool] | None:
-    """Resume, step to `plan.steps`, checkpoint. With `export_hf`, returns (the checkpoint to export from, whether
+    """Resume, step to `options.steps`, checkpoint. With `export_hf`, returns (the checkpoint to export from, whether
     it is a scratch one to delete afterwards)."""
     engine, spec = session.engine, session.spec
-    if plan.export_hf and checkpoint.checkpointing_for(engine).hf_config() is None:  # said before training
-        raise Fp8distError(f"--export-hf: the model {plan.model_name} is not a Hugging Face model (no `config` with "
+    if options.export_hf and checkpoint.checkpointing_for(engine).hf_config() is None:  # said before training
+        raise Fp8distError(f"--export-hf: the model {options.model_name} is not a Hugging Face model (no `config` with "
                            "to_json_file), so there is no config.json to export\n  fix: drop --export-hf and keep "
                            "--checkpoint-dir, or train a transformers model")
     first, latest = 0, None  # latest: this run's newest checkpoint (step, path)
-    if plan.checkpoint_dir:
-        checkpoint.check_run_directory(plan.checkpoint_dir, plan.resume)
-    if plan.resume:
+    if options.checkpoint_dir:
+        checkpoint.check_run_directory(options.checkpoint_dir, options.resume)
+    if options.resume:
         # launch/train.py refuses --resume without --checkpoint-dir
-        resumed = checkpoint.resume(engine, cast(str, plan.checkpoint_dir), model_name=plan.model_name)
+        resumed = checkpoint.resume(engine, cast(str, options.checkpoint_dir), model_name=options.model_name)
         if resumed is None:
-            say(f"no complete checkpoint in {plan.checkpoint_dir}: starting from step 0")
+            say(f"no complete checkpoint in {options.checkpoint_dir}: starting from step 0")
         else:
             first, latest = resumed.step, (resumed.step, resumed.path)
             say(f"resumed from {resumed.path} (step {resumed.step})")
             for resume_note in resumed.notes:
                 say(f"note: {resume_note}")
-            if first >= plan.steps:
-                say(f"the checkpoint is at step {first}, --steps is {plan.steps}: no step to run")
-    for index in range(first, plan.steps):
+            if first >= options.steps:
+                say(f"the checkpoint is at step {first}, --steps is {options.steps}: no step to run")
+    for index in range(first, options.steps):
         loss, note = session.step(index)
         on_step(index, loss, note)
         done = index + 1
-        if plan.checkpoint_dir and ((plan.save_every and done % plan.save_every == 0) or done == plan.steps):
-            latest = (done, checkpoint.save(engine, plan.checkpoint_dir, done, spec=spec, model_name=plan.model_name))
+        if options.checkpoint_dir and ((options.save_every and done % options.save_every == 0)
+                                       or done == options.steps):
+            latest = (done, checkpoint.save(engine, options.checkpoint_dir, done, spec=spec,
+                                            model_name=options.model_name))
             say(f"saved {latest[1]}")
-    if not plan.export_hf:
+    if not options.export_hf:
         return None
-    final = max(plan.steps, first)
+    final = max(options.steps, first)
     if latest is not None and latest[0] == final:
         return latest[1], False
     # A run that keeps no checkpoint of its last step exports from a scratch one beside the export: the same files
     # as `fp8dist export` makes later.
-    parent = os.path.dirname(os.path.abspath(plan.export_hf))
+    parent = os.path.dirname(os.path.abspath(options.export_hf))
     if process_group.rank() == 0:
         os.makedirs(parent, exist_ok=True)
     scratch = [tempfile.mkdtemp(prefix=".fp8dist-export-", dir=parent) if process_group.rank() == 0 else None]
     dist.broadcast_object_list(scratch, src=0)
     scratch_dir = cast(str, scratch[0])  # broadcast_object_list gave every rank rank 0's directory
-    return checkpoint.save(engine, scratch_dir, final, spec=spec, model_name=plan.model_name), True
+    return checkpoint.save(engine, scratch_dir, final, spec=spec, model_name=options.model_name), True
 
 
 def export(source: Path, scratch: bool, destination: str, say: Callable[[str], None]) -> None:
@@ -195,13 +199,15 @@ def check_before_launch(spec: Spec, model_name: str, *, export_hf: str | None = 
     return plan
 
 
-def prepare_run(spec: Spec, model_name: str, *, export_hf: str | None = None) -> tuple[LoadedModel, EnginePlan]:
+def prepare_run(spec: Spec, model_name: str, *, export_hf: str | None = None
+                ) -> tuple[LoadedModel, EnginePlan, ParallelDims]:
     """Everything before the first step, in order: what can be refused before the process group (the backend's
     library and hardware, the engine's own refusals, the export destination, the model name), the process group,
     the world size a hybrid shard group needs (before any weight is loaded), the notes for this config, and the
-    model as the run loads it. Returns (the loaded model, the run's translation)."""
+    model as the run loads it. Returns (the loaded model, the run's translation, its layout: built here once and
+    handed to `start`)."""
     plan = check_before_launch(spec, model_name, export_hf=export_hf)
-    process_group.init(spec.train.process_group_timeout_s, deepspeed=facts_for(spec).deepspeed_process_group)
-    check_mesh_fits(spec, model_name, process_group.world_size())
+    process_group.init(spec.train.process_group_timeout_s, deepspeed=profile_for(spec).deepspeed_process_group)
+    dims = check_mesh_fits(spec, model_name, process_group.world_size())
     advise(spec, process_group.world_size())
-    return load_for_run(model_name, spec, plan=plan), plan
+    return load_for_run(model_name, spec, plan=plan, dims=dims), plan, dims

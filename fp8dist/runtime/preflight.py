@@ -13,7 +13,7 @@ from fp8dist.backends.base import get_backend
 from fp8dist.config.load import load_config
 from fp8dist.config.spec import Spec
 from fp8dist.engines.optim import check_optimizer_environment
-from fp8dist.engines.registry import facts_for
+from fp8dist.engines.registry import profile_for
 from fp8dist.errors import Checks, ConfigError, Issue, UnsupportedEnvironment
 from fp8dist.facts import versions
 from fp8dist.facts.torch import TORCH_FLOOR, torch_supported
@@ -24,7 +24,7 @@ from fp8dist.translate import EnginePlan
 
 def translate(spec: Spec) -> EnginePlan:
     """The run's translation for its engine, made once per run and handed to the loader and the engine."""
-    return facts_for(spec).translate(spec)
+    return profile_for(spec).translate(spec)
 
 
 def preflight(spec: Spec, plan: EnginePlan | None = None) -> EnginePlan:
@@ -47,7 +47,7 @@ def preflight(spec: Spec, plan: EnginePlan | None = None) -> EnginePlan:
         plan = plan or translate(spec)
     if plan is not None:
         with checks.one():
-            facts_for(spec).check_environment(spec, plan)
+            profile_for(spec).check_environment(spec, plan)
     for error in list(checks.errors):
         if isinstance(error, UnsupportedEnvironment) and error.fix_settings:
             refused = refused_once_fixed(spec, error.fix_settings)

@@ -35,14 +35,15 @@ ROUTER_NAMES = ("gate", "router")  # the router's attribute beside `experts` in 
 def routers(model) -> list[tuple[str, torch.nn.Module]]:
     """(name, module) of the router beside each experts module; refuses a model without one."""
     found = []
-    for name, experts in experts_modules(model):
+    for name, _experts in experts_modules(model):
         parent_name = name.rpartition(".")[0]
         parent = model.get_submodule(parent_name)
         router = next(((child_name, child) for child_name, child in parent.named_children()
                        if child_name in ROUTER_NAMES), None)
         if router is None:
             raise Fp8distError(f"--fixed-routing: the MoE block {parent_name} ({type(parent).__name__}) has no "
-                               f"`{'` or `'.join(ROUTER_NAMES)}` router beside its experts\n  fix: drop --fixed-routing")
+                               f"`{'` or `'.join(ROUTER_NAMES)}` router beside its experts"
+                               "\n  fix: drop --fixed-routing")
         found.append((f"{parent_name}.{router[0]}", router[1]))
     if not found:
         raise Fp8distError("--fixed-routing replays a Mixture-of-Experts model's expert choices, and this model has "

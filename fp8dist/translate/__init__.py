@@ -6,7 +6,7 @@ from fp8dist.translate.deepspeed import to_deepspeed
 from fp8dist.translate.fsdp2 import FSDP2Plan, to_fsdp2
 
 EnginePlan = FSDP2Plan | dict[str, Any]
-"""What an engine's translation returns (fp8dist.engines.facts.EngineFacts.translate): the FSDP2 plan, or the
+"""What an engine's translation returns (fp8dist.engines.profile.EngineProfile.translate): the FSDP2 plan, or the
 DeepSpeed config."""
 
 __all__ = ["EnginePlan", "FSDP2Plan", "to_deepspeed", "to_fsdp2"]

@@ -20,8 +20,9 @@ from fp8dist.config.vocabulary import deepspeed_extras
 from fp8dist.errors import ConfigError, Issue
 from fp8dist.facts import versions
 from fp8dist.facts.deepspeed import (DS_AMP_REMOVED, DS_AUTOCAST_WITH_BF16, DS_AUTOEP, DS_AUTOEP_PRESETS,
-                                     DS_AUTOEP_ZERO3, DS_AUTOTP_ZERO3, DS_BF16_MASTER, NEWEST_KNOWN_DEEPSPEED, deepspeed_autoep, deepspeed_autotp,
-                                     deepspeed_has_bf16_master, deepspeed_has_torch_autocast)
+                                     DS_AUTOEP_ZERO3, DS_AUTOTP_ZERO3, DS_BF16_MASTER, NEWEST_KNOWN_DEEPSPEED,
+                                     deepspeed_autoep, deepspeed_autotp, deepspeed_has_bf16_master,
+                                     deepspeed_has_torch_autocast)
 from fp8dist.facts.msamp import MSAMP_RELEASE, MSAMP_RELEASE_DEEPSPEED, installed_msamp, msamp_supports_deepspeed
 from fp8dist.facts.versions import Version, fmt, parse_version
 
@@ -169,8 +170,8 @@ def left_to_runtime(spec: Spec) -> list[str]:
         out.append(f"precision.fp8.backend={spec.fp8.backend}: DeepSpeed has no FP8 setting; the {what} is done by "
                    f"fp8dist's runtime, so the JSON alone trains without FP8 (only its bf16/fp16 section); {_HOW}")
     if spec.parallel.activation_checkpointing != "none":
-        out.append(f"parallel.activation_checkpointing={spec.parallel.activation_checkpointing}: fp8dist's runtime wraps "
-                   "the blocks (DeepSpeed's activation_checkpointing section configures only its own checkpoint "
+        out.append(f"parallel.activation_checkpointing={spec.parallel.activation_checkpointing}: fp8dist's runtime "
+                   "wraps the blocks (DeepSpeed's activation_checkpointing section configures only its own checkpoint "
                    f"function, which a model must call); {_HOW}")
     if spec.parallel.cpu_ram_efficient_loading:
         out.append("parallel.cpu_ram_efficient_loading: the model must be built inside deepspeed.zero.Init "
@@ -187,9 +188,9 @@ def left_to_runtime(spec: Spec) -> list[str]:
                    "module_inject/auto_ep_presets/registry.py resolve_preset_candidates); for another model set "
                    "deepspeed.extra.expert_parallel.preset_model (or moe_layer_pattern and its patterns)")
     if spec.adapter.enabled:
-        out.append(f"adapter.kind={spec.adapter.kind}: DeepSpeed has no adapter setting; fp8dist's loading applies PEFT's "
-                   "LoRA and its engine gives the optimizer the adapters only, so the JSON alone trains the full "
-                   "model; run `deepspeed launch/train.py --fp8dist-config CONFIG`, or load the model with "
+        out.append(f"adapter.kind={spec.adapter.kind}: DeepSpeed has no adapter setting; fp8dist's loading applies "
+                   "PEFT's LoRA and its engine gives the optimizer the adapters only, so the JSON alone trains the "
+                   "full model; run `deepspeed launch/train.py --fp8dist-config CONFIG`, or load the model with "
                    "fp8dist.load_model(MODEL, spec) before fp8dist.engines.deepspeed.initialize(model, spec) (or "
                    "apply peft.get_peft_model yourself and give DeepSpeed an optimizer over the trainable parameters)")
     return out
@@ -206,8 +207,8 @@ def _precision_sections(spec: Spec, version, origin, issues) -> dict[str, Any]:
                                 f"DeepSpeed's torch_autocast; {reason} ({origin})", "none",
                                 "upgrade DeepSpeed, or set precision.master_weights=fp32 (bf16/fp16 section)"))
         # No lower-precision-safe modules: every gradient is reduced in its parameter's dtype (the load dtype,
-        # which fp8dist.config.rules.deepspeed requires reduce_dtype to be). DeepSpeed's default list would reduce nn.Linear
-        # gradients in the autocast dtype and ignore communication_data_type (deepspeed 0.19
+        # which fp8dist.config.rules.deepspeed requires reduce_dtype to be). DeepSpeed's default list would reduce
+        # nn.Linear gradients in the autocast dtype and ignore communication_data_type (deepspeed 0.19
         # runtime/torch_autocast.py init_autocast_params, zero/stage_1_and_2.py ipg_buckets).
         return {"torch_autocast": {"enabled": True, "dtype": dtypes.torch_name(p.mixed_precision),
                                    "lower_precision_safe_modules": []}}

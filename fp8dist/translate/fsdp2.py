@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
-from fp8dist.config.parallel import sequence_parallel
+from fp8dist.config.parallel import CP, TP, sequence_parallel
 from fp8dist.config.spec import Dtype, Spec, min_speedup_number, min_speedup_of
 from fp8dist.errors import ConfigError, Issue
 from fp8dist.facts import versions
@@ -178,7 +178,7 @@ class ShardingPlan(PlanSection):
 
     @property
     def _dense_mesh(self) -> str:
-        inner = [f"{axis} = {size}" for axis, size in (("cp", self.context_size), ("tp", self.tensor_size))
+        inner = [f"{axis} = {size}" for axis, size in ((CP, self.context_size), (TP, self.tensor_size))
                  if size > 1]
         data = " / ".join(["world"] + [str(size) for size in (self.context_size, self.tensor_size) if size > 1])
         if self.strategy == "hybrid":

@@ -34,7 +34,7 @@ def checkpoint_round_trip(spec, model_name: str, shapes_of: Callable[[str], bool
     quiet = lambda *_: None  # noqa: E731 - the loop's progress lines are not the test's business
     lost: list[float] = []
     session = loop.start(spec, load_for_run(model_name, spec))
-    loop.train(session, loop.Plan(steps=4, checkpoint_dir=str(first), save_every=2, model_name=model_name),
+    loop.train(session, loop.TrainOptions(steps=4, checkpoint_dir=str(first), save_every=2, model_name=model_name),
                on_step=lambda index, loss, note: lost.append(loss), say=quiet)
     full = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to(torch.bfloat16)
             for name, p in session.engine.model.named_parameters()}
@@ -44,7 +44,7 @@ def checkpoint_round_trip(spec, model_name: str, shapes_of: Callable[[str], bool
     dist.barrier()
     resumed: list[float] = []
     session = loop.start(spec, load_for_run(model_name, spec))
-    loop.train(session, loop.Plan(steps=4, checkpoint_dir=str(second), resume=True, model_name=model_name),
+    loop.train(session, loop.TrainOptions(steps=4, checkpoint_dir=str(second), resume=True, model_name=model_name),
                on_step=lambda index, loss, note: resumed.append(loss), say=quiet)
     out: dict = {"losses": lost, "resumed": resumed}
     dist.barrier()

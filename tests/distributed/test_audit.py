@@ -80,7 +80,7 @@ def test_audit_fails_on_an_optimizer_with_other_state_dtypes():
 def test_audit_of_local_hf_directories(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
-    from fp8dist.runtime.models import tiny_config
+    from fp8dist.config.models import tiny_config
 
     config = tiny_config(arch)  # each architecture's own dropout: GPT-2's 0.1, 0.0 for the others
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / arch)

@@ -41,7 +41,7 @@ def test_a_factory_that_raises_is_one_message():
 def saved_model(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from fp8dist.runtime.models import tiny_config
+    from fp8dist.config.models import tiny_config
 
     path = tmp_path_factory.mktemp("hf") / "llama"
     AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(path)

@@ -21,7 +21,7 @@ def _model_dir_with_tokenizer(path, text):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from fp8dist.runtime.models import tiny_llama_config
+    from fp8dist.config.models import tiny_llama_config
 
     AutoModelForCausalLM.from_config(tiny_llama_config()).save_pretrained(path)
     tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))

@@ -21,7 +21,8 @@ def saved(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fp8dist.runtime.models import _llama_config, load_model
+    from fp8dist.runtime.models import load_model
+    from fp8dist.config.models import _llama_config
 
     root = tmp_path_factory.mktemp("models")
     load_model("tiny-llama", "bf16", seed=0).model.save_pretrained(root / "tiny-llama")

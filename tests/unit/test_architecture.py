@@ -115,9 +115,9 @@ def test_the_checker_sees_an_upward_import(tmp_path):
 
 
 def _answers_every_fact(facts) -> bool:
-    from fp8dist.engines.facts import EngineFacts
+    from fp8dist.engines.profile import EngineProfile
 
-    wanted = set(EngineFacts.__annotations__) | {n for n in vars(EngineFacts) if not n.startswith("_")}
+    wanted = set(EngineProfile.__annotations__) | {n for n in vars(EngineProfile) if not n.startswith("_")}
     missing = {n for n in wanted if not hasattr(facts, n)}
     assert not missing, f"{type(facts).__name__} lacks {sorted(missing)}"
     return True
@@ -130,6 +130,6 @@ def test_the_engine_registry_is_the_schemas_engine_enum():
 
     assert list(ENGINES) == schema()["properties"]["engine"]["enum"]
     for name, package in ENGINES.items():
-        assert callable(package.setup) and package.facts.FACTS.name == name
-        assert _answers_every_fact(package.facts.FACTS), name
+        assert callable(package.setup) and package.profile.PROFILE.name == name
+        assert _answers_every_fact(package.profile.PROFILE), name
         assert package.Checkpointing.engine == name

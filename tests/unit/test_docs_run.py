@@ -89,7 +89,7 @@ def workdir(tmp_path):
     for name, source in USER_FILES.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(source, tmp_path / name)
-    from fp8dist.runtime.models import tiny_llama_config
+    from fp8dist.config.models import tiny_llama_config
 
     tiny_llama_config().save_pretrained(tmp_path / "my-model")  # "a local HF dir": its config.json
     return tmp_path

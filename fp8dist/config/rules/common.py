@@ -136,7 +136,7 @@ def _quantized_base(spec: Spec) -> list[Issue]:
 def _modules_to_save(spec: Spec) -> list[Issue]:
     """adapter.modules_to_save as PEFT runs it (peft 0.21 LoraConfig modules_to_save): what would change its meaning
     is refused here; a name the model lacks and a weight tied to another module, when the model loads
-    (fp8dist/runtime/adapters.py)."""
+    (fp8dist/backends/adapters.py)."""
     ad, issues = spec.adapter, []
     saved = list(ad.modules_to_save)
     adapted = sorted(set(saved) & set(ad.target_modules)) if ad.target_modules != "auto" else []

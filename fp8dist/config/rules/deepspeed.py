@@ -146,8 +146,9 @@ def _parallel(spec: Spec) -> list[Issue]:
                             "which fp8dist does not wire", True,
                             "leave parallel.sequence_parallel auto (off on DeepSpeed), or use engine=fsdp2"))
     if par.context_size > 1:
-        issues.append(Issue("parallel.context_size", "context parallel is torch's context_parallel on FSDP2; DeepSpeed's "
-                            "sequence splitting is Ulysses (`sequence_parallel_size`), which fp8dist does not wire",
+        issues.append(Issue("parallel.context_size", "context parallel is torch's context_parallel on FSDP2; "
+                            "DeepSpeed's sequence splitting is Ulysses (`sequence_parallel_size`), which fp8dist does "
+                            "not wire",
                             par.context_size, "use engine=fsdp2 on GPUs, or parallel.context_size=1"))
     if par.sharding == "hybrid" and spec.fp8.backend == "msamp":
         issues.append(Issue("parallel.sharding", "hybrid is ZeRO-3 + hpZ on DeepSpeed, and MS-AMP does not run "

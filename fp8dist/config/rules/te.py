@@ -52,7 +52,8 @@ def check(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
     for rejection in record.rejects:
         if rejection.field not in TE_INERT_FIELDS and _value(te, rejection.field) == rejection.value:
             issues.append(Issue(f"precision.fp8.te.{rejection.field}", _te_raises(record, rejection),
-                                rejection.value, f"leave precision.fp8.te.{rejection.field} null ({record.cls}'s default)"))
+                                rejection.value,
+                                f"leave precision.fp8.te.{rejection.field} null ({record.cls}'s default)"))
     train = spec.train
     tokens = train.micro_batch_size * train.seq_len
     if tokens % TE_TOKEN_MULTIPLE:
@@ -60,7 +61,8 @@ def check(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
         issues.append(Issue("train.seq_len", f"Transformer Engine's FP8 GEMMs need the tokens of a micro-batch "
                             f"(train.micro_batch_size * train.seq_len = {tokens}) to be a multiple of {multiple} "
                             "(pytorch/utils.py assert_dim_for_fp8_exec fails the forward otherwise)", train.seq_len,
-                            f"set train.seq_len to a multiple of {multiple} (e.g. {-(-train.seq_len // multiple) * multiple})"))
+                            f"set train.seq_len to a multiple of {multiple} "
+                            f"(e.g. {-(-train.seq_len // multiple) * multiple})"))
     if spec.fp8.backend == "te" and spec.parallel.tensor_size > 1:
         issues.append(Issue("parallel.tensor_size", "fp8dist swaps in Transformer Engine's own Linear, which DTensor "
                             "tensor parallel does not split (TE splits through its own tp_group / "

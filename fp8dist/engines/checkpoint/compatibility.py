@@ -106,7 +106,8 @@ def _refuse_adapter_changes(changes: list[tuple[str, Any, Any]], path: Path) -> 
         if key == "adapter.base_dtype":  # the frozen base the adapters were trained on
             raise Fp8distError(f"{path}: adapter.base_dtype is {before} in the checkpoint and {after} in this config; "
                                "the adapters were trained on that base, so another one makes the checkpoint another "
-                               f"model\n  fix: resume with adapter.base_dtype={before}, or start a new --checkpoint-dir")
+                               f"model\n  fix: resume with adapter.base_dtype={before}, or start a new "
+                               "--checkpoint-dir")
         if key == "adapter.use_dora":  # a trained magnitude vector per adapter (peft 0.21 tuners/lora/dora.py)
             raise Fp8distError(f"{path}: adapter.use_dora is {before} in the checkpoint and {after} in this config; "
                                "DoRA rescales each adapted Linear's output by a magnitude vector trained with the "

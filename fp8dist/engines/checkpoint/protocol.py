@@ -188,8 +188,8 @@ def check_run_directory(directory: str | os.PathLike[str], resuming: bool) -> No
     def check() -> None:
         if (directory / MANIFEST).is_file():
             raise Fp8distError(f"--checkpoint-dir {directory}: names one checkpoint, not the directory of a run"
-                               f"\n  fix: pass its parent, {directory.parent}" + (" (--resume then continues from its "
-                                                                                 "newest checkpoint)" if resuming else ""))
+                               f"\n  fix: pass its parent, {directory.parent}"
+                               + (" (--resume then continues from its newest checkpoint)" if resuming else ""))
         if directory.exists() and not directory.is_dir():
             raise Fp8distError(f"--checkpoint-dir {directory}: is a file\n  fix: name a directory")
         try:
@@ -199,7 +199,8 @@ def check_run_directory(directory: str | os.PathLike[str], resuming: bool) -> No
             probe.unlink()
         except OSError as exc:
             raise Fp8distError(f"--checkpoint-dir {directory}: cannot write there ({exc.strerror})"
-                               "\n  fix: name a directory this job can write, on a filesystem every rank sees") from None
+                               "\n  fix: name a directory this job can write, on a filesystem every rank sees"
+                               ) from None
         foreign = [] if resuming else foreign_checkpoints(directory)  # a new run: none is its own yet
         if foreign:
             raise another_run(f"--checkpoint-dir {directory}", foreign, "add --resume to continue that run, or "

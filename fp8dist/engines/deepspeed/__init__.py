@@ -1,10 +1,10 @@
 """DeepSpeed: `initialize(model, spec)` mirrors `deepspeed.initialize`; `train_step(engine, batches)`.
 
-`facts` (what fp8dist knows before anything runs) imports no torch; the runtime names load on first use.
+`profile` (what fp8dist knows of the engine before anything runs) imports no torch; the runtime names load on first use.
 """
-from fp8dist.engines.deepspeed import facts
+from fp8dist.engines.deepspeed import profile
 
-__all__ = ["Checkpointing", "DeepSpeedInspector", "DeepSpeedRun", "check_environment", "facts", "initialize",
+__all__ = ["Checkpointing", "DeepSpeedInspector", "DeepSpeedRun", "check_environment", "profile", "initialize",
            "recognize", "setup", "train_step"]
 
 

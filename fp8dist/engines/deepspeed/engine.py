@@ -239,7 +239,8 @@ def _check_client_optimizer(optimizer, spec: Spec, config: dict) -> None:
     if (offloads_optimizer(spec) and not isinstance(optimizer, (DeepSpeedCPUAdam, DeepSpeedCPULion))
             and config.get("zero_force_ds_cpu_optimizer", True)):
         raise Fp8distError(f"deepspeed.offload_optimizer={spec.deepspeed.offload_optimizer} steps the optimizer on "
-                           f"the CPU, and DeepSpeed accepts only its CPU optimizers there (DeepSpeedCPUAdam, DeepSpeedCPULion), not "
+                           f"the CPU, and DeepSpeed accepts only its CPU optimizers there (DeepSpeedCPUAdam, "
+                           "DeepSpeedCPULion), not "
                            f"{type(optimizer).__name__}"
                            "\n  fix: pass no optimizer (fp8dist builds DeepSpeedCPUAdam from `optimizer`), pass a "
                            "deepspeed.ops.adam.DeepSpeedCPUAdam, or set "

@@ -9,6 +9,7 @@ import sys
 import torch
 
 from fp8dist.backends.storage import is_scaling_tensor, is_tensor_like
+from fp8dist.config.parallel import DP_SHARD, TP
 from fp8dist.engines.inspector import Inspector
 
 
@@ -59,8 +60,8 @@ class DeepSpeedInspector(Inspector):
         if groups is None or tp is None or split_layer is None or not any(
                 isinstance(module, split_layer) for module in self.module.modules()):
             return {}
-        return {frozenset(dist.get_process_group_ranks(groups.get_data_parallel_group())): "dp_shard",
-                frozenset(dist.get_process_group_ranks(tp)): "tp"}
+        return {frozenset(dist.get_process_group_ranks(groups.get_data_parallel_group())): DP_SHARD,
+                frozenset(dist.get_process_group_ranks(tp)): TP}
 
     def weights(self) -> tuple[list, str]:
         return [self.stored(p) for p in self.parameters()], "module parameters (ZeRO-3: partitions)"

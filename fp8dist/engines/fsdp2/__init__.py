@@ -1,10 +1,10 @@
 """FSDP2 (torch.distributed.fsdp.fully_shard): `prepare(model, spec)` -> an FSDP2Run, `train_step(run, batches)`.
 
-`facts` (what fp8dist knows before anything runs) imports no torch; the runtime names load on first use.
+`profile` (what fp8dist knows of the engine before anything runs) imports no torch; the runtime names load on first use.
 """
-from fp8dist.engines.fsdp2 import facts
+from fp8dist.engines.fsdp2 import profile
 
-__all__ = ["Checkpointing", "FSDP2Run", "accumulate_gradients", "apply_gradients", "facts", "prepare",
+__all__ = ["Checkpointing", "FSDP2Run", "accumulate_gradients", "apply_gradients", "profile", "prepare",
            "setup", "train_step"]
 
 

@@ -3,13 +3,13 @@
 (torch 2.13 torch/distributed/tensor/experimental/_context_parallel/_attention.py; Accelerate 1.15
 `maybe_context_parallel` and torchtitan v0.2.2 distributed/context_parallel.py apply it the same way).
 
-Only the CUDA SDPA kernels (flash / memory-efficient / cuDNN) have a sharding rule, so FSDP2Facts.check_environment
+Only the CUDA SDPA kernels (flash / memory-efficient / cuDNN) have a sharding rule, so FSDP2Profile.check_environment
 refuses cp > 1 where there is no CUDA device. Causal language modelling over a split sequence needs two things a
 single rank would otherwise get wrong:
 - labels are shifted before the split (`shift_labels`, transformers 5 loss/loss_utils.py ForCausalLMLoss): a rank's
   slice does not hold the token after its last one;
 - positions are the whole sequence's (`position_ids`), so rotary embeddings see where each slice sits.
-FSDP2 shards over dp_shard x cp (engines/mesh.py data_mesh), so its gradient average covers the cp ranks' slices.
+FSDP2 shards over dp_shard x cp (engines/mesh.py Meshes.data), so its gradient average covers the cp ranks' slices.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """FSDP2 engine: execute the plan of fp8dist.translate.fsdp2 on a real model.
 
-The order of model transforms, written once here (torchtitan parallelize_llama, Accelerate fsdp2_prepare_model):
-upcast to the master dtype (FSDP2 wants one original dtype per group) -> a QLoRA base in NF4 -> float8 conversion -> tensor parallel on the
-mesh's `tp` axis (engines/fsdp2/tensor_parallel.py) -> MXFP8 conversion (after TP: torchao wraps DTensor weights) ->
-activation checkpointing -> torch.compile per block, in place -> fully_shard each block, then the root, on the data
-axes of the mesh -> (meta-built models) materialise the shards and load the weights -> the optimizer. Compiling blocks in place before sharding (torchtitan apply_compile: "per-TransformerBlock compile
+The order of model transforms is written once, as code: `TRANSFORMS` below (torchtitan parallelize_llama,
+Accelerate fsdp2_prepare_model), then (meta-built models) materialise the shards and load the weights, then the
+optimizer. Compiling blocks in place before sharding (torchtitan apply_compile: "per-TransformerBlock compile
 ... before FSDP") keeps the root an FSDPModule, so gradient accumulation still skips the reduce-scatter of all but
 the last micro-batch. The optimizer gets a step post-hook for the backend (torchao float8 scale precompute); fp16
 compute gets the loss scaler (engines/loss_scaling.py).
@@ -12,7 +10,8 @@ compute gets the loss scaler (engines/loss_scaling.py).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, cast
+from dataclasses import dataclass, field
+from typing import Any, Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -22,7 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 import fp8dist.engines.activation_checkpointing as activation_checkpointing
 from fp8dist.backends.base import get_backend
 from fp8dist.config.spec import Spec
-from fp8dist.config.parallel import check_model_fits, parallel_dims, sequence_parallel
+from fp8dist.config.parallel import ParallelDims
 from fp8dist.dtypes import torch_dtype
 from fp8dist.engines.advice import advise_small_gemms, say, say_when_fp8_is_kept_off_every_linear
 from fp8dist.engines.base import Engine, FirstStepAudit, forward_loss, training_mode
@@ -32,7 +31,7 @@ from fp8dist.engines.fsdp2.clipping import clip_grad_norm_
 import fp8dist.engines.fsdp2.context_parallel as context_parallel
 import fp8dist.engines.fsdp2.expert_parallel as expert_parallel
 import fp8dist.engines.fsdp2.tensor_parallel as tensor_parallel
-from fp8dist.engines.mesh import build_device_mesh, build_expert_mesh, data_mesh, device_type
+from fp8dist.engines.mesh import Meshes, build_meshes, device_type
 from fp8dist.engines.inspector import Inspector
 from fp8dist.engines.loss_scaling import DynamicLossScaler, StepOutcome
 from fp8dist.engines.optim import build_optimizer, trainable_parameters
@@ -101,7 +100,7 @@ class FSDP2Run(Engine):
 
     def full_weights(self) -> dict[str, Any]:
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        return {name: _plain(cast(torch.Tensor, tensor)).detach().to("cpu", copy=True)
+        return {name: _unwrapped_float8_weight(cast(torch.Tensor, tensor)).detach().to("cpu", copy=True)
                 for name, tensor in state.items()}
 
     @contextlib.contextmanager
@@ -152,12 +151,144 @@ def _dtype(name):
     return None if name is None else torch_dtype(name)
 
 
-def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None = None, materialize=None,
-            plan: FSDP2Plan | None = None, first_step_audit: FirstStepAudit | None = None) -> FSDP2Run:
+@dataclass
+class _Preparing:
+    """What the transforms of one `prepare` share: each step reads what the steps before it left."""
+
+    model: Any
+    spec: Spec
+    plan: FSDP2Plan
+    backend: Any
+    meshes: Meshes
+    unsharded: set = field(default_factory=set)  # weights FSDP2 leaves alone (QLoRA's NF4 base on one rank)
+    decisions: list = field(default_factory=list)  # the backend's per-Linear FP8 decisions
+    tensor_parallel: tensor_parallel.TensorParallelPlan | None = None
+    expert_parallel: expert_parallel.ExpertParallelPlan | None = None
+    units: list = field(default_factory=list)  # (name, module) of the blocks fully_shard wraps one by one
+
+
+def _upcast_trainable(state: _Preparing) -> None:
+    """Only what the optimizer steps gets a master copy: frozen weights (an adapter run's base) keep the load dtype.
+    FSDP2 wants one original dtype among a group's trainable parameters only (torch 2.13 _fsdp_param_group.py
+    _init_mp_dtypes), so frozen bf16 beside fp32 adapters shard together."""
+    if state.plan.upcast_before_shard:
+        master = _dtype(state.plan.upcast_before_shard)
+        for param in state.model.parameters():
+            if param.requires_grad and param.is_floating_point() and param.dtype != master:
+                param.data = param.data.to(master)
+
+
+def _quantize_nf4_base(state: _Preparing) -> None:
+    """QLoRA: the frozen base in NF4, before sharding."""
+    if state.spec.adapter.enabled and state.spec.adapter.base_dtype == "nf4":
+        state.unsharded = _quantize_base(state.model, state.meshes.dims.fsdp_size)
+
+
+def _convert_before_tensor_parallel(state: _Preparing) -> None:
+    """torchao float8 (and TE / MS-AMP) convert the whole Linears, before tensor parallel splits them."""
+    if not state.backend.converts_after_tensor_parallel:
+        state.decisions = state.backend.convert_module(state.model)
+
+
+def _split_tensor_parallel(state: _Preparing) -> None:
+    section, tp_mesh = state.plan.tensor_parallel, state.meshes.tp
+    if section is None or tp_mesh is None:
+        return
+    state.tensor_parallel = tensor_parallel.apply(state.model, tp_mesh, sequence_parallel=section.sequence_parallel)
+    if state.tensor_parallel.float8_styles and dist.get_backend() == "gloo":
+        # imported only here: it builds on torchao's float8 op table (tests/unit: no import otherwise)
+        from fp8dist.engines.fsdp2.collectives import carry_float8_tensor_parallel_over_gloo
+
+        carry_float8_tensor_parallel_over_gloo()
+    say("tensor-parallel", state.tensor_parallel.summary())
+
+
+def _convert_after_tensor_parallel(state: _Preparing) -> None:
+    """MXFP8 converts after tensor parallel: torchao wraps the DTensor weights."""
+    if state.backend.converts_after_tensor_parallel:
+        state.decisions = state.backend.convert_module(state.model)
+    say_when_fp8_is_kept_off_every_linear(state.decisions)
+
+
+def _split_experts(state: _Preparing) -> None:
+    """Expert parallel, after the conversions (they choose the experts' implementation)."""
+    if state.meshes.expert_parallel is not None:
+        state.expert_parallel = expert_parallel.apply(state.model, state.meshes.expert_parallel)
+        say("expert-parallel", state.expert_parallel.summary())
+    advise_small_gemms(state.spec, state.model)
+
+
+def _checkpoint_activations(state: _Preparing) -> None:
+    state.units = activation_checkpointing.apply(state.model, wrap_units(state.model, state.spec),
+                                                 state.plan.activation_checkpointing, state.backend)
+
+
+def _compile_blocks(state: _Preparing) -> None:
+    """torch.compile per block, in place: the module object (and so the FSDP unit) stays the same."""
+    if state.plan.compile:
+        for unit in [unit for _, unit in state.units] or [state.model]:
+            unit.compile()
+
+
+def _shard(state: _Preparing) -> None:
+    """fully_shard the experts (on their own mesh), each block, then the root, on the data mesh."""
+    plan, meshes = state.plan, state.meshes
+    mp = plan.mixed_precision_policy
+    policy = dict(param_dtype=_dtype(mp.param_dtype), reduce_dtype=_dtype(mp.reduce_dtype),
+                  cast_forward_inputs=mp.cast_forward_inputs)
+    # output_dtype applies to the model's outputs, so only the root gets it: a block returning it would hand
+    # the next block (or a root-owned norm / lm_head) inputs in another dtype than its weights.
+    block_policy = MixedPrecisionPolicy(**policy)
+    root_policy = MixedPrecisionPolicy(**policy, output_dtype=_dtype(mp.output_dtype))
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan.offload_policy else OffloadPolicy()
+    reshard = plan.sharding.reshard_after_forward
+    if meshes.expert_data is not None:  # the experts first: their blocks' fully_shard then leaves them alone
+        expert_parallel.shard(state.model, meshes.expert_data, meshes.dims.dp_shard, mp_policy=block_policy,
+                              reshard_after_forward=reshard, offload_policy=offload)
+    for _, unit in state.units:
+        fully_shard(unit, mesh=meshes.data, mp_policy=block_policy, reshard_after_forward=reshard,
+                    offload_policy=offload, ignored_params=state.unsharded)
+    fully_shard(state.model, mesh=meshes.data, mp_policy=root_policy, offload_policy=offload,
+                reshard_after_forward=plan.sharding.root_reshard_after_forward, ignored_params=state.unsharded)
+
+
+def _gather_float8_over_gloo(state: _Preparing) -> None:
+    """torchao's float8 all-gather on gloo goes through a byte view (elsewhere the default collective carries
+    float8)."""
+    float8 = state.plan.float8
+    if (dist.get_backend() == "gloo" and isinstance(float8, TorchaoFloat8Plan)
+            and float8.float8_linear_config.enable_fsdp_float8_all_gather):
+        # imported only here: it builds on torch's private FSDP2 collectives (tests/unit: no import otherwise)
+        from fp8dist.engines.fsdp2.collectives import ByteViewAllGather
+
+        for module in state.model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_all_gather(ByteViewAllGather())
+
+
+# The order of model transforms, written once (torchtitan parallelize_llama, Accelerate fsdp2_prepare_model); the
+# docs point here. Materialising a meta-built model's shards and loading its weights follows, then the optimizer.
+TRANSFORMS: tuple[tuple[str, Callable[[_Preparing], None]], ...] = (
+    ("upcast trainable parameters to the master dtype", _upcast_trainable),
+    ("a QLoRA base in NF4", _quantize_nf4_base),
+    ("float8 conversion (torchao tensorwise / rowwise, TE, MS-AMP)", _convert_before_tensor_parallel),
+    ("tensor parallel on the tp mesh", _split_tensor_parallel),
+    ("MXFP8 conversion (after tensor parallel)", _convert_after_tensor_parallel),
+    ("expert parallel on the experts' mesh", _split_experts),
+    ("activation checkpointing", _checkpoint_activations),
+    ("torch.compile per block", _compile_blocks),
+    ("fully_shard: experts, blocks, root", _shard),
+    ("float8 all-gather's collective", _gather_float8_over_gloo),
+)
+
+
+def prepare(model, spec: Spec, meshes: Meshes | None = None, *, optimizer=None, audit: str | None = None,
+            materialize=None, plan: FSDP2Plan | None = None,
+            first_step_audit: FirstStepAudit | None = None) -> FSDP2Run:
     """Make `model` an FSDP2 model with the precision of `spec`, and build its optimizer.
 
-    `mesh`: the run's DeviceMesh (fp8dist.engines.mesh.build_device_mesh; default: the one `parallel.sharding`
-    describes on this world, over the default process group).
+    `meshes`: the run's meshes (fp8dist.engines.mesh.build_meshes; default: those `parallel` describes on this
+    world, over the default process group).
     `optimizer`: a callable params -> optimizer (called on the sharded parameters); default: the config's.
     `audit`: what the audit of the first `train_step` does (warn | raise | off); default: audit.first_step.
     `materialize`: for a model built on the meta device (fp8dist.runtime.loading.ShardOnRead), allocates the
@@ -174,89 +305,22 @@ def prepare(model, spec: Spec, mesh=None, *, optimizer=None, audit: str | None =
     backend.check_environment(device)
     backend.resolve_speed_rule(device)  # precision.fp8.min_speedup on this device (or hardware.gpu)
     training_mode(model)
-
-    if plan.upcast_before_shard:
-        # Only what the optimizer steps gets a master copy: frozen weights (an adapter run's base) keep the load
-        # dtype. FSDP2 wants one original dtype among a group's trainable parameters only (torch 2.13
-        # _fsdp_param_group.py _init_mp_dtypes), so frozen bf16 beside fp32 adapters shard together.
-        master = _dtype(plan.upcast_before_shard)
-        for param in model.parameters():
-            if param.requires_grad and param.is_floating_point() and param.dtype != master:
-                param.data = param.data.to(master)
-    dims = parallel_dims(spec, dist.get_world_size())
-    mesh = mesh or build_device_mesh(dims)
-    tp_plan = None
-    if "tp" in (mesh.mesh_dim_names or ()):
-        _check_tensor_parallel_model(model, spec, mesh["tp"].size())
-    if "cp" in (mesh.mesh_dim_names or ()) and getattr(model, "loss_function", None) is None:
-        raise Fp8distError(f"parallel.context_size={mesh['cp'].size()}: context parallel splits a causal language "
-                           f"model's sequence and gives it the whole sequence's positions and shifted labels; "
-                           f"{type(model).__name__} is not a transformers model that takes them\n  fix: "
-                           "parallel.context_size=1 for this model")
-    unsharded: set[torch.nn.Parameter] = set()
-    if spec.adapter.enabled and spec.adapter.base_dtype == "nf4":  # QLoRA: the frozen base in NF4, before sharding
-        unsharded = _quantize_base(model, dims.dp_shard * dims.cp)
-    decisions = [] if backend.converts_after_tensor_parallel else backend.convert_module(model)
-    if "tp" in (mesh.mesh_dim_names or ()):
-        tp_plan = tensor_parallel.apply(model, mesh["tp"], sequence_parallel=sequence_parallel(spec))
-        if tp_plan.float8_styles and dist.get_backend() == "gloo":
-            # imported only here: it builds on torchao's float8 op table (tests/unit: no import otherwise)
-            from fp8dist.engines.fsdp2.collectives import carry_float8_tensor_parallel_over_gloo
-
-            carry_float8_tensor_parallel_over_gloo()
-        say("tensor-parallel", tp_plan.summary())
-    if backend.converts_after_tensor_parallel:
-        decisions = backend.convert_module(model)
-    say_when_fp8_is_kept_off_every_linear(decisions)
-    expert_mesh, ep_plan = build_expert_mesh(dims), None
-    if expert_mesh is not None:  # after the conversions, which choose the experts' implementation
-        _check_expert_parallel_model(model, spec)
-        ep_plan = expert_parallel.apply(model, expert_mesh)
-        say("expert-parallel", ep_plan.summary())
-    advise_small_gemms(spec, model)
-    units = activation_checkpointing.apply(model, wrap_units(model, spec), plan.activation_checkpointing, backend)
-    if plan.compile:
-        for unit in [unit for _, unit in units] or [model]:
-            unit.compile()  # in place: the module object (and so the FSDP unit) stays the same
-
-    shard_mesh = data_mesh(mesh)
-    mp = plan.mixed_precision_policy
-    policy = dict(param_dtype=_dtype(mp.param_dtype), reduce_dtype=_dtype(mp.reduce_dtype),
-                  cast_forward_inputs=mp.cast_forward_inputs)
-    # output_dtype applies to the model's outputs, so only the root gets it: a block returning it would hand
-    # the next block (or a root-owned norm / lm_head) inputs in another dtype than its weights.
-    block_policy = MixedPrecisionPolicy(**policy)
-    root_policy = MixedPrecisionPolicy(**policy, output_dtype=_dtype(mp.output_dtype))
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan.offload_policy else OffloadPolicy()
-    reshard = plan.sharding.reshard_after_forward
-    if expert_mesh is not None:  # the experts first: their blocks' fully_shard then leaves them alone
-        expert_parallel.shard(model, expert_mesh, dims.dp_shard, mp_policy=block_policy,
-                              reshard_after_forward=reshard, offload_policy=offload)
-    for _, unit in units:
-        fully_shard(unit, mesh=shard_mesh, mp_policy=block_policy, reshard_after_forward=reshard, offload_policy=offload,
-                    ignored_params=unsharded)
-    fully_shard(model, mesh=shard_mesh, mp_policy=root_policy, offload_policy=offload,
-                reshard_after_forward=plan.sharding.root_reshard_after_forward, ignored_params=unsharded)
+    meshes = meshes or build_meshes(ParallelDims.of(spec, dist.get_world_size()))
+    _check_model_splits(model, spec, meshes.dims)
+    state = _Preparing(model, spec, plan, backend, meshes)
+    for _, transform in TRANSFORMS:
+        transform(state)
     if materialize is not None:  # offloaded shards live on the CPU (torchtitan enable_cpu_offload)
         materialize.materialize(model, "cpu" if plan.offload_policy else device_type())
-
-    float8 = plan.float8
-    if (dist.get_backend() == "gloo" and isinstance(float8, TorchaoFloat8Plan)
-            and float8.float8_linear_config.enable_fsdp_float8_all_gather):
-        # imported only here: it builds on torch's private FSDP2 collectives (tests/unit: no import otherwise)
-        from fp8dist.engines.fsdp2.collectives import ByteViewAllGather
-
-        for module in model.modules():  # elsewhere the default collective carries float8
-            if isinstance(module, FSDPModule):
-                module.set_custom_all_gather(ByteViewAllGather())
 
     optimizer = (optimizer or (lambda params: build_optimizer(params, spec)))(trainable_parameters(model))
     optimizer.register_step_post_hook(lambda *_: backend.after_optimizer_step(model))
     scaler = DynamicLossScaler(spec.precision.loss_scaling) if plan.loss_scaling else None  # ranks agree on a skip
-    model.fp8dist_decisions = decisions  # for an inspector that recognises the model (fp8dist.audit.watch)
-    return FSDP2Run(model, optimizer, backend, plan, spec, decisions, [name for name, _ in units], scaler,
-                    audit=audit, first_step_audit=first_step_audit, tensor_parallel_plan=tp_plan,
-                    cp_mesh=mesh["cp"] if "cp" in (mesh.mesh_dim_names or ()) else None, expert_parallel_plan=ep_plan)
+    model.fp8dist_decisions = state.decisions  # for an inspector that recognises the model (fp8dist.audit.watch)
+    return FSDP2Run(model, optimizer, backend, plan, spec, state.decisions, [name for name, _ in state.units],
+                    scaler, audit=audit, first_step_audit=first_step_audit,
+                    tensor_parallel_plan=state.tensor_parallel, cp_mesh=meshes.cp,
+                    expert_parallel_plan=state.expert_parallel)
 
 
 def _quantize_base(model, shards: int) -> set[torch.nn.Parameter]:
@@ -287,30 +351,27 @@ def _quantize_base(model, shards: int) -> set[torch.nn.Parameter]:
     return {modules[name].weight for name in quantized}
 
 
-def _check_tensor_parallel_model(model, spec: Spec, tp: int) -> None:
+def _check_model_splits(model, spec: Spec, dims: ParallelDims) -> None:
     """The checks that need the model itself (a factory model was not seen before the ranks started): its sizes
-    split over tp, and no MoE experts (splitting experts is expert parallel's, not tensor parallel's)."""
+    split on the mesh (ParallelDims.check_model); no MoE experts under tensor parallel (splitting experts is expert
+    parallel's); a causal LM under context parallel."""
     from fp8dist.backends.experts import experts_modules
 
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_dict"):
-        check_model_fits(parallel_dims(spec, dist.get_world_size()), config.to_dict(), spec.train.seq_len,
-                         sequence_split=sequence_parallel(spec), source=type(model).__name__)
-    if experts_modules(model):
+        dims.check_model(config.to_dict(), spec.train.seq_len, source=type(model).__name__)
+    if dims.tp_enabled and experts_modules(model):
         raise Fp8distError(f"{type(model).__name__} has MoE experts: fp8dist's tensor parallel splits dense "
                            "Linears and does not split experts (torchtitan recommends expert parallel for routed "
                            "experts)\n  fix: parallel.tensor_size=1 for MoE models")
+    if dims.cp_enabled and getattr(model, "loss_function", None) is None:
+        raise Fp8distError(f"parallel.context_size={dims.cp}: context parallel splits a causal language "
+                           f"model's sequence and gives it the whole sequence's positions and shifted labels; "
+                           f"{type(model).__name__} is not a transformers model that takes them\n  fix: "
+                           "parallel.context_size=1 for this model")
 
 
-def _check_expert_parallel_model(model, spec: Spec) -> None:
-    """The size checks for a factory model (not seen before the ranks started): its experts split whole over ep."""
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "to_dict"):
-        check_model_fits(parallel_dims(spec, dist.get_world_size()), config.to_dict(), spec.train.seq_len,
-                         sequence_split=sequence_parallel(spec), source=type(model).__name__)
-
-
-def _plain(tensor: torch.Tensor) -> torch.Tensor:
+def _unwrapped_float8_weight(tensor: torch.Tensor) -> torch.Tensor:
     """The high-precision tensor inside torchao's float8 all-gather wrapper (WeightWithDynamicFloat8CastTensor keeps
     it as `_tensor`, torchao 0.18 float8/fsdp_utils.py); any other tensor as it is."""
     inner = getattr(tensor, "_tensor", None)

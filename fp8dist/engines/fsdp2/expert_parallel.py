@@ -74,13 +74,13 @@ class ExpertParallelPlan:
                 f"{self.experts} experts per rank, tokens dispatched by all-to-all ({self.implementation})")
 
 
-def apply(model: torch.nn.Module, expert_mesh) -> ExpertParallelPlan:
-    """Shard every experts module of `model` by expert over `expert_mesh["ep"]` and give it its token dispatch.
-    Run after the FP8 conversions (they choose the experts implementation) and before FSDP2 (`shard`)."""
+def apply(model: torch.nn.Module, ep) -> ExpertParallelPlan:
+    """Shard every experts module of `model` by expert over the expert-parallel mesh `ep` (Meshes.expert_parallel)
+    and give it its token dispatch. Run after the FP8 conversions (they choose the experts implementation) and
+    before FSDP2 (`shard`)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     found = experts_modules(model)
-    ep = expert_mesh["ep"]
     if not found:
         raise Fp8distError(f"parallel.expert_size={ep.size()}: {type(model).__name__} has no MoE experts modules "
                            "(transformers experts with 3-D parameters) to split\n  fix: parallel.expert_size=1")
@@ -89,7 +89,7 @@ def apply(model: torch.nn.Module, expert_mesh) -> ExpertParallelPlan:
             raise Fp8distError(f"parallel.expert_size={ep.size()}: {type(model).__name__} is not a transformers "
                                "PreTrainedModel, whose experts implementation fp8dist can switch to its dispatching "
                                "forward\n  fix: parallel.expert_size=1")
-        getattr(model, "set_experts_implementation")(register("none", emulate=False))
+        getattr(model, "set_experts_implementation")(register("none", emulate=False))  # noqa: B009 - mypy: Any
     counts = set()
     for name, module in found:
         experts = module.num_experts
@@ -108,19 +108,20 @@ def apply(model: torch.nn.Module, expert_mesh) -> ExpertParallelPlan:
             sharded = distribute_tensor(param.data, ep, [Shard(0)])
             module.register_parameter(param_name, torch.nn.Parameter(sharded, requires_grad=param.requires_grad))
         module.fp8dist_token_dispatch = TokenDispatch(ep.get_group(), ep.size())
-    implementation = str(getattr(model, "config")._experts_implementation)
+    implementation = str(getattr(model, "config")._experts_implementation)  # noqa: B009 - mypy: Any
     return ExpertParallelPlan(tuple(name for name, _ in found), max(counts), ep.size(), implementation)
 
 
-def shard(model: torch.nn.Module, expert_mesh, data_size: int, **fully_shard_kwargs) -> None:
-    """FSDP2 over `efsdp` for each experts module (before its block's `fully_shard`, which then leaves its
-    parameters alone), dividing gradients by the `data_size` dp_shard ranks (module docstring)."""
+def shard(model: torch.nn.Module, efsdp, data_size: int, **fully_shard_kwargs) -> None:
+    """FSDP2 over the expert-data mesh `efsdp` (Meshes.expert_data) for each experts module (before its block's
+    `fully_shard`, which then leaves its parameters alone), dividing gradients by the `data_size` dp_shard ranks
+    (module docstring)."""
     from torch.distributed.fsdp import fully_shard
 
     for _, module in experts_modules(model):
-        fully_shard(module, mesh=expert_mesh["efsdp"], **fully_shard_kwargs)
+        fully_shard(module, mesh=efsdp, **fully_shard_kwargs)
         module.set_gradient_divide_factor(float(data_size))
-        if dist.get_backend() == "gloo" and expert_mesh["efsdp"].size() > 1:
+        if dist.get_backend() == "gloo" and efsdp.size() > 1:
             # A factor other than the group's size reduce-scatters with NCCL's PREMUL_SUM, which gloo lacks: sum,
             # then divide. Not on a 1-rank efsdp, where foreach_reduce divides by the factor without a collective
             # and would divide again after it (torch 2.13 _fsdp_collectives.py foreach_reduce).

@@ -1,9 +1,9 @@
 """Tensor and sequence parallel on the `tp` axis of the run's mesh, FP8 kept (FSDP2 engine).
 
-The plan is the model's own: transformers 5 configs carry `base_model_tp_plan` (e.g. models/llama/configuration_llama.py:
-q/k/v/gate/up `colwise`, o/down `rowwise`); fp8dist's `DEFAULT_PLAN` (the same Llama names) serves a model without
-one. Each planned Linear gets torch's DTensor style for its kind (torch 2.13 torch/distributed/tensor/parallel/style.py),
-chosen by what the Linear became in FP8 conversion:
+The plan is the model's own: transformers 5 configs carry `base_model_tp_plan` (e.g.
+models/llama/configuration_llama.py: q/k/v/gate/up `colwise`, o/down `rowwise`); fp8dist's `DEFAULT_PLAN` (the same
+Llama names) serves a model without one. Each planned Linear gets torch's DTensor style for its kind (torch 2.13
+torch/distributed/tensor/parallel/style.py), chosen by what the Linear became in FP8 conversion:
 - torchao tensorwise `Float8Linear`: torchao's `Float8ColwiseParallel` / `Float8RowwiseParallel`, and under sequence
   parallel `PrepareFloat8ModuleInput`, so activations are all-gathered in float8 once per attention / MLP
   (torchao 0.18 torchao/float8/float8_tensor_parallel.py; torchtitan v0.2.2 models/llama3/infra/parallelize.py
@@ -12,9 +12,10 @@ chosen by what the Linear became in FP8 conversion:
 - rowwise / rowwise_with_gw_hp Float8Linear, MXFP8 and high-precision Linears: the plain styles (communication in the
   compute dtype: torchao "for rowwise scaling, keep high precision all_gather", testing/training/dtensor_utils.py).
 Sequence parallel (Megatron-style): the residual stream between the blocks' attention and MLP stays sharded along the
-sequence (`Shard(1)`): the block norms run `SequenceParallel`, attention and MLP gather their input, o/down reduce-scatter
-their output. The model-level rotary embeddings and masks are computed from the whole sequence, so the first block
-takes the embedding's replicated output and shards it, and the LM head gathers the last norm's output back.
+sequence (`Shard(1)`): the block norms run `SequenceParallel`, attention and MLP gather their input, o/down
+reduce-scatter their output. The model-level rotary embeddings and masks are computed from the whole sequence, so
+the first block takes the embedding's replicated output and shards it, and the LM head gathers the last norm's
+output back.
 The vocabulary is split over tp (embedding row-wise, LM head column-wise, logits gathered) where it divides by tp and
 the two are not tied; otherwise both stay whole on every tp rank (their gradients agree there: every tp rank computes
 them on the same full activations).
@@ -97,7 +98,8 @@ def _hidden_first(module, args, kwargs):
     return args, kwargs
 
 
-def planned_linears(base: torch.nn.Module, plan: dict[str, str], model_name: str) -> dict[str, tuple[str, torch.nn.Module]]:
+def planned_linears(base: torch.nn.Module, plan: dict[str, str],
+                    model_name: str) -> dict[str, tuple[str, torch.nn.Module]]:
     """fqn (relative to the base model) -> (style, module) for every module a plan entry names."""
     unknown = sorted({style for style in plan.values() if style not in STYLES})
     if unknown:

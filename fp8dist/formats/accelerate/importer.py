@@ -38,14 +38,16 @@ KEYS = Table("Accelerate", {
                              "required, as Accelerate requires it", example="MULTI_GPU"),
     "mixed_precision": kept("precision (Accelerate's policy for the distributed_type)", example="bf16"),
     "fsdp_config": kept("parallel / fsdp2 (with distributed_type FSDP)", example={"fsdp_version": 2}),
-    "deepspeed_config": kept("engine deepspeed: its JSON, or Accelerate's own DeepSpeed keys", example={"zero_stage": 2}),
+    "deepspeed_config": kept("engine deepspeed: its JSON, or Accelerate's own DeepSpeed keys",
+                             example={"zero_stage": 2}),
     "fp8_config": kept("precision.fp8 (with mixed_precision fp8)", example={"backend": "AO"}),
     "dynamo_config": kept("compile", example={"dynamo_backend": "INDUCTOR"}),
     "parallelism_config": kept("parallel: sharding hybrid from dp_shard x dp_replicate, tensor_size from tp, "
                                "context_size from cp (sp, DeepSpeed's Ulysses, refused)",
                                example={"parallelism_config_dp_shard_size": 2}),
-    "megatron_lm_config": refused("Megatron-LM's tensor / pipeline parallelism", "use distributed_type FSDP or DEEPSPEED",
-                                  unless=disabled, otherwise="empty", example={"megatron_lm_tp_degree": 2}),
+    "megatron_lm_config": refused("Megatron-LM's tensor / pipeline parallelism",
+                                  "use distributed_type FSDP or DEEPSPEED", unless=disabled, otherwise="empty",
+                                  example={"megatron_lm_tp_degree": 2}),
     "downcast_bf16": no_effect("TPU only (XLA_DOWNCAST_BF16)", example="no"),
     "use_cpu": no_effect("where the processes run, not their dtypes"),
     "debug": no_effect("Accelerate's debug checks of collective shapes"),
@@ -115,7 +117,8 @@ def convert(document: dict[str, Any], text: str, source: str, launcher: Launcher
         mixed = launcher.mixed_precision
     fp8_config = mapping(doc.pop("fp8_config", None), "fp8_config")
     if mixed != "fp8" and fp8_config:
-        notes.dropped("fp8_config", fp8_config, "acts only with mixed_precision: fp8 (accelerate launch exports it then)")
+        notes.dropped("fp8_config", fp8_config,
+                      "acts only with mixed_precision: fp8 (accelerate launch exports it then)")
     if dist == "DEEPSPEED":
         out = _deepspeed(mapping(doc.pop("deepspeed_config", None), "deepspeed_config"), raw_mixed, mixed, launcher,
                          notes, issues, source)
@@ -123,9 +126,10 @@ def convert(document: dict[str, Any], text: str, source: str, launcher: Launcher
         out = _fsdp(doc, dist, mixed, load_dtype, notes, issues, source)
         _script_values(launcher, out, notes)
     else:
-        raise ImportProblem([Issue("distributed_type", "fp8dist runs FSDP2 or DeepSpeed (or replicated data parallelism "
-                                   "as FSDP2 with nothing sharded); this Accelerate mode (Megatron-LM, TPU) has no fp8dist "
-                                   "equivalent", dist, "use FSDP, DEEPSPEED or MULTI_GPU")], source, "accelerate")
+        raise ImportProblem([Issue("distributed_type", "fp8dist runs FSDP2 or DeepSpeed (or replicated data "
+                                   "parallelism as FSDP2 with nothing sharded); this Accelerate mode (Megatron-LM, "
+                                   "TPU) has no fp8dist equivalent", dist, "use FSDP, DEEPSPEED or MULTI_GPU")],
+                            source, "accelerate")
     if mixed == "fp8" and out is not None:
         fp8 = fp8_section(fp8_config, out["engine"], notes, issues, "fp8_config.")
         if fp8 is not None and not (fp8["backend"] == "msamp" and "fp8" in out.get("precision", {})):
@@ -252,9 +256,9 @@ def _deepspeed(config: dict[str, Any], raw_mixed: Any, mixed: str, launcher: Lau
             issues.append(Issue("mixed_precision", "accelerate launch refuses it next to a deepspeed_config_file "
                                 "(DeepSpeedPlugin._deepspeed_config_checks) unless its --mixed_precision flag is "
                                 "given, which then decides", raw_mixed,
-                                "remove it from the file (`accelerate config` writes none with a deepspeed_config_file) "
-                                "and pass the precision you launch with: fp8dist import FILE --mixed-precision "
-                                "no|fp16|bf16, as accelerate launch --mixed_precision"))
+                                "remove it from the file (`accelerate config` writes none with a "
+                                "deepspeed_config_file) and pass the precision you launch with: fp8dist import FILE "
+                                "--mixed-precision no|fp16|bf16, as accelerate launch --mixed_precision"))
         elif raw_mixed is not None:
             notes.dropped("mixed_precision", raw_mixed, "next to a deepspeed_config_file, accelerate launch "
                           "--mixed_precision (here --mixed-precision) takes its place")
@@ -373,19 +377,21 @@ def _parallelism(config: Mapping[str, Any], out: dict[str, Any], notes: Notes, i
         issues.append(Issue(f"{_PC}sp_size", "DeepSpeed's Ulysses sequence parallel (ALST, Accelerate's sp_backend "
                             "deepspeed), which fp8dist does not wire; fp8dist's context parallel is FSDP2's ring "
                             "attention (parallelism_config_cp_size)", sizes["sp"],
-                            "set it to 1 (for context parallel: parallelism_config_cp_size with distributed_type FSDP)"))
+                            "set it to 1 (for context parallel: parallelism_config_cp_size with distributed_type "
+                            "FSDP)"))
     if sizes["tp"] > 1 and out["engine"] == "deepspeed":
         issues.append(Issue(f"{_PC}tp_size", "under DEEPSPEED Accelerate splits the model by the DeepSpeed config's "
-                            "tensor_parallel.autotp_size (accelerator.py _prepare_deepspeed); parallelism_config_tp_size "
-                            "is its FSDP2 and DDP path (a model split by transformers' tp_plan)", sizes["tp"],
+                            "tensor_parallel.autotp_size (accelerator.py _prepare_deepspeed); "
+                            "parallelism_config_tp_size is its FSDP2 and DDP path (a model split by transformers' "
+                            "tp_plan)", sizes["tp"],
                             "write tensor_parallel: {autotp_size: N} in the DeepSpeed config and set "
                             "parallelism_config_tp_size to 1"))
     elif sizes["tp"] > 1:
         parallel.update(tensor_size=sizes["tp"], sequence_parallel=False)
         notes.resolved(f"{_PC}tp_size", f"parallel.tensor_size={sizes['tp']}, sequence_parallel=false", "Accelerate "
-                       "takes the model split by transformers' tp_plan (from_pretrained(tp_plan='auto'): accelerator.py "
-                       "prepare_model), and the models of transformers 5.24 plan no SequenceParallel: the activations "
-                       "between the split Linears stay whole")
+                       "takes the model split by transformers' tp_plan (from_pretrained(tp_plan='auto'): "
+                       "accelerator.py prepare_model), and the models of transformers 5.24 plan no SequenceParallel: "
+                       "the activations between the split Linears stay whole")
     if sizes["cp"] > 1:
         parallel["context_size"] = sizes["cp"]
     data = sizes["dp_replicate"] * sizes["dp_shard"]

@@ -25,7 +25,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from fp8dist.config.load import load_config
-from fp8dist.config.parallel import parallel_dims
+from fp8dist.config.parallel import ParallelDims
 from fp8dist.config.spec import Spec
 from fp8dist.errors import Fp8distError
 import fp8dist.dtypes as dtypes
@@ -53,13 +53,13 @@ def resolve_world_size(given: int | None, key: str) -> int:
 
 def parallelism_config(spec: Spec, world_size: int | None):
     """Accelerate's ParallelismConfig for the FSDP2 mesh of `spec` on `world_size` ranks (else WORLD_SIZE): the sizes
-    of fp8dist's own mesh axes (fp8dist.config.parallel.parallel_dims), which refuses what does not divide."""
+    of fp8dist's own mesh axes (fp8dist.config.parallel.ParallelDims.of), which refuses what does not divide."""
     from accelerate import ParallelismConfig
 
     par = spec.parallel
     key = ("parallel.shard_size" if par.sharding == "hybrid" else
            "parallel.tensor_size" if par.tensor_size > 1 else "parallel.context_size")
-    dims = parallel_dims(spec, resolve_world_size(world_size, key), "accelerate launch --num_processes")
+    dims = ParallelDims.of(spec, resolve_world_size(world_size, key), "accelerate launch --num_processes")
     return ParallelismConfig(dp_replicate_size=dims.dp_replicate, dp_shard_size=dims.dp_shard, tp_size=dims.tp,
                              cp_size=dims.cp)
 
@@ -88,7 +88,7 @@ def accelerator_kwargs(config, *, world_size: int | None = None, deepspeed_versi
                        torchao_version: str | None = None) -> dict[str, Any]:
     """Keyword arguments for `accelerate.Accelerator` equivalent to `config` (path, dict or Spec). With
     `adapter.kind=lora` the script applies the adapters itself before `accelerator.prepare`:
-    `peft.get_peft_model(model, fp8dist.runtime.adapters.lora_config(spec.adapter), autocast_adapter_dtype=False)`
+    `peft.get_peft_model(model, fp8dist.backends.adapters.lora_config(spec.adapter), autocast_adapter_dtype=False)`
     and an optimizer over the trainable parameters (tests/distributed/scripts/frontend_runs.py does)."""
     spec = as_spec(config)
     plan = accelerate_plan(spec, "python", deepspeed_version=deepspeed_version, torchao_version=torchao_version)
@@ -109,7 +109,8 @@ def accelerator_kwargs(config, *, world_size: int | None = None, deepspeed_versi
         kwargs["mixed_precision"] = "fp8" if plan["fp8"] else "no"
         ds = plan["deepspeed"]
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds["config"], zero3_init_flag=ds["zero3_init_flag"],
-                                                     enable_msamp=bool(plan["fp8"] and plan["fp8"]["backend"] == "msamp"))
+                                                     enable_msamp=bool(plan["fp8"]
+                                                                       and plan["fp8"]["backend"] == "msamp"))
     if plan["fp8"] and plan["fp8"]["backend"] != "msamp":
         handlers.append(fp8_handler(plan))
     if plan["compile"]:
@@ -131,7 +132,8 @@ def fsdp_plugin(plan: dict[str, Any]):
     policy = fs["policy"]
     dtype = {name: dtypes.torch_dtype(value) if value else None
              for name, value in policy.items() if name != "cast_forward_inputs"}
-    if plan["mixed_precision"] == "no" and policy["reduce_dtype"] == plan["load_dtype"] and policy["cast_forward_inputs"]:
+    if (plan["mixed_precision"] == "no" and policy["reduce_dtype"] == plan["load_dtype"]
+            and policy["cast_forward_inputs"]):
         mp_policy = None  # FSDP2's default: everything in the parameters' dtype
     else:
         mp_policy = MixedPrecisionPolicy(param_dtype=dtype["param_dtype"], reduce_dtype=dtype["reduce_dtype"],
@@ -144,8 +146,8 @@ def fsdp_plugin(plan: dict[str, Any]):
     return FullyShardedDataParallelPlugin(
         fsdp_version=2, reshard_after_forward=fs["reshard_after_forward"], cpu_offload=offload,
         auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=fs["wrap"],
-        activation_checkpointing=fs["activation_checkpointing"], cpu_ram_efficient_loading=fs["cpu_ram_efficient_loading"],
-        mixed_precision_policy=mp_policy)
+        activation_checkpointing=fs["activation_checkpointing"],
+        cpu_ram_efficient_loading=fs["cpu_ram_efficient_loading"], mixed_precision_policy=mp_policy)
 
 
 def fp8_handler(plan: dict[str, Any]):
@@ -158,7 +160,8 @@ def fp8_handler(plan: dict[str, Any]):
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(knobs.pop("recipe_name")), **knobs)
         rules = fp8["module_filter"]
         # skip_first_last: Accelerate's own filter (it alone sees the whole model); else fp8dist's.
-        module_filter = None if rules["accelerate_default"] else LinearFilter(rules["exclude"], rules["dims_multiple_of"])
+        module_filter = (None if rules["accelerate_default"]
+                         else LinearFilter(rules["exclude"], rules["dims_multiple_of"]))
         return AORecipeKwargs(config=config, module_filter_func=module_filter)
     recipe = dict(fp8["recipe"], use_mxfp8_block_scaling=fp8["use_mxfp8_block_scaling"])
     if plan["deepspeed"] is not None:

@@ -80,7 +80,8 @@ def fsdp_settings(config: Mapping[str, Any], version: int | None, notes: Notes, 
     if version == 2 and reshard is not None:
         value = truthy(reshard[1])
         if value is None:
-            issues.append(Issue(f"{prefix}{reshard[0]}", "FSDP2 takes true or false", reshard[1], "write true or false"))
+            issues.append(Issue(f"{prefix}{reshard[0]}", "FSDP2 takes true or false", reshard[1],
+                                "write true or false"))
         else:
             parallel["sharding"] = "full" if value else "grad_op"
         if strategy is not None:
@@ -248,6 +249,6 @@ def fp8_section(config: Mapping[str, Any], engine: str, notes: Notes, issues: li
             notes.resolved(f"{prefix}opt_level", level, "kept, although Accelerate refuses it (MSAMPRecipeKwargs and "
                            "DeepSpeedPlugin accept O1 and O2), so this file fails in Accelerate")
         fp8 = {"backend": "msamp", "msamp": {"opt_level": level}}
-    for short, (key, value) in items.items():
+    for _short, (key, value) in items.items():
         notes.dropped(f"{prefix}{key}", value, f"not read for the {backend} backend")
     return fp8

@@ -24,7 +24,7 @@ def training_arguments_kwargs(config, *, world_size: int | None = None,
                               deepspeed_version: str | None = None) -> dict[str, Any]:
     """Keyword arguments for `transformers.TrainingArguments` (transformers 5) equivalent to `config` (path, dict or
     Spec); add output_dir and the rest of your run's own settings. TrainingArguments has no adapter setting: with
-    `adapter.kind=lora` give the Trainer `peft.get_peft_model(model, fp8dist.runtime.adapters.lora_config(
+    `adapter.kind=lora` give the Trainer `peft.get_peft_model(model, fp8dist.backends.adapters.lora_config(
     spec.adapter), autocast_adapter_dtype=False)`, as for `accelerator_kwargs`."""
     spec = as_spec(config)
     plan = accelerate_plan(spec, "trainer", deepspeed_version=deepspeed_version)
@@ -53,8 +53,8 @@ def training_arguments_kwargs(config, *, world_size: int | None = None,
     else:
         ds = plan["deepspeed"]["config"]
         # HfTrainerDeepSpeedConfig checks bf16/fp16.enabled against these flags (integrations/deepspeed.py).
-        kwargs.update(bf16=bool((ds.get("bf16") or {}).get("enabled")), fp16=bool((ds.get("fp16") or {}).get("enabled")),
-                      deepspeed=ds)
+        kwargs.update(bf16=bool((ds.get("bf16") or {}).get("enabled")),
+                      fp16=bool((ds.get("fp16") or {}).get("enabled")), deepspeed=ds)
         if spec.parallel.activation_checkpointing == "full":
             kwargs["activation_checkpointing"] = True
     return kwargs

@@ -107,9 +107,9 @@ def _check_fp8_compute(spec: Spec, mode: str, issues: list[Issue]) -> None:
     if not spec.fp8.enabled:
         return
     if mode == "trainer":
-        issues.append(Refusal("precision.fp8.backend", "transformers.TrainingArguments has no FP8 setting: it reads FP8 "
-                            "only from ACCELERATE_MIXED_PRECISION=fp8 and turns it off again when bf16 or fp16 is set "
-                            "(transformers 5 training_args.py, section 'Mixed Precision')", spec.fp8.backend,
+        issues.append(Refusal("precision.fp8.backend", "transformers.TrainingArguments has no FP8 setting: it reads "
+                            "FP8 only from ACCELERATE_MIXED_PRECISION=fp8 and turns it off again when bf16 or fp16 is "
+                            "set (transformers 5 training_args.py, section 'Mixed Precision')", spec.fp8.backend,
                             "launch with the file of `fp8dist translate CONFIG --to accelerate`, or build the "
                             f"Accelerator with {_HELPER}"))
     if p.mixed_precision != ACCELERATE_FP8_COMPUTE_DTYPE:
@@ -136,11 +136,12 @@ def _fsdp_plan(spec: Spec, mode: str, mixed: str, issues: list[Issue], notes: li
                               nearest={"precision.master_weights": "fp32" if mixed != "no" else "none"}))
     if p.compute_dtype == "fp16":
         ls = p.loss_scaling
-        issues.append(Refusal("precision.loss_scaling", "Accelerate scales fp16 losses under FSDP2 with torch's GradScaler, "
-                            "which has neither hysteresis nor a minimum scale and grows every 2000 steps by default "
-                            "(accelerate 1.15 accelerator.py get_fsdp2_grad_scaler); fp8dist's schedule (DeepSpeed's) "
-                            "cannot be given to it", {"hysteresis": ls.hysteresis, "min_loss_scale": ls.min_loss_scale,
-                                                      "loss_scale_window": ls.loss_scale_window},
+        issues.append(Refusal("precision.loss_scaling", "Accelerate scales fp16 losses under FSDP2 with torch's "
+                            "GradScaler, which has neither hysteresis nor a minimum scale and grows every 2000 steps "
+                            "by default (accelerate 1.15 accelerator.py get_fsdp2_grad_scaler); fp8dist's schedule "
+                            "(DeepSpeed's) cannot be given to it",
+                            {"hysteresis": ls.hysteresis, "min_loss_scale": ls.min_loss_scale,
+                             "loss_scale_window": ls.loss_scale_window},
                             "use bf16, or engine=deepspeed (its fp16 section takes these knobs), or fp8dist's own "
                             "FSDP2 runtime (launch/train.py)"))
     policy_in_file = mode != "python"
@@ -151,9 +152,11 @@ def _fsdp_plan(spec: Spec, mode: str, mixed: str, issues: list[Issue], notes: li
                    if compute else "without mixed_precision FSDP2 reduces in the parameters' dtype "
                    f"(the loading dtype, {p.load_dtype})")
             issues.append(Refusal("precision.reduce_dtype", f"{_HOW[mode]} cannot set a reduce dtype: {how} "
-                                "(accelerate 1.15 utils/dataclasses.py FullyShardedDataParallelPlugin.set_mixed_precision)",
+                                "(accelerate 1.15 utils/dataclasses.py "
+                                "FullyShardedDataParallelPlugin.set_mixed_precision)",
                                 p.reduce_dtype, f"set precision.reduce_dtype={want}, or build the Accelerator with "
-                                f"{_HELPER} (it passes a MixedPrecisionPolicy)", nearest={"precision.reduce_dtype": want}))
+                                f"{_HELPER} (it passes a MixedPrecisionPolicy)",
+                                nearest={"precision.reduce_dtype": want}))
         if not f.cast_forward_inputs:
             issues.append(Refusal("fsdp2.cast_forward_inputs", f"{_HOW[mode]} cannot set MixedPrecisionPolicy."
                                 "cast_forward_inputs (it keeps torch's default, true)", False,
@@ -271,11 +274,13 @@ def _ddp_plan(spec: Spec, mode: str, issues: list[Issue], notes: list[str]) -> d
     if p.reduce_dtype != p.load_dtype:
         issues.append(Refusal("precision.reduce_dtype", f"DDP all-reduces each gradient in its parameter's dtype "
                             f"({p.load_dtype}); this config reduces in {p.reduce_dtype}", p.reduce_dtype,
-                            f"set precision.reduce_dtype={p.load_dtype}", nearest={"precision.reduce_dtype": p.load_dtype}))
+                            f"set precision.reduce_dtype={p.load_dtype}",
+                            nearest={"precision.reduce_dtype": p.load_dtype}))
     if p.compute_dtype == "fp16":
-        issues.append(Refusal("precision.loss_scaling", "Accelerate scales fp16 losses with torch's GradScaler, which has "
-                            "neither hysteresis nor a minimum scale; fp8dist's schedule (DeepSpeed's) cannot be given "
-                            "to it", p.mixed_precision, "use bf16, or fp8dist's own runtime (launch/train.py)"))
+        issues.append(Refusal("precision.loss_scaling", "Accelerate scales fp16 losses with torch's GradScaler, "
+                            "which has neither hysteresis nor a minimum scale; fp8dist's schedule (DeepSpeed's) "
+                            "cannot be given to it", p.mixed_precision,
+                            "use bf16, or fp8dist's own runtime (launch/train.py)"))
     for key, value, why in (("parallel.offload", par.offload, "DDP keeps everything on the device"),
                             ("parallel.activation_checkpointing", par.activation_checkpointing, "an Accelerate file "
                              "checkpoints activations only under FSDP (fsdp_activation_checkpointing)"),
@@ -288,8 +293,8 @@ def _ddp_plan(spec: Spec, mode: str, issues: list[Issue], notes: list[str]) -> d
                                              "activation checkpointing)" if "activation" in key else ""),
                                   nearest={key: False if value is True else "none"}))
     if mode != "python" and not spec.fsdp2.cast_forward_inputs:
-        issues.append(Refusal("fsdp2.cast_forward_inputs", "an FSDP2 setting; Accelerate's DDP has no such policy", False,
-                              "remove the key", nearest={"fsdp2.cast_forward_inputs": True}))
+        issues.append(Refusal("fsdp2.cast_forward_inputs", "an FSDP2 setting; Accelerate's DDP has no such policy",
+                              False, "remove the key", nearest={"fsdp2.cast_forward_inputs": True}))
     for key, size in (("parallel.tensor_size", par.tensor_size), ("parallel.context_size", par.context_size)):
         if size > 1:
             issues.append(Refusal(key, "Accelerate refuses tensor or context parallel with pure data parallelism "
@@ -299,8 +304,8 @@ def _ddp_plan(spec: Spec, mode: str, issues: list[Issue], notes: list[str]) -> d
                                   nearest={"parallel.sharding": "full"}))
             break
     if len(issues) == issues_before:
-        notes.append("DDP: run it with `accelerate launch --num_processes N` (N 1 runs one process); the weights stay in "
-                     f"the loading dtype ({p.load_dtype}), as in fp8dist's parallel.sharding: replicate")
+        notes.append("DDP: run it with `accelerate launch --num_processes N` (N 1 runs one process); the weights "
+                     f"stay in the loading dtype ({p.load_dtype}), as in fp8dist's parallel.sharding: replicate")
     return {"distributed_type": "MULTI_GPU"}
 
 
@@ -322,11 +327,12 @@ def _deepspeed_plan(spec: Spec, mode: str, deepspeed_version: str | None, issues
                             "transformers.TrainingArguments (training_arguments_kwargs) with full",
                               nearest={"parallel.activation_checkpointing": "full" if mode == "trainer" else "none"}))
     if spec.fp8.enabled and mode == "file":
-        issues.append(Refusal("precision.fp8.backend", "an Accelerate config file turns FP8 on only with mixed_precision: "
-                            "fp8, and `accelerate launch` refuses mixed_precision next to a deepspeed_config_file "
-                            "(accelerate 1.15 commands/launch.py marks it in ACCELERATE_CONFIG_DS_FIELDS; "
-                            "DeepSpeedPlugin._deepspeed_config_checks raises), while Accelerate's own DeepSpeed keys "
-                            "cannot carry communication_data_type or the master-weight dtype", spec.fp8.backend,
+        issues.append(Refusal("precision.fp8.backend", "an Accelerate config file turns FP8 on only with "
+                            "mixed_precision: fp8, and `accelerate launch` refuses mixed_precision next to a "
+                            "deepspeed_config_file (accelerate 1.15 commands/launch.py marks it in "
+                            "ACCELERATE_CONFIG_DS_FIELDS; DeepSpeedPlugin._deepspeed_config_checks raises), while "
+                            "Accelerate's own DeepSpeed keys cannot carry communication_data_type or the "
+                            "master-weight dtype", spec.fp8.backend,
                             f"build the Accelerator with {_HELPER} (mixed_precision='fp8' with the DeepSpeed dict), "
                             "or run fp8dist's runtime: deepspeed launch/train.py --fp8dist-config CONFIG"))
     if spec.fp8.enabled and spec.precision.master_weights == "none":
@@ -360,9 +366,9 @@ def _fp8_plan(spec: Spec, mode: str, torchao_version: str | None, issues: list[I
 def _torchao_plan(spec: Spec, mode: str, torchao_version: str | None, issues: list[Issue]) -> dict[str, Any]:
     ao, modules = spec.fp8.torchao, spec.fp8.modules
     if ao.recipe_name == "mxfp8":
-        issues.append(Refusal("precision.fp8.torchao.recipe_name", "Accelerate's torchao path builds a Float8LinearConfig "
-                            "(accelerate 1.15 utils/ao.py convert_model_to_fp8_ao); torchao's MXFP8 Linear is another "
-                            "module it does not apply", ao.recipe_name,
+        issues.append(Refusal("precision.fp8.torchao.recipe_name", "Accelerate's torchao path builds a "
+                            "Float8LinearConfig (accelerate 1.15 utils/ao.py convert_model_to_fp8_ao); torchao's "
+                            "MXFP8 Linear is another module it does not apply", ao.recipe_name,
                             "use tensorwise, rowwise or rowwise_with_gw_hp for Accelerate, or train with fp8dist's "
                             "runtime (launch/train.py, fp8dist.engines)"))
         return {}
@@ -392,27 +398,29 @@ def _torchao_plan(spec: Spec, mode: str, torchao_version: str | None, issues: li
         issues.append(Refusal("adapter.kind", "Accelerate's own torchao filter (every nn.Linear but the first and the "
                             "last, dims multiples of 16; accelerate 1.15 utils/ao.py filter_linear_layers) also "
                             "converts LoRA's lora_A / lora_B Linears, so the adapters would train in float8", "lora",
-                            f"set precision.fp8.modules.skip_first_last=false and build the Accelerator with {_HELPER} "
-                            "(fp8dist's filter leaves the adapters in high precision), or train with fp8dist's runtime"))
+                            "set precision.fp8.modules.skip_first_last=false and build the Accelerator with "
+                            f"{_HELPER} (fp8dist's filter leaves the adapters in high precision), or train with "
+                            "fp8dist's runtime"))
     if mode == "file" or modules.skip_first_last:
         # Accelerate's own filter: every Linear except the first and the last, dims divisible by 16.
         if modules.exclude or not modules.skip_first_last:
             key = "precision.fp8.modules.exclude" if modules.exclude else "precision.fp8.modules.skip_first_last"
-            issues.append(Refusal(key, "Accelerate's torchao filter keeps exactly the first and the last nn.Linear in high "
-                                "precision (and those whose dims are not multiples of 16); a config file cannot pass "
-                                "another, and fp8dist can pass its own only without skip_first_last (accelerate 1.15 "
-                                "utils/ao.py convert_model_to_fp8_ao)",
+            issues.append(Refusal(key, "Accelerate's torchao filter keeps exactly the first and the last nn.Linear "
+                                "in high precision (and those whose dims are not multiples of 16); a config file "
+                                "cannot pass another, and fp8dist can pass its own only without skip_first_last "
+                                "(accelerate 1.15 utils/ao.py convert_model_to_fp8_ao)",
                                 list(modules.exclude) if modules.exclude else modules.skip_first_last,
                                 "set precision.fp8.modules={exclude: [], skip_first_last: true} (Accelerate's filter)"
                                 + ("" if mode == "file" else ", or skip_first_last=false with any exclude list"),
                                   nearest={"precision.fp8.modules.exclude": [],
                                            "precision.fp8.modules.skip_first_last": True}))
         if ao.pad_inner_dim:
-            issues.append(Refusal("precision.fp8.torchao.pad_inner_dim", "Accelerate's torchao filter skips every Linear "
-                                "whose dims are not multiples of 16, so padding never converts them (accelerate 1.15 "
-                                "utils/ao.py filter_linear_layers)", True,
+            issues.append(Refusal("precision.fp8.torchao.pad_inner_dim", "Accelerate's torchao filter skips every "
+                                "Linear whose dims are not multiples of 16, so padding never converts them (accelerate "
+                                "1.15 utils/ao.py filter_linear_layers)", True,
                                 "set pad_inner_dim=false, or modules.skip_first_last=false with "
-                                f"{_HELPER} (fp8dist's own filter)", nearest={"precision.fp8.torchao.pad_inner_dim": False}))
+                                f"{_HELPER} (fp8dist's own filter)",
+                                nearest={"precision.fp8.torchao.pad_inner_dim": False}))
     if (spec.engine == "fsdp2" and linear["enable_fsdp_float8_all_gather"] and spec.precision.load_dtype != "fp32"
             and accelerate_mixed_precision(spec) != "no"):
         # Verified on torch 2.13 / torchao 0.18: `param.data = param.data.to(fp32)` on a
@@ -447,14 +455,15 @@ def _te_plan(spec: Spec, issues: list[Issue]) -> dict[str, Any]:
                               # current scaling's per-tensor scales are nearest to delayed scaling's; block and FP4
                               # recipes have no near Accelerate recipe
                               nearest={"precision.fp8.te.recipe": "delayed"} if te.recipe == "current" else None))
-    for field in ("reduce_amax", "use_power_2_scales", "enable_2d_quantization"):
-        if getattr(te, field) is not None:
-            issues.append(Refusal(f"precision.fp8.te.{field}", "TERecipeKwargs has no such field, so Accelerate's recipe "
-                                "keeps Transformer Engine's default (accelerate 1.15 utils/dataclasses.py)",
-                                getattr(te, field), f"remove precision.fp8.te.{field}",
-                                  nearest={f"precision.fp8.te.{field}": None}))
+    for name in ("reduce_amax", "use_power_2_scales", "enable_2d_quantization"):
+        if getattr(te, name) is not None:
+            issues.append(Refusal(f"precision.fp8.te.{name}", "TERecipeKwargs has no such field, so Accelerate's "
+                                "recipe keeps Transformer Engine's default (accelerate 1.15 utils/dataclasses.py)",
+                                getattr(te, name), f"remove precision.fp8.te.{name}",
+                                  nearest={f"precision.fp8.te.{name}": None}))
     if modules.exclude or modules.skip_first_last:
-        issues.append(Refusal("precision.fp8.modules.exclude" if modules.exclude else "precision.fp8.modules.skip_first_last",
+        issues.append(Refusal("precision.fp8.modules.exclude" if modules.exclude
+                              else "precision.fp8.modules.skip_first_last",
                             "Accelerate swaps every nn.Linear whose dims are multiples of 16 for te.Linear, lm_head "
                             "included (accelerate 1.15 utils/transformer_engine.py convert_model)",
                             list(modules.exclude) if modules.exclude else True,
@@ -462,8 +471,9 @@ def _te_plan(spec: Spec, issues: list[Issue]) -> dict[str, Any]:
                               nearest={"precision.fp8.modules.exclude": [],
                                        "precision.fp8.modules.skip_first_last": False}))
     if not te.swap_layernorm:
-        issues.append(Refusal("precision.fp8.te.swap_layernorm", "Accelerate always swaps nn.LayerNorm for te.LayerNorm "
-                            "(accelerate 1.15 utils/transformer_engine.py convert_model)", False, "remove the key (true)",
+        issues.append(Refusal("precision.fp8.te.swap_layernorm", "Accelerate always swaps nn.LayerNorm for "
+                            "te.LayerNorm (accelerate 1.15 utils/transformer_engine.py convert_model)", False,
+                            "remove the key (true)",
                               nearest={"precision.fp8.te.swap_layernorm": True}))
     # Accelerate passes TE only the fields that differ from TERecipeKwargs' own defaults (KwargsHandler.to_kwargs,
     # defaults taken with a clean environment), so a value equal to Accelerate's default never reaches TE and
@@ -475,8 +485,8 @@ def _te_plan(spec: Spec, issues: list[Issue]) -> dict[str, Any]:
                             "use max (TE's default), or fp8dist's own runtime",
                               nearest={"precision.fp8.te.amax_compute_algo": "max"}))
     if te.recipe == "mxfp8" and te.fp8_format == "HYBRID":
-        issues.append(Refusal("precision.fp8.te.fp8_format", "HYBRID is TERecipeKwargs' default, which Accelerate leaves "
-                            "out, so MXFP8BlockScaling keeps its own E4M3 (KwargsHandler.to_kwargs)", "HYBRID",
+        issues.append(Refusal("precision.fp8.te.fp8_format", "HYBRID is TERecipeKwargs' default, which Accelerate "
+                            "leaves out, so MXFP8BlockScaling keeps its own E4M3 (KwargsHandler.to_kwargs)", "HYBRID",
                             "use E4M3 or leave it null", nearest={"precision.fp8.te.fp8_format": "E4M3"}))
     recipe = {name: getattr(te, name) for name in ("fp8_format", "margin", "amax_history_len", "amax_compute_algo")
               if getattr(te, name) is not None}
@@ -485,7 +495,8 @@ def _te_plan(spec: Spec, issues: list[Issue]) -> dict[str, Any]:
 
 
 # -- the config file -----------------------------------------------------------------------------------------
-def to_accelerate(spec: Spec, deepspeed_version: str | None = None, torchao_version: str | None = None) -> dict[str, Any]:
+def to_accelerate(spec: Spec, deepspeed_version: str | None = None,
+                  torchao_version: str | None = None) -> dict[str, Any]:
     """The ClusterConfig document (accelerate 1.15 commands/config/config_args.py) for `accelerate launch`."""
     return accelerate_file(spec, deepspeed_version, torchao_version)[0]
 
@@ -520,7 +531,8 @@ def accelerate_file(spec: Spec, deepspeed_version: str | None = None,
     else:
         # mixed_precision is left out: accelerate launch refuses it next to deepspeed_config_file; the bf16/fp16
         # section of the DeepSpeed config decides (state.py AcceleratorState.mixed_precision).
-        doc["deepspeed_config"] = {"deepspeed_config_file": json.dumps(plan["deepspeed"]["config"], separators=(",", ":")),
+        doc["deepspeed_config"] = {"deepspeed_config_file": json.dumps(plan["deepspeed"]["config"],
+                                                                       separators=(",", ":")),
                                    "zero3_init_flag": plan["deepspeed"]["zero3_init_flag"]}
     if plan["fp8"]:
         doc["fp8_config"] = _fp8_config(plan["fp8"])
@@ -549,7 +561,7 @@ def nearest_accelerate_file(spec: Spec, deepspeed_version: str | None = None, to
             stuck = [issue for issue in exc.issues if getattr(issue, "nearest", None) is None]
             if stuck:
                 raise NotExpressible(stuck, spec.source, "file") from None
-            moves: dict[str, Any] = getattr(exc.issues[0], "nearest")  # a Refusal's, set: none is stuck
+            moves: dict[str, Any] = getattr(exc.issues[0], "nearest")  # noqa: B009 - a Refusal's, set: none is stuck
             if any(key in why for key in moves):  # a move that does not settle its refusal: never loop
                 raise NotExpressible(refused, spec.source, "file") from None
             why.update({key: exc.issues[0].message for key in moves})
@@ -559,7 +571,8 @@ def nearest_accelerate_file(spec: Spec, deepspeed_version: str | None = None, to
                 raise NotExpressible(refused, spec.source, "file") from None
     before, after = _flat(spec.to_dict()), _flat(current.to_dict())
     differences = [f"{key}: {json.dumps(before.get(key))} -> {json.dumps(after.get(key))}"
-                   + (f" ({why[key]})" if key in why else "") for key in sorted(set(before) | set(after), key=_order(why))
+                   + (f" ({why[key]})" if key in why else "")
+                   for key in sorted(set(before) | set(after), key=_order(why))
                    if before.get(key) != after.get(key)]
     return document, plan, current, differences
 
@@ -614,7 +627,8 @@ def _launch_line(document: dict[str, Any]) -> str:
     dp_shard_size or cp_size above 1: accelerate 1.15 parallelism_config.py _validate_accelerator)."""
     sizes = document.get("parallelism_config")
     if not sizes:
-        return "# accelerate launch --config_file THIS --num_processes N your_script.py   (fp8dist configs do not fix N)"
+        return ("# accelerate launch --config_file THIS --num_processes N your_script.py   "
+                "(fp8dist configs do not fix N)")
     split = sizes["parallelism_config_tp_size"] * sizes["parallelism_config_cp_size"]
     return (f"# accelerate launch --config_file THIS --num_processes N --parallelism_config_dp_shard_size N/{split} "
             "your_script.py   (fp8dist configs do not fix N; Accelerate wants the parallelism_config sizes to "
@@ -643,8 +657,9 @@ def render(document: dict[str, Any], plan: dict[str, Any], spec: Spec, source: s
         extra = (f", modules_to_save={list(a.modules_to_save)!r}" if a.modules_to_save else "") + (
             ", use_dora=True" if a.use_dora else "")
         lines += [f"{ADAPTER_MARK}{json.dumps(spec.to_dict()['adapter'], separators=(',', ':'))}",
-                  f"#   your script applies it before accelerator.prepare: peft.get_peft_model(model, LoraConfig(r={a.r}, "
-                  f"lora_alpha={a.alpha:g}, lora_dropout={a.dropout:g}, target_modules={targets!r}{extra}), "
+                  "#   your script applies it before accelerator.prepare: peft.get_peft_model(model, "
+                  f"LoraConfig(r={a.r}, lora_alpha={a.alpha:g}, lora_dropout={a.dropout:g}, "
+                  f"target_modules={targets!r}{extra}), "
                   "autocast_adapter_dtype=False), and gives the optimizer the trainable parameters only (the "
                   "adapters then start in the load dtype, as every trainable weight: Accelerate's DeepSpeed would "
                   "keep PEFT's fp32 adapters in fp32, and its FSDP2 upcasts them to fp32 masters itself)"]
@@ -654,7 +669,8 @@ def render(document: dict[str, Any], plan: dict[str, Any], spec: Spec, source: s
         lines.append(f"# note: {reason}")
     if differences:
         lines.append(comment_line(f"NOT the run of {source}: the nearest one Accelerate can express, "
-                                  f"{len(differences)} setting(s) differ (`fp8dist translate --strict` refuses instead):"))
+                                  f"{len(differences)} setting(s) differ "
+                                  "(`fp8dist translate --strict` refuses instead):"))
         lines += [comment_line(f"  differs: {difference}") for difference in differences]
     lines += [comment_line(f"note: {note}") for note in plan["notes"]]
     return "\n".join(lines) + "\n" + yaml.safe_dump(document, sort_keys=False, default_flow_style=False, width=4096)

@@ -31,9 +31,9 @@ from typing import Any, Mapping
 
 from fp8dist.errors import Issue
 from fp8dist.formats.accelerate.sections import fsdp_settings, note_accelerate_refusals
-from fp8dist.formats.common import (pop_switch, HF_OPTIMIZERS, NF4_SCALES, NF4_STORAGE, Imported, ImportProblem, Notes, WrongShape,
-                                   dtype_name, hf_optimizer, integer, mapping, module_names, parallel_size, read_beside,
-                                   stepped_dtype, truthy, yaml11_number)
+from fp8dist.formats.common import (pop_switch, HF_OPTIMIZERS, NF4_SCALES, NF4_STORAGE, Imported, ImportProblem, Notes,
+                                   WrongShape, dtype_name, hf_optimizer, integer, mapping, module_names, parallel_size,
+                                   read_beside, stepped_dtype, truthy, yaml11_number)
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
 from fp8dist.formats.keys import Table, disabled, kept, no_effect, refused
 
@@ -100,8 +100,8 @@ KEYS = Table("Axolotl", {
     "adam_eps": kept("optimizer.eps", example=1e-8),
     "adam_beta1": kept("optimizer.betas[0]", example=0.9),
     "adam_beta2": kept("optimizer.betas[1]", example=0.95),
-    "optimizer": kept("optimizer.name / state_dtype (8-bit Adam: torchao AdamW8bit on FSDP2; paged_adamw_32bit / _8bit: "
-                      "that AdamW, paging being memory management)", example="adamw_torch"),
+    "optimizer": kept("optimizer.name / state_dtype (8-bit Adam: torchao AdamW8bit on FSDP2; paged_adamw_32bit / "
+                      "_8bit: that AdamW, paging being memory management)", example="adamw_torch"),
     # refused: what fp8dist cannot keep
     "adapter": refused(_ADAPTER, "use adapter: lora (or qlora with load_in_4bit), or keep training it with Axolotl",
                        unless=lambda value: disabled(value) or value in ("lora", "qlora"),
@@ -235,7 +235,8 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
     compute = {"fp8": "bf16", "no": "none"}.get(mixed, mixed)
     _tf32(cfg, compute if compute != "none" else load_dtype, notes, issues)
     deepspeed = cfg.pop("deepspeed", None)
-    fsdp_config, fsdp_version, legacy = cfg.pop("fsdp_config", None), cfg.pop("fsdp_version", None), cfg.pop("fsdp", None)
+    fsdp_config, fsdp_version, legacy = (cfg.pop("fsdp_config", None), cfg.pop("fsdp_version", None),
+                                         cfg.pop("fsdp", None))
     _batch_defaults(cfg, notes)
     ctx = AutoContext(who="HF Trainer (Axolotl)", mixed_precision=mixed,
                       micro_batch_size=cfg.get("micro_batch_size"),
@@ -251,7 +252,8 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
                             "remove deepspeed or fsdp_config"))
     ds: dict[str, Any] = {}  # the DeepSpeed JSON, when the file names one
     if deepspeed:
-        out: dict[str, Any] = {"engine": "deepspeed"}  # what the rest of the file is read against when the JSON cannot be
+        # what the rest of the file is read against when the JSON cannot be
+        out: dict[str, Any] = {"engine": "deepspeed"}
         try:
             ds, where = read_beside(str(deepspeed), Path(source).parent, "deepspeed", source)
             out = convert_config(ds, source, notes, ctx, f"deepspeed ({where}): ")
@@ -264,8 +266,9 @@ def convert(document: dict[str, Any], text: str, source: str) -> Imported:
                            "partitions it (the result is the same partitioned base)")
         elif (ds.get("zero_optimization") or {}).get("stage") == 3:
             out.setdefault("parallel", {})["cpu_ram_efficient_loading"] = True
-            notes.resolved("parallel.cpu_ram_efficient_loading", True, "under ZeRO-3 the HF Trainer builds the model "
-                           "inside deepspeed.zero.Init (transformers integrations/deepspeed.py is_deepspeed_zero3_enabled)")
+            notes.resolved("parallel.cpu_ram_efficient_loading", True, "under ZeRO-3 the HF Trainer builds the "
+                           "model inside deepspeed.zero.Init (transformers integrations/deepspeed.py "
+                           "is_deepspeed_zero3_enabled)")
         for key in ("dp_shard_size", "dp_replicate_size"):
             if key in cfg:
                 notes.dropped(key, cfg.pop(key), "DeepSpeed's ZeRO stage decides the sharding")
@@ -504,8 +507,8 @@ def _data_parallel_sizes(cfg: dict[str, Any], parallel: dict[str, Any], notes: N
         notes.resolved("dp_shard_size x dp_replicate_size", f"parallel.sharding=hybrid, shard_size={shard_n}",
                        "Axolotl's ParallelismConfig: shard within groups of dp_shard_size, replicate across them")
     elif replicate_n > 1:
-        issues.append(Issue("dp_replicate_size", "replicas without a shard size: Axolotl derives dp_shard_size from the "
-                            "world size, which depends on the launch", replicate,
+        issues.append(Issue("dp_replicate_size", "replicas without a shard size: Axolotl derives dp_shard_size from "
+                            "the world size, which depends on the launch", replicate,
                             "write dp_shard_size too (the ranks that shard one copy)"))
     elif shard_n is not None:
         notes.resolved("dp_shard_size", "parallel.sharding (every data-parallel rank)", "Axolotl shards over "
@@ -622,7 +625,8 @@ def _train_and_optimizer(cfg: dict[str, Any], out: dict[str, Any], notes: Notes,
         if key in cfg:
             optimizer.setdefault(target, yaml11_number(cfg.pop(key)))
     if "adam_beta1" in cfg or "adam_beta2" in cfg:
-        optimizer.setdefault("betas", [yaml11_number(cfg.pop("adam_beta1", 0.9)), yaml11_number(cfg.pop("adam_beta2", 0.999))])
+        optimizer.setdefault("betas", [yaml11_number(cfg.pop("adam_beta1", 0.9)),
+                                       yaml11_number(cfg.pop("adam_beta2", 0.999))])
     if "optimizer" in cfg:
         hf_optimizer("optimizer", cfg.pop("optimizer"), deepspeed, optimizer, notes, issues, _OPTIMIZERS,
                      "FSDP2 (fsdp_config)", stepped_dtype(out))

@@ -198,13 +198,13 @@ KEYS = Table("DeepSpeed", {
     "zero_force_ds_cpu_optimizer": no_effect("fp8dist writes it itself when its optimizer needs it", example=False),
     **{key: kept(_EXTRA, example={"enabled": True}) for key in (
         "wall_clock_breakdown", "memory_breakdown", "dump_state", "flops_profiler", "comms_logger", "comms_config",
-        "tensorboard", "wandb", "csv_monitor", "comet", "monitor_config", "aio", "checkpoint", "activation_checkpointing",
-        "prescale_gradients", "gradient_predivide_factor", "gradient_allreduce_op", "dataloader_drop_last",
-        "disable_allgather", "disable_python_gc", "log_level", "timers", "seq_parallel_communication_data_type",
-        "sparse_gradients", "sparse_attention", "elasticity", "autotuning", "data_efficiency", "curriculum_learning",
-        "compile", "use_node_local_storage", "load_universal_checkpoint", "nebula", "hybrid_engine", "eigenvalue",
-        "progressive_layer_drop", "managed_gradient_accumulation", "vocabulary_size",
-        "use_data_before_expert_parallelism", "checkpoint_config", "datastates")},
+        "tensorboard", "wandb", "csv_monitor", "comet", "monitor_config", "aio", "checkpoint",
+        "activation_checkpointing", "prescale_gradients", "gradient_predivide_factor", "gradient_allreduce_op",
+        "dataloader_drop_last", "disable_allgather", "disable_python_gc", "log_level", "timers",
+        "seq_parallel_communication_data_type", "sparse_gradients", "sparse_attention", "elasticity", "autotuning",
+        "data_efficiency", "curriculum_learning", "compile", "use_node_local_storage", "load_universal_checkpoint",
+        "nebula", "hybrid_engine", "eigenvalue", "progressive_layer_drop", "managed_gradient_accumulation",
+        "vocabulary_size", "use_data_before_expert_parallelism", "checkpoint_config", "datastates")},
 }, unknown_why="not a key DeepSpeed 0.19.8 reads (runtime/config.py), so DeepSpeed ignores it too")
 _OPTIMIZERS = {"adamw": "adamw", "adam": "adamw", "sgd": "sgd"}
 # DeepSpeed 0.19.8 runtime/engine.py `_configure_basic_optimizer`: type Adam runs AdamW's decoupled weight decay
@@ -301,7 +301,8 @@ class _Importer:
                 self.notes.auto(self.key(dotted), False, f"{self.ctx.who}'s fill (accelerator.py _prepare_deepspeed)")
                 set_path(self.extra, dotted, False)
             else:
-                self.notes.dropped(self.key(dotted), value, "\"auto\" that fp8dist cannot resolve; DeepSpeed's default applies")
+                self.notes.dropped(self.key(dotted), value,
+                                   "\"auto\" that fp8dist cannot resolve; DeepSpeed's default applies")
             return
         set_path(self.extra, dotted, value)
 
@@ -326,7 +327,8 @@ class _Importer:
                 return None
             return blocks
         wanted = {"bf16": mixed in ("bf16", "fp8"), "fp16": mixed == "fp16"}
-        where = self.ctx.setting("mixed_precision", mixed) if self.ctx.from_flags else f"{who}'s mixed precision {mixed}"
+        where = (self.ctx.setting("mixed_precision", mixed) if self.ctx.from_flags
+                 else f"{who}'s mixed precision {mixed}")
         if mixed != "no":
             other = "bf16" if mixed == "fp16" else "fp16"
             if blocks[other] is not None and str(blocks[other].get("enabled")).lower() == "true":
@@ -373,15 +375,17 @@ class _Importer:
                                      fix="enable only one of bf16, fp16"))
             return None
         if on and autocast_on:
-            # DeepSpeed >= 0.18.3 runs torch_autocast next to a 16-bit section (facts.deepspeed.DS_AUTOCAST_WITH_BF16):
-            # the weights are in the section's dtype, the forward autocasts to torch_autocast.dtype (fp16 when left out).
+            # DeepSpeed >= 0.18.3 runs torch_autocast next to a 16-bit section
+            # (facts.deepspeed.DS_AUTOCAST_WITH_BF16): the weights are in the section's dtype, the forward autocasts to
+            # torch_autocast.dtype (fp16 when left out).
             dtype = dtype_name(autocast.get("dtype")) or "fp16"
             if dtype != on[0]:
-                self.issues.append(Issue(self.key("torch_autocast.dtype"), f"autocasts the forward of {on[0]} weights to "
-                                         f"{dtype}" + (" (DeepSpeed's default on CUDA, the key is left out)"
-                                                       if autocast.get("dtype") is None else "") +
+                self.issues.append(Issue(self.key("torch_autocast.dtype"), f"autocasts the forward of {on[0]} weights "
+                                         f"to {dtype}" + (" (DeepSpeed's default on CUDA, the key is left out)"
+                                                          if autocast.get("dtype") is None else "") +
                                          ": a compute dtype other than the weights', which fp8dist does not run",
-                                         autocast.get("dtype"), f"set torch_autocast.dtype to {dtypes.torch_name(on[0])} (the section's "
+                                         autocast.get("dtype"),
+                                         f"set torch_autocast.dtype to {dtypes.torch_name(on[0])} (the section's "
                                          "dtype), or remove torch_autocast"))
                 return None
             self.notes.resolved(self.key("torch_autocast"), f"the {on[0]} section", f"autocasting {on[0]} weights to "
@@ -475,7 +479,8 @@ class _Importer:
                 self.notes.dropped(self.key("zero_optimization.cpu_offload"), legacy, "offload_optimizer decides")
         stage = zero.pop("stage", 0)
         if stage not in (0, 1, 2, 3):
-            self.issues.append(Issue(self.key("zero_optimization.stage"), "not a ZeRO stage", stage, "use 0, 1, 2 or 3"))
+            self.issues.append(Issue(self.key("zero_optimization.stage"), "not a ZeRO stage", stage,
+                                     "use 0, 1, 2 or 3"))
             return
         hpz = zero.pop("zero_hpz_partition_size", 1)
         if stage == 3 and isinstance(hpz, int) and hpz > 1:
@@ -673,8 +678,8 @@ class _Importer:
             self.issues.append(Issue(self.key("train_batch_size"), "without " + " and ".join(missing) + " DeepSpeed "
                                      "divides it by the world size at launch, so the micro batch depends on how many "
                                      "ranks run; fp8dist fixes the micro batch and accumulation instead", batch,
-                                     "write train_micro_batch_size_per_gpu and gradient_accumulation_steps (their product "
-                                     "x the world size is the global batch)"))
+                                     "write train_micro_batch_size_per_gpu and gradient_accumulation_steps (their "
+                                     "product x the world size is the global batch)"))
 
     def _optimizer(self) -> None:
         if "optimizer" not in self.config:
@@ -715,7 +720,8 @@ class _Importer:
                 if key in params:
                     self.notes.dropped(self.key(f"optimizer.params.{key}"), params.pop(key),
                                        "kept as optimizer.name" if key == "adam_w_mode" else
-                                       "which implementation steps (torch's or DeepSpeed's fused Adam): the same update")
+                                       "which implementation steps (torch's or DeepSpeed's fused Adam): the same "
+                                       "update")
         lr = ACCELERATE_AUTO["optimizer.params.lr"]
         fills = {"lr": ("learning_rate", ctx.lr, lr, f"the launch's learning rate, which the file does not say: "
                         f"Accelerate's DummyOptim default {lr} kept (the HF Trainer's learning_rate defaults to 5e-5, "

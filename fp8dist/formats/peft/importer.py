@@ -5,7 +5,7 @@ PEFT wrote fewer keys, PEFT < 0.3 also `enable_lora` and `merge_weights`). It sa
 else: the output is an fp8dist config whose `adapter` section has the file's meaning, every other section at
 fp8dist's defaults (said in a `# resolved:` comment). What runs, with the sources this rests on:
 - fp8dist builds `LoraConfig(r, lora_alpha, lora_dropout, target_modules, bias="none", modules_to_save, use_dora)`
-  with every other field at PEFT's default (fp8dist/runtime/adapters.py lora_config): the default initialisation
+  with every other field at PEFT's default (fp8dist/backends/adapters.py lora_config): the default initialisation
   (`init_lora_weights: true`, lora_B zero), the update scaled by alpha / r, LoRA (or DoRA) on the named modules only,
   the modules to save trained whole. Keys that change one of those (rsLoRA, per-layer ranks or layer selection, a
   trained bias, another initialisation...) are refused where their value does so, and noted where it does not
@@ -32,8 +32,8 @@ from typing import Any, Mapping
 import fp8dist.config.schema as schema
 from fp8dist.errors import Issue
 from fp8dist.facts.peft import PEFT_ALL_LINEAR
-from fp8dist.formats.common import (pop_switch, NF4_SCALES, NF4_STORAGE, Imported, ImportProblem, Notes, WrongShape, integer,
-                                   module_names, read_document, truthy)
+from fp8dist.formats.common import (pop_switch, NF4_SCALES, NF4_STORAGE, Imported, ImportProblem, Notes, WrongShape,
+                                   integer, module_names, read_document, truthy)
 from fp8dist.formats.keys import Table, disabled, kept, no_effect, refused
 
 # LoraConfig's defaults for r, lora_alpha and lora_dropout (peft 0.21 tuners/lora/config.py): what an
@@ -44,7 +44,7 @@ _ALL_LINEAR = PEFT_ALL_LINEAR  # compared lower-case, as PEFT does
 
 _INIT_ONLY = ("read by PEFT only with the matching init_lora_weights (which is refused); with any other "
               "init_lora_weights PEFT ignores it with a warning (peft 0.21 LoraConfig.__post_init__)")
-_VARIANT = "a LoRA variant fp8dist does not run (fp8dist builds plain LoRA: runtime/adapters.py lora_config)"
+_VARIANT = "a LoRA variant fp8dist does not run (fp8dist builds plain LoRA: backends/adapters.py lora_config)"
 _BOOKKEEPING = "bookkeeping PEFT writes about the saved adapter, not how it trains"
 
 KEYS = Table("PEFT", {
@@ -58,7 +58,8 @@ KEYS = Table("PEFT", {
                            "regular expression, and null are refused)", example=["q_proj", "v_proj"]),
     # refused where the value changes which parameters train or the numerics
     "use_rslora": refused("rank-stabilised LoRA: scales the update by alpha / sqrt(r), not alpha / r",
-                          "remove it (or scale lora_alpha by sqrt(r) yourself)", unless=disabled, otherwise="off: changes nothing"),
+                          "remove it (or scale lora_alpha by sqrt(r) yourself)", unless=disabled,
+                          otherwise="off: changes nothing"),
     "use_dora": kept("adapter.use_dora (DoRA: a trained magnitude vector beside each adapter; false: plain LoRA, "
                      "noted)"),
     "modules_to_save": kept("adapter.modules_to_save (modules trained whole beside the adapters, e.g. embed_tokens "
@@ -71,26 +72,29 @@ KEYS = Table("PEFT", {
                                    "modules of that name) does not express", "remove it (adapters on every layer)",
                                    unless=disabled, otherwise="empty or unset: changes nothing", example=[0, 1]),
     "layers_pattern": refused("names the layer list of layers_to_transform: adapters on some layers only",
-                              "remove it with layers_to_transform", unless=disabled, otherwise="empty or unset: changes nothing",
-                              example="layers"),
+                              "remove it with layers_to_transform", unless=disabled,
+                              otherwise="empty or unset: changes nothing", example="layers"),
     "rank_pattern": refused("a rank other than r for some modules", "remove it (one rank for every adapter), or "
-                            "set r", unless=disabled, otherwise="empty or unset: changes nothing", example={"q_proj": 4}),
+                            "set r", unless=disabled, otherwise="empty or unset: changes nothing",
+                            example={"q_proj": 4}),
     "alpha_pattern": refused("an alpha other than lora_alpha for some modules", "remove it (one alpha for every "
-                             "adapter)", unless=disabled, otherwise="empty or unset: changes nothing", example={"q_proj": 4}),
+                             "adapter)", unless=disabled, otherwise="empty or unset: changes nothing",
+                             example={"q_proj": 4}),
     "bias": refused("trains biases beside the adapters (all: every bias; lora_only: those of the adapted layers)",
-                    "set it to none", unless=lambda value: value == "none", otherwise="none: no bias trains, as in fp8dist",
-                    example="all"),
+                    "set it to none", unless=lambda value: value == "none",
+                    otherwise="none: no bias trains, as in fp8dist", example="all"),
     "lora_bias": refused("a trained bias on lora_B", "remove it", unless=disabled, otherwise="off: changes nothing"),
     "target_parameters": refused("adapters on parameters (e.g. MoE experts), which fp8dist's `adapter` does not "
                                  "run", "remove it", unless=disabled, otherwise="empty or unset: changes nothing",
                                  example=["experts.down_proj"]),
     "init_lora_weights": refused("an initialisation other than PEFT's default (lora_B zero), which fp8dist uses "
-                                 "(runtime/adapters.py lora_config leaves init_lora_weights at true)",
+                                 "(backends/adapters.py lora_config leaves init_lora_weights at true)",
                                  "set it to true", unless=lambda value: value is True,
                                  otherwise="true: PEFT's default, which fp8dist uses", example="gaussian"),
     "exclude_modules": refused("leaves modules out of target_modules; fp8dist's `adapter` has no exclusion "
                                "(it excludes only MoE routers under auto)", "remove it and list the modules to "
-                               "adapt in target_modules", unless=disabled, otherwise="empty or unset: changes nothing", example=["lm_head"]),
+                               "adapt in target_modules", unless=disabled, otherwise="empty or unset: changes nothing",
+                               example=["lm_head"]),
     "use_qalora": refused("QA-LoRA (pooled adapters over a GPTQ base)", "remove it", unless=disabled,
                           otherwise="off: changes nothing"),
     "megatron_config": refused("LoRA on Megatron's tensor-parallel layers; fp8dist runs data parallelism only",
@@ -99,18 +103,20 @@ KEYS = Table("PEFT", {
     "trainable_token_indices": refused("trains some rows of the embedding beside the adapters", "remove it",
                                        unless=disabled, otherwise="empty or unset: changes nothing", example=[0, 1]),
     "layer_replication": refused("repeats layers of the model (a larger model with shared base weights)",
-                                 "remove it", unless=disabled, otherwise="empty or unset: changes nothing", example=[[0, 4], [2, 5]]),
+                                 "remove it", unless=disabled, otherwise="empty or unset: changes nothing",
+                                 example=[[0, 4], [2, 5]]),
     "ensure_weight_tying": refused("ties the adapters of tied layers (embedding and output) into one",
                                    "remove it", unless=disabled, otherwise="off: changes nothing"),
     "enable_lora": refused("PEFT < 0.3 MergedLinear: adapters on some parts of a fused projection only",
-                           "remove it and list the modules", unless=disabled, otherwise="empty or unset: changes nothing",
-                           example=[True, False, True]),
+                           "remove it and list the modules", unless=disabled,
+                           otherwise="empty or unset: changes nothing", example=[True, False, True]),
     "task_type": refused("a task whose PeftModel trains the task head beside the adapters (SEQ_CLS: classifier / "
                          "score, TOKEN_CLS, QUESTION_ANS: qa_outputs, as modules_to_save)",
                          "train that head yourself, or use CAUSAL_LM",
                          unless=lambda value: value not in _HEADS, otherwise="no head is trained for this task: "
                          "the adapters are the same", example="SEQ_CLS"),
-    **{key: refused(_VARIANT, "remove it", unless=disabled, otherwise="empty or unset: changes nothing", example=example)
+    **{key: refused(_VARIANT, "remove it", unless=disabled, otherwise="empty or unset: changes nothing",
+                    example=example)
        for key, example in (("velora_config", {"rank": 2}), ("alora_invocation_tokens", [1, 2]),
                             ("monteclora_config", {"num_samples": 2}), ("use_bdlora", {"nblocks": 2}),
                             ("arrow_config", {"top_k": 3}), ("kasa_config", {"beta": 1.0}))},

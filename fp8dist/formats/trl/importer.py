@@ -3,8 +3,8 @@
 Such a file is read by TRL's TrlParser (trl scripts/utils.py parse_args_and_config: `yaml.safe_load`, an `env`
 section exported, every other key a field of ScriptArguments, the trainer's config (SFTConfig, DPOConfig, ... all
 transformers TrainingArguments subclasses) or ModelConfig). What runs, with the sources this rests on
-(huggingface/trl@f2cd57710ae345ea6428ae95363267fcf38a3dc8 (v1.9.0+26), huggingface/alignment-handbook@925acdfe4b2b4e38c3dabd1851bc418f0b656351,
-transformers 5.24 training_args.py):
+(huggingface/trl@f2cd57710ae345ea6428ae95363267fcf38a3dc8 (v1.9.0+26),
+huggingface/alignment-handbook@925acdfe4b2b4e38c3dabd1851bc418f0b656351, transformers 5.24 training_args.py):
 - the model loads in `dtype` (TRL >= 0.22; `torch_dtype` before, which the handbook's get_model still reads:
   src/alignment/model_utils.py). Left out or null: TRL's ModelConfig default `float32` (trl/trainer/model_config.py,
   since TRL 0.27, #4778), which is also what transformers 4's from_pretrained loaded for None; `auto` is the
@@ -38,9 +38,9 @@ from typing import Any, Mapping
 from fp8dist.errors import Issue
 from fp8dist.facts.peft import PEFT_ALL_LINEAR
 from fp8dist.formats.accelerate.sections import fsdp_settings, note_accelerate_refusals
-from fp8dist.formats.common import (pop_switch, NF4_SCALES, NF4_STORAGE, Imported, ImportProblem, Notes, WrongShape, dtype_name,
-                                   hf_optimizer, integer, mapping, module_names, read_beside, stepped_dtype, truthy,
-                                   yaml11_number)
+from fp8dist.formats.common import (pop_switch, NF4_SCALES, NF4_STORAGE, Imported, ImportProblem, Notes, WrongShape,
+                                   dtype_name, hf_optimizer, integer, mapping, module_names, read_beside, stepped_dtype,
+                                   truthy, yaml11_number)
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
 from fp8dist.formats.keys import Table, disabled, kept, no_effect, refused
 
@@ -49,8 +49,9 @@ from fp8dist.formats.keys import Table, disabled, kept, no_effect, refused
 # lora_dropout, SFTConfig / DPOConfig max_length).
 DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_grad_norm": 1.0, "seed": 42,
             "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "max_length": 1024}
-_TRAIN = {"per_device_train_batch_size": "micro_batch_size", "gradient_accumulation_steps": "gradient_accumulation_steps",
-          "max_grad_norm": "gradient_clipping", "seed": "seed"}
+_TRAIN = {"per_device_train_batch_size": "micro_batch_size",
+          "gradient_accumulation_steps": "gradient_accumulation_steps", "max_grad_norm": "gradient_clipping",
+          "seed": "seed"}
 _OPTIM = {"learning_rate": "lr", "weight_decay": "weight_decay", "adam_epsilon": "eps"}
 _LORA = {"lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout"}
 # ModelConfig's LoRA keys, read by get_peft_config only with use_peft: true
@@ -182,7 +183,8 @@ KEYS = Table("TRL", {
     "use_bnb_nested_quant": no_effect(_WITH_4BIT),
     "bnb_4bit_quant_storage": no_effect(_WITH_4BIT, example="uint8"),
     "env": no_effect("environment variables exported before the run (TrlParser): launch settings; check that "
-                     "none of them sets a precision (ACCELERATE_MIXED_PRECISION)", example={"CUDA_VISIBLE_DEVICES": "0"}),
+                     "none of them sets a precision (ACCELERATE_MIXED_PRECISION)",
+                     example={"CUDA_VISIBLE_DEVICES": "0"}),
     **{key: no_effect(_DATA, example="x") for key in (
         "dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split", "dataset_streaming",
         "dataset_mixture", "dataset_mixer", "dataset_splits", "dataset_configs", "dataset_num_proc",

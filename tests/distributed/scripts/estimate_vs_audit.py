@@ -11,7 +11,7 @@ from fp8dist.runtime import process_group
 from fp8dist.runtime.process_group import leave
 from fp8dist.runtime.ranks import emit
 
-from fp8dist.audit.worker import observe
+from fp8dist.commands.audit_worker import observe
 from fp8dist.config.load import load_config
 from fp8dist.runtime.models import load_model
 from tests.conftest import ROOT

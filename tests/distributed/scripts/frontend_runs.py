@@ -28,7 +28,7 @@ from fp8dist.config.load import load_config
 from fp8dist.runtime.data import batches_for
 from fp8dist.engines.optim import build_optimizer, trainable_parameters
 from fp8dist.runtime import process_group
-from fp8dist.runtime.adapters import lora_config
+from fp8dist.backends.adapters import lora_config
 from fp8dist.runtime.loading import load_for_run
 from fp8dist.runtime.models import load_model
 from fp8dist.runtime.process_group import leave

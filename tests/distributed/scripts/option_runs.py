@@ -24,7 +24,7 @@ from fp8dist.runtime.process_group import leave
 
 import fp8dist.audit.probes as probes
 from fp8dist.config.load import load_config
-from fp8dist.config.parallel import parallel_dims
+from fp8dist.config.parallel import ParallelDims
 from fp8dist.runtime.data import batches_for
 from fp8dist.runtime.loading import load_for_run
 from fp8dist.runtime.preflight import preflight
@@ -67,7 +67,7 @@ def count_reduce_scatters(model) -> list[int]:
 
 def data_rank(spec) -> int:
     """This rank's data-parallel index: tensor-parallel peers read the same batch (DeepSpeed AutoTP asserts it)."""
-    return parallel_dims(spec, dist.get_world_size()).data_rank(dist.get_rank())
+    return ParallelDims.of(spec, dist.get_world_size()).data_rank(dist.get_rank())
 
 
 def run_fsdp2(case, spec, loaded) -> dict:

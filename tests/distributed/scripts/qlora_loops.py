@@ -23,7 +23,7 @@ from fp8dist.audit import watch
 from fp8dist.config.load import load_config
 from fp8dist.integrations import accelerator_kwargs
 from fp8dist.runtime import process_group
-from fp8dist.runtime.adapters import lora_config
+from fp8dist.backends.adapters import lora_config
 from fp8dist.runtime.process_group import leave
 from tests.conftest import ROOT
 from tests.distributed.case_runner import run_cases

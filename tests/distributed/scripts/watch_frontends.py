@@ -40,7 +40,7 @@ def train_with_the_trainer(config_name: str, with_adapter: bool = False) -> dict
     if with_adapter:
         from peft import get_peft_model
 
-        from fp8dist.runtime.adapters import lora_config
+        from fp8dist.backends.adapters import lora_config
 
         model = get_peft_model(model, lora_config(spec.adapter), autocast_adapter_dtype=False)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (16, 32),

@@ -31,7 +31,8 @@ def _row(report, phase):
 def _gpt2_report(attention: str = "sdpa") -> dict:
     from transformers import AutoModelForCausalLM
 
-    from fp8dist.runtime.models import causal_lm_batch, tiny_config
+    from fp8dist.runtime.models import causal_lm_batch
+    from fp8dist.config.models import tiny_config
 
     config = tiny_config("gpt2")  # GPT-2's own dropout: attn_pdrop = resid_pdrop = embd_pdrop = 0.1
     assert config.attn_pdrop == 0.1

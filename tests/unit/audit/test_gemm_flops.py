@@ -7,7 +7,8 @@ from fp8dist.audit.gemm_flops import WeightGemmLedger, combine, gemm_flops, summ
 from fp8dist.audit.probes import MatmulRecorder
 from fp8dist.backends.base import get_backend
 from fp8dist.config.load import load_config
-from fp8dist.runtime.models import _from_hf_config, causal_lm_batch, tiny_config
+from fp8dist.runtime.models import _from_hf_config, causal_lm_batch
+from fp8dist.config.models import tiny_config
 
 TOKENS = 2 * 32
 

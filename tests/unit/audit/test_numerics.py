@@ -195,7 +195,7 @@ def test_mxfp8_experts_are_measured_and_nothing_stays_installed():
 
 def test_the_cli_flag_reaches_the_ranks(monkeypatch):
     import fp8dist.commands.audit as command
-    from fp8dist.audit.worker import NUMERICS
+    from fp8dist.commands.audit_worker import NUMERICS
     from fp8dist.cli import build_parser
 
     seen = []

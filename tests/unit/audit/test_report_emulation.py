@@ -64,7 +64,8 @@ def test_a_watched_step_on_emulated_float8_reports_it():
     from fp8dist.audit import watch
     from fp8dist.backends.base import get_backend
     from fp8dist.engines.base import forward_loss
-    from fp8dist.runtime.models import _from_hf_config, causal_lm_batch, tiny_config
+    from fp8dist.runtime.models import _from_hf_config, causal_lm_batch
+    from fp8dist.config.models import tiny_config
 
     spec = load_config({**FLOAT8, "precision": {"preset": "torchao-float8", "fp8": {"torchao": {"emulate": True}}}})
     backend = get_backend(spec)
@@ -106,7 +107,8 @@ def test_the_flag_is_what_ran_through_dtensor_and_the_float8_styles(gloo_tp1, te
     from fp8dist.audit import watch
     from fp8dist.engines.base import forward_loss
     from fp8dist.engines.fsdp2.tensor_parallel import apply
-    from fp8dist.runtime.models import _from_hf_config, causal_lm_batch, tiny_config
+    from fp8dist.runtime.models import _from_hf_config, causal_lm_batch
+    from fp8dist.config.models import tiny_config
 
     spec = load_config({**FLOAT8, "precision": {"preset": "torchao-float8", "fp8": {"torchao": {"emulate": emulate}}}})
     model = _from_hf_config(tiny_config("llama"), "bf16", 0)

@@ -5,7 +5,8 @@ from fp8dist.audit.report import build, table
 from fp8dist.audit.speed_row import speed_row
 from fp8dist.backends.base import get_backend
 from fp8dist.config.load import load_config
-from fp8dist.runtime.models import _from_hf_config, causal_lm_batch, tiny_config
+from fp8dist.runtime.models import _from_hf_config, causal_lm_batch
+from fp8dist.config.models import tiny_config
 
 
 def _spec(gpu="auto", exclude=("lm_head",)):

@@ -14,7 +14,7 @@ from fp8dist.audit.expected import expected
 from fp8dist.audit.wire import WORLD, WireRecorder
 from fp8dist.config.load import load_config
 from fp8dist.config.parallel import ParallelDims
-from fp8dist.engines.mesh import axis_of, axis_ranks, build_device_mesh, merge_axes
+from fp8dist.engines.mesh import axis_of, axis_ranks, build_meshes, merge_axes
 
 TP_ALONE = {frozenset({0}): "tp"}
 FLOAT8 = {"preset": "torchao-float8"}  # tensorwise
@@ -56,7 +56,7 @@ def one_rank():
 def mesh_2x2():
     """Rank 0 of a dp_shard 2 x tp 2 mesh: its tp group is {0, 1}, its dp_shard group {0, 2}."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    yield build_device_mesh(ParallelDims(dp_shard=2, tp=2))
+    yield build_meshes(ParallelDims(dp_shard=2, tp=2)).dense
     dist.destroy_process_group()
 
 

@@ -9,7 +9,8 @@ from fp8dist.config.load import load_config
 from fp8dist.errors import UnsupportedEnvironment
 from fp8dist.facts import versions
 from fp8dist.facts.torchao import torchao_experts_mode
-from fp8dist.runtime.models import _from_hf_config, tiny_config
+from fp8dist.runtime.models import _from_hf_config
+from fp8dist.config.models import tiny_config
 
 
 def _gpt_oss():

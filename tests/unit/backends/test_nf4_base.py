@@ -39,8 +39,8 @@ def _adapted_llama(targets=("q_proj", "v_proj"), tied=False):
     from transformers import AutoModelForCausalLM
 
     from fp8dist.config.spec import AdapterSpec
-    from fp8dist.runtime.adapters import apply_adapter
-    from fp8dist.runtime.models import small_llama_config
+    from fp8dist.backends.adapters import apply_adapter
+    from fp8dist.config.models import small_llama_config
 
     torch.manual_seed(0)
     config = small_llama_config()
@@ -77,7 +77,7 @@ def test_the_export_base_is_the_dequantized_one_the_run_computed_with():
     trained = model.model.layers[1].mlp.up_proj.weight.get_original_weight()
     from transformers import AutoModelForCausalLM
 
-    from fp8dist.runtime.models import small_llama_config
+    from fp8dist.config.models import small_llama_config
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(small_llama_config()).to(torch.bfloat16)

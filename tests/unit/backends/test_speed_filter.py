@@ -84,7 +84,8 @@ def test_a_named_gpu_without_the_recipe_is_refused_at_load():
 def test_the_torchao_backend_converts_what_the_rule_decides():
     """The option-matrix run fsdp2-torchao-min-speedup expects the split this in-process conversion makes, and the
     split is real: some Linears kept, some converted."""
-    from fp8dist.runtime.models import _from_hf_config, tiny_config
+    from fp8dist.runtime.models import _from_hf_config
+    from fp8dist.config.models import tiny_config
 
     case = next(c for c in RUNS if c.id == "fsdp2-torchao-min-speedup")
     from tests.option_matrix import RUN_BASE, merge

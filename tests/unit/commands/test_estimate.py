@@ -10,7 +10,7 @@ import pytest
 from fp8dist.config.load import load_config
 from fp8dist.estimate.memory import estimate
 from fp8dist.estimate.model import build_meta_model
-from fp8dist.runtime.models import tiny_config
+from fp8dist.config.models import tiny_config
 from tests.conftest import ROOT, run_cli
 
 # Published parameter counts of the public checkpoints whose shapes are built in.
@@ -213,7 +213,7 @@ def test_bad_input_exits_2(tmp_path, setup, args, says):
 def test_the_help_names_every_built_in_model_and_shape():
     from fp8dist.cli import build_parser
     from fp8dist.estimate.shapes import SHAPES
-    from fp8dist.runtime.models import BUILTIN
+    from fp8dist.config.models import BUILTIN
 
     estimate_parser = build_parser()._subparsers._group_actions[0].choices["estimate"]
     help_text = next(action.help for action in estimate_parser._actions if action.dest == "model")

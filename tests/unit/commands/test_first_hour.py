@@ -60,7 +60,7 @@ def test_estimate_has_the_audits_did_you_mean_and_takes_a_shapes_hub_id():
 
 def test_estimate_reads_a_hub_id_as_the_audit_does_and_refuses_a_factory():
     from fp8dist.estimate.shapes import SHAPES
-    from fp8dist.runtime.models import model_kind
+    from fp8dist.config.models import model_kind
 
     assert model_kind("acme/some-model", SHAPES) == model_kind("acme/some-model") == "hub"
     refused(cli("estimate", "tests.tp_models:unseen_qwen2_qlora"), "is a factory", "name DIR or DIR/config.json")
@@ -71,7 +71,7 @@ def test_no_network_turns_on_the_hub_offline_mode_at_once(monkeypatch):
     and where huggingface_hub reads it, instead of 28 s of retries."""
     from huggingface_hub import constants
 
-    from fp8dist.runtime import models
+    from fp8dist.config import models
 
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.setenv(name, "")
@@ -122,7 +122,7 @@ def test_presets_say_what_tables_a_and_b_are(capsys):
 def test_pefts_read_of_the_deprecated_checkpointing_property_says_nothing():
     from transformers import AutoModelForCausalLM
 
-    from fp8dist.runtime.models import BUILTIN
+    from fp8dist.config.models import BUILTIN
 
     model = AutoModelForCausalLM.from_config(BUILTIN["tiny-llama"]())
     with warnings.catch_warnings(record=True) as caught:
@@ -136,7 +136,7 @@ def test_pefts_read_of_the_deprecated_checkpointing_property_says_nothing():
 def test_the_merged_export_shows_no_progress_bars():
     from transformers.utils import logging as transformers_logging
 
-    from fp8dist.runtime.adapters import _no_progress_bars
+    from fp8dist.runtime.adapter_files import _no_progress_bars
 
     transformers_logging.enable_progress_bar()  # whatever a test before this one left
     with _no_progress_bars():

@@ -5,7 +5,7 @@ not divide them, and the model's experts, refused where they do not split whole 
 import pytest
 
 from fp8dist.config.load import load_config
-from fp8dist.config.parallel import check_model_fits, parallel_dims
+from fp8dist.config.parallel import ParallelDims
 from fp8dist.errors import ConfigError, Fp8distError
 
 EMULATED_FP8 = {"preset": "torchao-float8", "fp8": {"torchao": {"emulate": True}}}
@@ -104,11 +104,11 @@ def test_expert_parallel_is_not_combined_with_adapters(engine):
 # -- the mesh and the model (fp8dist.config.parallel) -----------------------------------------------------------
 def test_expert_parallel_borrows_its_ranks_from_the_data_parallel_shard():
     spec = load_config(_ep("fsdp2", parallel={"expert_size": 4}))
-    dims = parallel_dims(spec, 8)
+    dims = ParallelDims.of(spec, 8)
     assert (dims.world_size, dims.dp_shard, dims.ep, dims.efsdp, dims.data_size) == (8, 8, 4, 2, 8)
     assert dims.expert_mesh_shape() == (("efsdp", "ep"), (2, 4))
     with pytest.raises(Fp8distError) as err:
-        parallel_dims(spec, 6)
+        ParallelDims.of(spec, 6)
     assert "parallel.expert_size=4 does not divide the 6 data-parallel ranks" in str(err.value)
     assert "fix:" in str(err.value)
 
@@ -122,10 +122,10 @@ def test_expert_parallel_borrows_its_ranks_from_the_data_parallel_shard():
 ])
 def test_the_model_must_have_experts_that_split_whole(config, expert_size, fits, said):
     spec = load_config(_ep("fsdp2", parallel={"expert_size": expert_size}))
-    dims = parallel_dims(spec, 12)
+    dims = ParallelDims.of(spec, 12)
     if fits:
-        check_model_fits(dims, config, 64, sequence_split=False, source="model")
+        dims.check_model(config, 64, source="model")
         return
     with pytest.raises(Fp8distError) as err:
-        check_model_fits(dims, config, 64, sequence_split=False, source="model")
+        dims.check_model(config, 64, source="model")
     assert said in str(err.value) and "fix:" in str(err.value), err.value

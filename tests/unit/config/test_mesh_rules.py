@@ -4,9 +4,10 @@ backend refuses, each naming its key, with a fix that loads."""
 import pytest
 
 from fp8dist.config.load import load_config
-from fp8dist.config.parallel import ParallelDims, check_model_fits, parallel_dims, sequence_parallel
+from fp8dist.config.parallel import ParallelDims, sequence_parallel
 from fp8dist.errors import ConfigError, Fp8distError, UnsupportedEnvironment
-from fp8dist.runtime.models import check_mesh_fits, config_values
+from fp8dist.runtime.models import check_mesh_fits
+from fp8dist.config.models import config_values
 from fp8dist.runtime.preflight import preflight
 
 
@@ -17,16 +18,18 @@ def _parallel(**values):
 # ---- the mesh: tp and cp first, the data axes what is left ----
 
 @pytest.mark.parametrize("parallel, world, dims, names, shape", [
-    ({"tensor_size": 2}, 8, ParallelDims(dp_shard=4, tp=2), ("dp_shard", "tp"), (4, 2)),
-    ({"tensor_size": 2}, 2, ParallelDims(dp_shard=1, tp=2), ("dp_shard", "tp"), (1, 2)),
+    ({"tensor_size": 2}, 8, ParallelDims(dp_shard=4, tp=2, sequence_parallel=True), ("dp_shard", "tp"), (4, 2)),
+    ({"tensor_size": 2}, 2, ParallelDims(dp_shard=1, tp=2, sequence_parallel=True), ("dp_shard", "tp"), (1, 2)),
     ({"context_size": 4}, 8, ParallelDims(dp_shard=2, cp=4), ("dp_shard", "cp"), (2, 4)),
     ({"tensor_size": 2, "sharding": "hybrid", "shard_size": 2}, 8,
-     ParallelDims(dp_replicate=2, dp_shard=2, tp=2, replicate_dim=True), ("dp_replicate", "dp_shard", "tp"), (2, 2, 2)),
+     ParallelDims(dp_replicate=2, dp_shard=2, tp=2, replicate_dim=True, sequence_parallel=True),
+     ("dp_replicate", "dp_shard", "tp"), (2, 2, 2)),
     ({"tensor_size": 4, "sharding": "replicate"}, 8,
-     ParallelDims(dp_replicate=2, dp_shard=1, tp=4, replicate_dim=True), ("dp_replicate", "dp_shard", "tp"), (2, 1, 4)),
+     ParallelDims(dp_replicate=2, dp_shard=1, tp=4, replicate_dim=True, sequence_parallel=True),
+     ("dp_replicate", "dp_shard", "tp"), (2, 1, 4)),
 ])
 def test_tensor_and_context_axes_come_first_and_the_data_axes_take_the_rest(parallel, world, dims, names, shape):
-    got = parallel_dims(load_config({"parallel": parallel}), world)
+    got = ParallelDims.of(load_config({"parallel": parallel}), world)
     assert got == dims
     assert got.mesh_shape() == (names, shape)
     assert got.world_size == world and got.data_size == world // (got.tp * got.cp)
@@ -37,7 +40,7 @@ def test_tensor_and_context_axes_come_first_and_the_data_axes_take_the_rest(para
     ({"context_size": 4}, [0, 0, 0, 0, 1, 1, 1, 1]),
 ])
 def test_the_ranks_of_one_tp_or_cp_group_read_the_same_batch(parallel, batches):
-    dims = parallel_dims(load_config({"parallel": parallel}), 8)
+    dims = ParallelDims.of(load_config({"parallel": parallel}), 8)
     assert [dims.data_rank(rank) for rank in range(8)] == batches
 
 
@@ -50,16 +53,17 @@ def test_the_ranks_of_one_tp_or_cp_group_read_the_same_batch(parallel, batches):
 ])
 def test_a_world_the_tp_and_cp_groups_do_not_fill_is_refused_naming_the_keys(parallel, world, says, fix):
     with pytest.raises(Fp8distError) as raised:
-        parallel_dims(load_config({"parallel": parallel}), world)
+        ParallelDims.of(load_config({"parallel": parallel}), world)
     assert says in str(raised.value) and fix in str(raised.value), str(raised.value)
 
 
 def test_hybrid_shard_size_must_divide_the_data_ranks_left_by_tp():
     spec = _parallel(tensor_size=2, sharding="hybrid", shard_size=4)
-    assert parallel_dims(spec, 8) == ParallelDims(dp_replicate=1, dp_shard=4, tp=2, replicate_dim=True)
+    assert ParallelDims.of(spec, 8) == ParallelDims(dp_replicate=1, dp_shard=4, tp=2, replicate_dim=True,
+                                                    sequence_parallel=True)
     with pytest.raises(Fp8distError, match="parallel.shard_size=4 does not divide the 2 data-parallel ranks left by "
                                            r"tp x cp.*\n  fix: set parallel.shard_size to a divisor of 2"):
-        parallel_dims(spec, 4)  # 4 ranks divide by shard_size 4, but only 2 are left for data after tp 2
+        ParallelDims.of(spec, 4)  # 4 ranks divide by shard_size 4, but only 2 are left for data after tp 2
 
 
 def test_the_fix_names_the_flag_of_the_command_that_sets_the_world_size():
@@ -68,7 +72,7 @@ def test_the_fix_names_the_flag_of_the_command_that_sets_the_world_size():
     spec = _parallel(expert_size=2)
     for flag in ("--nproc", "--world-size"):
         with pytest.raises(Fp8distError) as raised:
-            parallel_dims(spec, 3, flag)
+            ParallelDims.of(spec, 3, flag)
         assert f"fix: run on a multiple of 2 ranks ({flag} 4)" in str(raised.value), str(raised.value)
 
 
@@ -91,8 +95,8 @@ LLAMA = config_values("tiny-llama")  # 4 heads, 2 KV heads, hidden 64, MLP 128
 
 
 def _fits(tp=1, cp=1, seq_len=64, sequence_split=False, config=LLAMA):
-    check_model_fits(ParallelDims(dp_shard=1, cp=cp, tp=tp), config, seq_len, sequence_split=sequence_split,
-                     source="tiny-llama")
+    ParallelDims(dp_shard=1, cp=cp, tp=tp, sequence_parallel=sequence_split and tp > 1).check_model(
+        config, seq_len, source="tiny-llama")
 
 
 def test_tensor_parallel_degrees_the_model_splits_on_pass():

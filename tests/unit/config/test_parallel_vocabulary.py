@@ -61,21 +61,26 @@ def test_offload_maps_to_deepspeed_keys():
 
 
 def test_world_size_check():
-    from fp8dist.config.parallel import ParallelDims, parallel_dims
+    from fp8dist.config.parallel import ParallelDims
     from fp8dist.errors import Fp8distError
 
     spec = load_config({"parallel": {"sharding": "hybrid", "shard_size": 4}})
-    assert parallel_dims(spec, 8) == ParallelDims(dp_replicate=2, dp_shard=4, replicate_dim=True)
+    assert ParallelDims.of(spec, 8) == ParallelDims(dp_replicate=2, dp_shard=4, replicate_dim=True)
     with pytest.raises(Fp8distError, match="parallel.shard_size=4 does not divide the 6 ranks"):
-        parallel_dims(spec, 6)
+        ParallelDims.of(spec, 6)
 
 
 def test_estimate_divides_fsdp2_stores_by_the_shard_group():
+    from fp8dist.config.parallel import ParallelDims
     from fp8dist.estimate.memory import shard_counts
 
-    assert shard_counts(load_config({}), 8)["weights"] == 8
-    assert shard_counts(load_config({"parallel": {"sharding": "hybrid", "shard_size": 4}}), 8)["optimizer"] == 4
-    assert shard_counts(load_config({"parallel": {"sharding": "replicate"}}), 8)["weights"] == 1
+    def counts(values):
+        spec = load_config(values)
+        return shard_counts(spec, ParallelDims.of(spec, 8))
+
+    assert counts({})["weights"] == 8
+    assert counts({"parallel": {"sharding": "hybrid", "shard_size": 4}})["optimizer"] == 4
+    assert counts({"parallel": {"sharding": "replicate"}})["weights"] == 1
 
 
 def test_notes_for_fp8_users():

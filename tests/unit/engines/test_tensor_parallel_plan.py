@@ -17,7 +17,7 @@ from fp8dist.engines.fsdp2.clipping import clip_grad_norm_
 from fp8dist.engines.fsdp2.tensor_parallel import (DEFAULT_PLAN, apply, final_norm, model_plan,
                                                    planned_linears, vocabulary_split)
 from fp8dist.errors import Fp8distError
-from fp8dist.runtime.models import tiny_config, tiny_llama_config, tiny_moe_config
+from fp8dist.config.models import tiny_config, tiny_llama_config, tiny_moe_config
 
 LAYER_LINEARS = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
                  "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",

@@ -15,9 +15,9 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fp8dist.config.load import load_config
-from fp8dist.config.parallel import parallel_dims
+from fp8dist.config.parallel import ParallelDims
 from fp8dist.engines.fsdp2.engine import prepare
-from fp8dist.engines.mesh import build_device_mesh
+from fp8dist.engines.mesh import build_meshes
 from fp8dist.estimate.memory import estimate
 from fp8dist.runtime.models import load_model
 from tests.unit.estimate.saved_bytes import kept_for_backward
@@ -32,7 +32,7 @@ def main(name: str, config: str, world: int, overrides: list[str]) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     spec = load_config(config, overrides=overrides)
     run = prepare(load_model(name, spec.precision.load_dtype).model, spec,
-                  build_device_mesh(parallel_dims(spec, world)), audit="off")
+                  build_meshes(ParallelDims.of(spec, world)), audit="off")
     t = spec.train
     ids = torch.randint(0, run.model.config.vocab_size, (t.micro_batch_size, t.seq_len))
     batch = {"input_ids": ids, "labels": ids}

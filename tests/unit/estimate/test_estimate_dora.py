@@ -48,7 +48,7 @@ def test_activations_are_what_the_forward_leaves_alive(use_dora):
     (tests/live_bytes.py, the loss held). DoRA's identity matrices are saved by autograd for a graph the loss does not
     reach, and die with the layer's forward: counted at save time, they would add in^2 per adapted Linear."""
     from fp8dist.estimate.model import activation_bytes, adapted_counts, build_meta_model
-    from fp8dist.runtime.adapters import apply_adapter
+    from fp8dist.backends.adapters import apply_adapter
     from fp8dist.runtime.models import load_model
     from tests.live_bytes import LiveBytes
 

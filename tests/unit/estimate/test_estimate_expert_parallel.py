@@ -16,7 +16,7 @@ from fp8dist.config.load import load_config
 from fp8dist.errors import Fp8distError
 from fp8dist.estimate.memory import estimate
 from fp8dist.estimate.model import build_meta_model
-from fp8dist.runtime.models import tiny_llama_config, tiny_moe_config
+from fp8dist.config.models import tiny_llama_config, tiny_moe_config
 from tests.conftest import ROOT, run_cli
 
 FSDP2_BF16 = ROOT / "configs" / "fsdp2-bf16.yaml"  # bf16 compute (2 bytes), micro batch 2 x 64 tokens

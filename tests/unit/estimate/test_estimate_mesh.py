@@ -12,7 +12,7 @@ from fp8dist.config.load import load_config
 from fp8dist.errors import Fp8distError
 from fp8dist.estimate.memory import estimate
 from fp8dist.estimate.model import activation_bytes, build_meta_model
-from fp8dist.runtime.models import tiny_llama_config
+from fp8dist.config.models import tiny_llama_config
 from tests.conftest import ROOT, run_cli
 
 FSDP2_BF16 = ROOT / "configs" / "fsdp2-bf16.yaml"

@@ -13,9 +13,10 @@ from fp8dist.backends.storage import storage
 from fp8dist.config.load import load_config
 from fp8dist.dtypes import torch_dtype
 from fp8dist.estimate.frozen import frozen_base
+from fp8dist.config.parallel import ParallelDims
 from fp8dist.estimate.memory import estimate, shard_counts
 from fp8dist.estimate.model import adapted_counts, build_meta_model
-from fp8dist.runtime.adapters import apply_adapter
+from fp8dist.backends.adapters import apply_adapter
 from tests.conftest import ROOT
 from tests.tp_models import unseen_qwen2_qlora
 
@@ -102,7 +103,7 @@ def test_llama_3_70b_qlora_frozen_base_halves_from_8_to_16_ranks():
     meta = build_meta_model("llama-3-70b", spec.precision.compute_dtype)
     adapted_counts(meta, spec)
     local = {fqn: param.numel() for fqn, param in meta.model.named_parameters()}  # tp 1: every rank's whole
-    eight, sixteen = (frozen_base(meta, spec, local, shard_counts(spec, world)["weights"]) for world in (8, 16))
+    eight, sixteen = (frozen_base(meta, spec, local, shard_counts(spec, ParallelDims.of(spec, world))["weights"]) for world in (8, 16))
     nf4 = eight.by_format["nf4"]
     assert [item.fqn for item in eight.nf4_kept] == ["lm_head"]  # every other Linear fits 8 and 16 shards
     assert 34e9 < nf4.bytes < 36e9  # ~68.5B values at 0.516 bytes

@@ -127,10 +127,10 @@ def test_the_table_covers_peft_021s_lora_config():
 
 
 def test_a_real_saved_config_round_trips_through_peft(tmp_path):
-    """What fp8dist builds from the imported adapter (runtime/adapters.py lora_config) is the file's LoraConfig in
+    """What fp8dist builds from the imported adapter (backends/adapters.py lora_config) is the file's LoraConfig in
     every field the table keeps or refuses."""
     pytest.importorskip("peft")
-    from fp8dist.runtime.adapters import lora_config
+    from fp8dist.backends.adapters import lora_config
 
     spec = load_config(yaml.safe_load(import_file(KEPT_FILE)))
     built = lora_config(spec.adapter).to_dict()

@@ -5,7 +5,7 @@ import torch
 from fp8dist.backends.module_filter import ADAPTER_REASON, base_name, decide, linear_infos
 from fp8dist.config.load import load_config
 from fp8dist.errors import ConfigError, Fp8distError
-from fp8dist.runtime.adapters import apply_adapter, split_parameters
+from fp8dist.backends.adapters import apply_adapter, split_parameters
 from fp8dist.runtime.loading import load_for_run
 from tests.audit_factories import LinearRouterBlock
 
@@ -118,7 +118,8 @@ def test_modules_to_save_train_whole_and_export_as_peft_saves_them(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from fp8dist.runtime.adapters import trained_beside_base, write_adapter, write_merged
+    from fp8dist.backends.adapters import trained_beside_base
+    from fp8dist.runtime.adapter_files import write_adapter, write_merged
     from fp8dist.runtime.models import load_model
 
     spec = load_config({"adapter": {"kind": "lora", "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"],
@@ -160,7 +161,7 @@ def test_a_module_to_save_the_model_lacks_or_ties_is_refused_at_load():
     untied by PEFT's copy (tie_word_embeddings): each refused naming the key."""
     from transformers import AutoModelForCausalLM
 
-    from fp8dist.runtime.models import _llama_config
+    from fp8dist.config.models import _llama_config
 
     for names, says in ((["score"], "no module of LlamaForCausalLM is named 'score'"),
                         (["head"], "would also train lm_head whole")):
@@ -211,7 +212,7 @@ def test_the_adapter_export_records_the_bases_quantization_in_its_model_card(tmp
     (peft 0.21 create_or_update_model_card); loading the adapter onto a 16-bit base is then a choice, not a surprise."""
     from huggingface_hub import ModelCard
 
-    from fp8dist.runtime.adapters import write_adapter
+    from fp8dist.runtime.adapter_files import write_adapter
     from tests.conftest import ROOT
 
     qlora, lora = tmp_path / "qlora", tmp_path / "lora"

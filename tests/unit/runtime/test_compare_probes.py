@@ -18,7 +18,7 @@ CONFIGS = ROOT / "configs"
 def _mixtral(seed: int):
     from transformers import AutoModelForCausalLM
 
-    from fp8dist.runtime.models import tiny_moe_config
+    from fp8dist.config.models import tiny_moe_config
 
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(tiny_moe_config("mixtral"))
@@ -137,7 +137,7 @@ def test_replay_repeats_every_choice_of_a_forward_in_its_recompute_under_checkpo
 def test_a_dense_model_has_no_router_to_replay():
     from transformers import AutoModelForCausalLM
 
-    from fp8dist.runtime.models import tiny_llama_config
+    from fp8dist.config.models import tiny_llama_config
 
     with pytest.raises(Fp8distError, match="no experts module"):
         routers(AutoModelForCausalLM.from_config(tiny_llama_config()))
@@ -148,7 +148,7 @@ def llama_and_spec():
     from transformers import AutoModelForCausalLM
 
     from fp8dist.config.load import load_config
-    from fp8dist.runtime.models import tiny_llama_config
+    from fp8dist.config.models import tiny_llama_config
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(tiny_llama_config()), load_config(CONFIGS / "fsdp2-bf16.yaml")

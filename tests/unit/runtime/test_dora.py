@@ -10,7 +10,7 @@ from fp8dist.backends.module_filter import is_adapter
 from fp8dist.config.load import load_config
 from fp8dist.config.spec import AdapterSpec
 from fp8dist.errors import ConfigError
-from fp8dist.runtime.adapters import apply_adapter, trained_beside_base
+from fp8dist.backends.adapters import apply_adapter, trained_beside_base
 from fp8dist.runtime.loading import load_for_run
 from fp8dist.runtime.models import causal_lm_batch
 
@@ -63,7 +63,8 @@ def test_a_dora_adapter_exports_as_peft_saves_it_and_loads_back_to_the_same_outp
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from fp8dist.runtime.adapters import lora_config, write_adapter, write_merged
+    from fp8dist.backends.adapters import lora_config
+    from fp8dist.runtime.adapter_files import write_adapter, write_merged
     from fp8dist.runtime.models import load_model
 
     spec = load_config({"adapter": {"kind": "lora", "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"],
@@ -168,7 +169,7 @@ def test_peft_cannot_read_torchaos_nf4_or_gathered_float8_weight_back():
     from transformers import AutoModelForCausalLM
 
     from fp8dist.backends.nf4 import quantize_frozen_base
-    from fp8dist.runtime.models import _llama_config
+    from fp8dist.config.models import _llama_config
 
     adapter = AdapterSpec(kind="lora", r=4, alpha=8, dropout=0.0, target_modules="auto", base_dtype="nf4",
                           use_dora=True)  # built by hand: the rules refuse it

@@ -10,7 +10,7 @@ from fp8dist.commands.audit import check_before_launch
 from fp8dist.config.load import load_config
 from fp8dist.errors import Fp8distError, Problems
 from fp8dist.runtime.loading import check_efficient_loading
-from fp8dist.runtime.models import BUILTIN, check_model_name
+from fp8dist.config.models import BUILTIN, check_model_name
 from tests.conftest import ROOT, run_cli
 
 
@@ -55,7 +55,8 @@ def test_the_audit_checks_report_every_problem_at_once():
 RESOLVE = """
 import sys
 from fp8dist.errors import Fp8distError
-from fp8dist.runtime.models import check_model_name, load_model
+from fp8dist.runtime.models import load_model
+from fp8dist.config.models import check_model_name
 loaded = load_model("acme/tiny-llama", "bf16")
 print("loaded", type(loaded.model).__name__, next(loaded.model.parameters()).dtype)
 try:

@@ -8,7 +8,7 @@ import torch
 from fp8dist import load_config
 from fp8dist.backends.nf4 import SAVED_MODULE_REASON, is_nf4, quantize_frozen_base
 from fp8dist.errors import Fp8distError
-from fp8dist.runtime.adapters import apply_adapter
+from fp8dist.backends.adapters import apply_adapter
 from fp8dist.runtime.loading import load_for_run, load_nf4_base
 from fp8dist.runtime.models import load_model
 
@@ -105,7 +105,7 @@ def test_files_read_otherwise_than_by_name_load_whole_and_say_why(tmp_path, caps
 
 def test_the_audits_loading_row_reads_the_dtype_the_base_was_read_in(tmp_path):
     """loading: the NF4 weights count in the dtype they were read in (frozen_weights reads what they hold)."""
-    from fp8dist.audit.worker import loading_cell
+    from fp8dist.commands.audit_worker import loading_cell
 
     directory = _save(tmp_path / "model")
     cell = loading_cell(load_for_run(directory, _spec()))

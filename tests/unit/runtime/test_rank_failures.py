@@ -4,7 +4,7 @@ from fp8dist.runtime.ranks import failure_tail
 
 RANK_TRACEBACK = """\
 [rank0]: Traceback (most recent call last):
-[rank0]:   File "/x/fp8dist/audit/worker.py", line 70, in <module>
+[rank0]:   File "/x/fp8dist/commands/audit_worker.py", line 70, in <module>
 [rank0]:   File "/x/torchao/quantization/quantize_/workflows/nf4/nf4_tensor.py", line 1018, in fsdp_post_all_gather
 [rank0]:     (quantized_scalers, quantization_factor, quantized_data) = all_gather_outputs
 [rank0]: ValueError: not enough values to unpack (expected 3, got 1)
@@ -24,7 +24,7 @@ Traceback (most recent call last):
     raise ChildFailedError(
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================
-fp8dist.audit.worker FAILED
+fp8dist.commands.audit_worker FAILED
 ------------------------------------------------------------
 Root Cause (first observed failure):
 [0]:

@@ -5,7 +5,7 @@ which has no expert parallel, says so; FSDP2's plan names the experts' mesh."""
 import pytest
 
 from fp8dist.config.load import load_config
-from fp8dist.config.parallel import parallel_dims
+from fp8dist.config.parallel import ParallelDims
 from fp8dist.errors import ConfigError
 from fp8dist.facts.deepspeed import DS_AUTOEP, DS_AUTOEP_ZERO3
 from fp8dist.facts.versions import fmt
@@ -114,6 +114,6 @@ def test_the_fsdp2_plan_names_the_experts_mesh_parallel_dims_builds(expert_size)
     spec = load_config({"parallel": {"expert_size": expert_size}})
     mesh = to_fsdp2(spec).to_json()["sharding"]["mesh"]
     assert mesh == f"1-D (shard over all ranks); experts 2-D (efsdp = world / {expert_size}, ep = {expert_size})"
-    dims = parallel_dims(spec, 8)
+    dims = ParallelDims.of(spec, 8)
     assert dims.expert_mesh_shape() == (("efsdp", "ep"), (8 // expert_size, expert_size))
     assert "experts" not in to_fsdp2(load_config({})).to_json()["sharding"]["mesh"]

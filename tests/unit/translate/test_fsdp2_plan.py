@@ -10,7 +10,7 @@ import pytest
 
 import fp8dist.translate.fsdp2 as fsdp2
 from fp8dist.config.load import load_config
-from fp8dist.config.parallel import parallel_dims
+from fp8dist.config.parallel import ParallelDims
 from fp8dist.config.spec import Dtype
 from fp8dist.facts.transformer_engine import TE_RECIPES
 from fp8dist.translate.fsdp2 import FSDP2Plan, PlanSection, fsdp2_layout, to_fsdp2
@@ -92,7 +92,7 @@ def test_the_world_shard_size_is_what_parallel_dims_resolves(parallel):
     spec = load_config({"parallel": parallel})
     layout = fsdp2_layout(spec)
     for world in (4, 8):
-        dims = parallel_dims(spec, world)
+        dims = ParallelDims.of(spec, world)
         assert dims.dp_shard == (world if layout.shard_size == "world" else layout.shard_size)
         assert layout.to_json()["mesh"].startswith("1-D" if dims.dp_replicate == 1 else "2-D")
 

@@ -4,7 +4,7 @@ DeviceMesh the run builds (fp8dist.config.parallel.ParallelDims.mesh_shape)."""
 import pytest
 
 from fp8dist.config.load import load_config
-from fp8dist.config.parallel import parallel_dims
+from fp8dist.config.parallel import ParallelDims
 from fp8dist.translate import to_fsdp2
 
 MXFP8 = {"fp8": {"backend": "torchao", "torchao": {"recipe_name": "mxfp8"}}}
@@ -51,7 +51,7 @@ def test_sequence_parallel_in_the_section_is_the_resolved_value():
 ])
 def test_the_mesh_in_words_has_the_dims_the_run_builds(parallel, mesh, world):
     assert _plan(**parallel)["sharding"]["mesh"] == mesh
-    names, _ = parallel_dims(load_config({"parallel": parallel}), world).mesh_shape()
+    names, _ = ParallelDims.of(load_config({"parallel": parallel}), world).mesh_shape()
     assert mesh.startswith(f"{len(names)}-D")
     words = {"dp_replicate": "replicate = ", "dp_shard": "shard = ", "cp": "cp = ", "tp": "tp = "}
     positions = [mesh.index(words[name]) for name in names]

@@ -1,4 +1,4 @@
-"""What fp8dist knows about DeepSpeed before anything runs (torch-free), as fp8dist.engines.facts.EngineFacts:
+"""What fp8dist knows about DeepSpeed before anything runs (torch-free), as fp8dist.engines.profile.EngineProfile:
 where it keeps each number (the audit's expected rows, estimate's partitioning and offload), its translation, how
 it loads and launches. The runtime side is engine.py."""
 from __future__ import annotations
@@ -7,12 +7,12 @@ from typing import Any, Literal
 
 from fp8dist.config.parallel import ParallelDims
 from fp8dist.config.spec import Spec
-from fp8dist.engines.facts import Store
+from fp8dist.engines.profile import Store
 from fp8dist.translate import EnginePlan
 from fp8dist.translate.deepspeed import to_deepspeed
 
 
-class DeepSpeedFacts:
+class DeepSpeedProfile:
     name = "deepspeed"
     launcher: Literal["torchrun", "deepspeed"] = "deepspeed"
     deepspeed_process_group = True
@@ -51,8 +51,8 @@ class DeepSpeedFacts:
             row["weight_gradients"] = ("fp32", "ZeRO-Offload accumulates the reduced gradients in fp32 CPU partitions "
                                        "(stage_1_and_2.py async_inplace_copy_grad_to_fp32_buffer_from_gpu)")
         if spec.adapter.enabled:
-            row["frozen_weights"] = (module, "the bf16/fp16 section casts the whole module, frozen weights too; the ZeRO "
-                                     "optimizer partitions trainable parameters only")
+            row["frozen_weights"] = (module, "the bf16/fp16 section casts the whole module, frozen weights too; "
+                                     "the ZeRO optimizer partitions trainable parameters only")
         state = spec.optimizer_state_dtype
         if state in ("fp32", "bf16", "fp16") and p.master_weights == "none":
             # the ZeRO optimizer steps its partitions, in the dtype it built them (preparation)
@@ -62,6 +62,10 @@ class DeepSpeedFacts:
     def separate_master_bytes(self, spec: Spec) -> bool:
         """DeepSpeed's master partitions are a store of their own beside the module's weights."""
         return True
+
+    def gathers_weights(self, spec: Spec) -> bool:
+        """ZeRO-3 partitions the parameters and gathers them per module (deepspeed 0.19 runtime/zero/stage3.py)."""
+        return spec.deepspeed.zero_stage >= 3
 
     def shard_counts(self, spec: Spec, dims: ParallelDims) -> dict[Store, int]:
         """Over how many ranks each store is divided by the ZeRO stage: the data-parallel ranks (world / tp: AutoTP's
@@ -84,4 +88,4 @@ class DeepSpeedFacts:
         return out
 
 
-FACTS = DeepSpeedFacts()
+PROFILE = DeepSpeedProfile()

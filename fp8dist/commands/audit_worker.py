@@ -1,8 +1,9 @@
 """The audit's measuring process, one per rank (launched by `fp8dist audit` under torchrun): a thin driver over
-`fp8dist.audit.watch` and the run loop (fp8dist.runtime.loop). It loads the model, prepares it with fp8dist's
+`fp8dist.audit.watch` and the run loop (fp8dist.runtime.loop). A command's rank side: the audit observes a run and
+the runtime runs it, so the one that drives both sits above them. It loads the model, prepares it with fp8dist's
 engine and runs step 1 inside the watch, then the remaining steps; rank 0 writes the watch's report.
 
-    python -m torch.distributed.run --nproc_per_node N -m fp8dist.audit.worker
+    python -m torch.distributed.run --nproc_per_node N -m fp8dist.commands.audit_worker
         MODEL CONFIG STEPS OVERRIDES NUMERICS OUT.json
 
 NUMERICS: `numerics` to watch with numerics=True (fp8dist.audit.numerics), empty otherwise.
@@ -15,8 +16,8 @@ from typing import Any, cast
 import fp8dist.audit.probes as probes
 from fp8dist.audit.watching import watch
 from fp8dist.config.load import load_config
-from fp8dist.config.parallel import parallel_dims
-from fp8dist.engines.registry import facts_for
+from fp8dist.config.parallel import ParallelDims
+from fp8dist.engines.registry import profile_for
 from fp8dist.errors import Fp8distError
 from fp8dist.runtime import loop, process_group
 from fp8dist.runtime.loading import load_for_run
@@ -53,11 +54,12 @@ def loading_cell(loaded) -> dict[str, Any]:
     return {"observed": value, "detail": f"parameters after loading: {counts}", "measured": True}
 
 
-def observe(spec, loaded, steps: int, numerics: bool = False) -> dict[str, Any]:
+def observe(spec, loaded, steps: int, numerics: bool = False, dims: ParallelDims | None = None) -> dict[str, Any]:
     """The audit report of step 1 of `loaded` under `spec`, after `steps` real steps (process group up). The
-    engine's own first-step audit is off: the watch here is the audit."""
+    engine's own first-step audit is off: the watch here is the audit. `dims`: the run's layout (default: `spec`'s
+    on this world)."""
     loading = loading_cell(loaded)
-    session = loop.start(spec, loaded, audit="off")
+    session = loop.start(spec, loaded, audit="off", dims=dims)
     engine = session.engine
     with watch(engine.model, engine.optimizer, spec, on_mismatch="ignore", name=loaded.name, loading=loading,
                numerics=numerics) as audit:
@@ -71,9 +73,9 @@ def main(model_name: str, config: str, steps: int, overrides: list[str], out_pat
          numerics: bool = False) -> dict[str, Any]:
     try:
         spec = load_config(config or None, overrides=overrides)
-        process_group.init(spec.train.process_group_timeout_s, deepspeed=facts_for(spec).deepspeed_process_group)
-        parallel_dims(spec, process_group.world_size())
-        return observe(spec, load_for_run(model_name, spec), steps, numerics)
+        process_group.init(spec.train.process_group_timeout_s, deepspeed=profile_for(spec).deepspeed_process_group)
+        dims = ParallelDims.of(spec, process_group.world_size())  # this rank's layout, built once
+        return observe(spec, load_for_run(model_name, spec, dims=dims), steps, numerics, dims)
     except Fp8distError as exc:
         return {"_error": str(exc)}
 

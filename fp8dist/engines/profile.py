@@ -1,6 +1,6 @@
 """What fp8dist knows about an engine before anything runs, as one typed interface (torch-free): the questions the
 runtime, the config commands, estimate and the audit would otherwise answer by testing the engine's name. Each
-engine answers them in its own package (fp8dist/engines/<name>/facts.py); `fp8dist.engines.registry.facts_for`
+engine answers them in its own package (fp8dist/engines/<name>/profile.py); `fp8dist.engines.registry.profile_for`
 hands out the one that `spec.engine` names. Lightning Fabric's strategies answer the same questions themselves
 (lightning/fabric/strategies/strategy.py `module_init_context`, `setup_environment`).
 """
@@ -15,7 +15,7 @@ from fp8dist.translate import EnginePlan
 Store = Literal["weights", "master_weights", "gradients", "optimizer"]
 
 
-class EngineFacts(Protocol):
+class EngineProfile(Protocol):
     name: str
     launcher: Literal["torchrun", "deepspeed"]
     """The launcher `fp8dist run` starts the ranks with by default."""
@@ -30,8 +30,8 @@ class EngineFacts(Protocol):
     """Whether the engine moves a model built on the host to the accelerator itself (deepspeed.initialize does;
     fully_shard shards the model where it is)."""
     uses_device_mesh: bool
-    """Whether the engine shards over the run's DeviceMesh (handed to its setup as `mesh`) rather than process
-    groups of its own."""
+    """Whether the engine shards over the run's DeviceMeshes (handed to its setup as `meshes`,
+    fp8dist.engines.mesh.Meshes) rather than process groups of its own."""
     runs_probes: bool
     """Whether the engine can run a forward and backward between optimizer steps, on another run's weights, and
     drop its gradients without moving the run (`full_weights`, `weights`, `probe`: `fp8dist compare
@@ -51,6 +51,11 @@ class EngineFacts(Protocol):
 
     def separate_master_bytes(self, spec: Spec) -> bool:
         """Whether the master weights are a store of their own beside the module's weights."""
+        ...
+
+    def gathers_weights(self, spec: Spec) -> bool:
+        """Whether the weights are gathered from their shards for every forward and backward (FSDP2, ZeRO-3), rather
+        than kept whole on every rank with the gradients reduced (ZeRO-0/1/2)."""
         ...
 
     def shard_counts(self, spec: Spec, dims: ParallelDims) -> dict[Store, int]:

@@ -1,4 +1,4 @@
-"""What fp8dist knows about FSDP2 before anything runs (torch-free), as fp8dist.engines.facts.EngineFacts: where it
+"""What fp8dist knows about FSDP2 before anything runs (torch-free), as fp8dist.engines.profile.EngineProfile: where it
 keeps each number (the audit's expected rows, estimate's sharding and offload), its translation, how it loads and
 launches. The runtime side is engine.py."""
 from __future__ import annotations
@@ -7,12 +7,12 @@ from typing import Literal
 
 from fp8dist.config.parallel import ParallelDims
 from fp8dist.config.spec import Spec
-from fp8dist.engines.facts import Store
+from fp8dist.engines.profile import Store
 from fp8dist.translate import EnginePlan
 from fp8dist.translate.fsdp2 import FSDP2Plan, to_fsdp2
 
 
-class FSDP2Facts:
+class FSDP2Profile:
     name = "fsdp2"
     launcher: Literal["torchrun", "deepspeed"] = "torchrun"
     deepspeed_process_group = False
@@ -69,9 +69,12 @@ class FSDP2Facts:
         """FSDP2's sharded weights are the master copy: no separate store beside them."""
         return False
 
+    def gathers_weights(self, spec: Spec) -> bool:
+        return True
+
     def shard_counts(self, spec: Spec, dims: ParallelDims) -> dict[Store, int]:
         """Every store is divided over the shard dim (the data-parallel ranks, a hybrid group, or 1 for replicate)
-        with cp folded in: FSDP2 shards over dp_shard x cp (engines/mesh.py data_mesh; torchtitan
+        with cp folded in: FSDP2 shards over dp_shard x cp (ParallelDims.fsdp_size; torchtitan
         parallel_dims.py "fsdp = dp_shard * cp"). A parameter tensor parallel splits is sharded as its tp shard
         (torchao 0.18 torchao/float8/fsdp_utils.py: "apply TP first then FSDP2"), so its stores are divided by tp
         on top: fp8dist/estimate/tensor_parallel.py."""
@@ -83,4 +86,4 @@ class FSDP2Facts:
         return {"weights", "gradients", "optimizer"} if spec.parallel.offload == "params" else set()
 
 
-FACTS = FSDP2Facts()
+PROFILE = FSDP2Profile()
