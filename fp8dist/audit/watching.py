@@ -289,7 +289,8 @@ class Watch:
         by_design = dict(TORCHAO_HIGH_PRECISION_GEMMS.get(self.spec.fp8.torchao.recipe_name, {})
                          if self.spec.fp8.backend == "torchao" else {})
         if self.switched:
-            switched = f"precision.schedule: from step {self.spec.switch_step} ({self.switched} GEMMs in the compute dtype)"
+            switched = (f"precision.schedule: from step {self.spec.switch_step} ({self.switched} GEMMs in the compute "
+                        "dtype)")
             by_design.update(dict.fromkeys(("forward",) if self.switched == "forward" else
                                            ("forward", "input_gradient", "weight_gradient"), switched))
         if self.spec.fp8.backend == "torchao" and self.spec.fp8.overrides:  # several recipes: each Linear's own

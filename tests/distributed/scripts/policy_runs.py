@@ -91,8 +91,8 @@ def schedule_resumed_across_the_switch() -> dict:
         if index + 1 in (2, 4):
             checkpoint.save(run, f"{directory[0]}/{index + 1}", index + 1, spec=spec, model_name="tiny-llama")
     reference = _weights(run)
-    configs = [type(m.config.cast_config_input.scaling_type).__name__ + "." + m.config.cast_config_input.scaling_type.name
-               for m in run.model.modules() if type(m).__name__ == "Float8Linear"]
+    configs = [str(m.config.cast_config_input.scaling_type) for m in run.model.modules()
+               if type(m).__name__ == "Float8Linear"]
     same = {}
     for saved in (2, 4):
         loaded = load_for_run("tiny-llama", spec)

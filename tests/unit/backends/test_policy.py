@@ -79,7 +79,8 @@ def test_torchao_refusals_name_the_key(fp8, key, says):
      "precision.fp8.overrides[0].recipe", "one recipe per run"),
     ({"engine": "deepspeed", "precision": {"preset": "msamp-o1", "fp8": {"overrides": [
         {"modules": ["*"], "recipe": "tensorwise"}]}}}, "precision.fp8.overrides[0].recipe", "use recipe none"),
-    ({"precision": {**AO, "fp8": {"torchao": {"emulate": True}, "overrides": [{"modules": ["*"], "recipe": "rowwise"}]}},
+    ({"precision": {**AO, "fp8": {"torchao": {"emulate": True},
+                                  "overrides": [{"modules": ["*"], "recipe": "rowwise"}]}},
       "parallel": {"tensor_size": 2}}, "precision.fp8.overrides", "tensor parallel"),
     ({"precision": {**AO, "schedule": {"from_step": 2}}}, "precision.schedule", "all-gathered in float8"),
     ({"precision": {**AO, "fp8": {"torchao": {"emulate": True, "recipe_name": "mxfp8"}},
