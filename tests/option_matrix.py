@@ -122,6 +122,17 @@ RUNS = [
         {"precision": {"preset": "torchao-float8", "fp8": {"torchao": EMULATE, "min_speedup": "off"}},
          "hardware": {"gpu": "l40s"}},
         {"float8_linears": 14}),
+    # The per-Linear policy: block 0 kept (keep_first_layers), block 1's attention tensorwise, its MLP rowwise
+    # (an override); on DeepSpeed the last block kept and precision.schedule switching every GEMM at step 2 of 2
+    Run("fsdp2-torchao-policy",
+        {"precision": {"preset": "torchao-float8", "fp8": {"torchao": EMULATE, "keep_first_layers": 1,
+                                                           "overrides": [{"modules": ["*.mlp.*"],
+                                                                          "recipe": "rowwise"}]}}},
+        {"float8_linears": 7}),
+    Run("ds-zero2-torchao-keep-last-schedule-all",
+        {**DS, "precision": {"preset": "torchao-float8", "fp8": {"torchao": EMULATE, "keep_last_layers": 1},
+                             "schedule": {"from_fraction": 0.5, "gemms": "all"}}},
+        {"float8_linears": 7}),
     # MoE: experts in MXFP8 (emulated) on both engines pass the first-step audit, which counts the experts'
     # grouped GEMMs; with experts=none the audit fails on the gemm row, naming the experts
     Run("fsdp2-moe-mxfp8-experts",
@@ -469,6 +480,32 @@ REFUSALS = [
         "max_underflow": 1.5, "max_saturated": -0.1,
         "min_sqnr_db": {"forward": -1, "input_grad": -1, "weight_grad": -1}}}},
         "audit.numerics.max_underflow: 1.5 is greater than the maximum of 1"),
+    # The per-Linear policy and the schedule: what a backend's path cannot run (tests/unit/backends/test_policy.py
+    # has the rest)
+    Refusal("policy-without-fp8", {"precision": {"preset": "bf16", "fp8": {"keep_last_layers": 1}}}, "no FP8 GEMM"),
+    Refusal("te-override-other-recipe", merge(TE, {"precision": {"fp8": {"overrides": [
+        {"modules": ["*"], "recipe": "current"}]}}}), "one recipe per run"),
+    Refusal("schedule-after-last-step", {"precision": {"preset": "torchao-float8", "fp8": {
+        "torchao": {**EMULATE, "enable_fsdp_float8_all_gather": False}}, "schedule": {"from_step": 9}}},
+        "never act"),
+    Refusal("schedule-float8-all-gather", {"precision": {"preset": "torchao-float8", "fp8": {"torchao": EMULATE},
+                                                         "schedule": {"from_fraction": 0.5}}},
+            "all-gathered in float8"),
+    Refusal("override-te-recipe-on-torchao", {"precision": {"preset": "torchao-float8", "fp8": {
+        "torchao": EMULATE, "overrides": [{"modules": ["*"], "recipe": "delayed"}]}}}, "a Transformer Engine recipe"),
+    Refusal("msamp-override-recipe", {**DS, "precision": {"preset": "msamp-o1", "fp8": {"overrides": [
+        {"modules": ["*"], "recipe": "tensorwise"}]}}}, "use recipe none"),
+    Refusal("overrides-mixed-under-tp", {"precision": {"preset": "torchao-float8", "fp8": {
+        "torchao": EMULATE, "overrides": [{"modules": ["*mlp*"], "recipe": "rowwise"}]}},
+        "parallel": {"tensor_size": 2}}, "side by side under tensor parallel"),
+    Refusal("schedule-twice", {"precision": {"preset": "torchao-float8", "fp8": {
+        "torchao": {**EMULATE, "enable_fsdp_float8_all_gather": False}},
+        "schedule": {"from_step": 1, "from_fraction": 0.5}}}, "the switch is given twice"),
+    Refusal("schedule-te", merge(TE, {"precision": {"schedule": {"from_step": 1}}}), "no switch of it is wired"),
+    Refusal("schedule-mxfp8-forward", {"precision": {"preset": "torchao-float8", "fp8": {
+        "torchao": {**EMULATE, "recipe_name": "mxfp8"}}, "schedule": {"from_step": 1}}}, "forward alone"),
+    Refusal("schedule-compile", {"compile": True, "precision": {"preset": "torchao-float8", "fp8": {
+        "torchao": {"enable_fsdp_float8_all_gather": False}}, "schedule": {"from_step": 1}}}, "torch.compile"),
 ]
 
 

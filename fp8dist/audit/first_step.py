@@ -13,7 +13,8 @@ from fp8dist.audit.watching import watch
 @contextlib.contextmanager
 def first_step_audit(engine, mode: str):
     """Yields the Watch; its `report` is None afterwards when the step was skipped."""
-    with watch(engine.model, engine.optimizer, engine.spec, on_mismatch="defer") as audit:
+    with watch(engine.model, engine.optimizer, engine.spec, on_mismatch="defer",
+               step=getattr(engine, "step_number", 1) or 1) as audit:
         yield audit
     if engine.skipped_note is not None:
         audit.report = None

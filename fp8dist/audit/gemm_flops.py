@@ -122,6 +122,9 @@ class WeightGemmLedger:
         self.experts: dict[str, bool] = {}    # module -> holds 3-D (per-expert) weights
         # module -> (M, K, N) of its latest forward weight GEMM (2-D weights): the shape the audit's speed row predicts
         self.shapes: dict[str, tuple[int, int, int]] = {}
+        # (module, phase) -> FLOPs, and the scalings its GEMMs ran in (gemm_scaling): what the policy check reads
+        self.phase_flops: dict[tuple[str, str], int] = defaultdict(int)
+        self.phase_scalings: dict[tuple[str, str], set[str]] = defaultdict(set)
 
     # -- marks, set by the module hooks ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -217,18 +220,20 @@ class WeightGemmLedger:
                     if len(mark.shape) == 2 and mark.shape[0] * mark.shape[1]:  # weight (N out, K in)
                         n, k = mark.shape
                         self.shapes[mark.module] = (flops // (2 * k * n), k, n)
-                self._count(mark.module, fmt, "forward", flops)
+                self._count(mark.module, fmt, "forward", flops, operands)
             else:
-                self._count(mark.module, fmt, "input_gradient", flops)
+                self._count(mark.module, fmt, "input_gradient", flops, operands)
             return
         owner = self._weight_gradient_owner(out) if backward else None
         if owner is None:
             self.activation_flops += flops
         else:
-            self._count(owner, fmt, "weight_gradient", flops)
+            self._count(owner, fmt, "weight_gradient", flops, operands)
 
-    def _count(self, module: str, fmt: str, phase: str, flops: int) -> None:
+    def _count(self, module: str, fmt: str, phase: str, flops: int, operands: list[torch.Tensor]) -> None:
         self.flops[(module, fmt)] += flops
+        self.phase_flops[(module, phase)] += flops
+        self.phase_scalings[(module, phase)].add(gemm_scaling(fmt, operands))
         if not is_low_precision(fmt):
             self.high_precision_phases[(module, phase)] += flops
 
@@ -256,6 +261,21 @@ class WeightGemmLedger:
 
 def is_low_precision(fmt: str) -> bool:
     return fmt.startswith(LOW_PRECISION) or fmt.startswith("mx")
+
+
+def gemm_scaling(fmt: str, operands: list[torch.Tensor]) -> str:
+    """How one weight GEMM's operands were scaled, as a recipe sees it: `mxfp8` (block scales), `tensorwise` (torchao's
+    Float8TrainingTensor operands all with one scale each), `rowwise` (one of them scaled per row or column: torchao's
+    rowwise recipes; in rowwise_with_gw_hp the input gradient's weight is tensorwise, its grad_output rowwise),
+    `fp8` (low precision, no scale seen), else the high-precision operand format."""
+    if not is_low_precision(fmt):
+        return fmt
+    if fmt.startswith("mx"):
+        return fmt
+    scales = [scale for t in operands if isinstance(scale := getattr(t, "_scale", None), torch.Tensor)]
+    if not scales:
+        return "fp8"
+    return "rowwise" if any(scale.numel() > 1 for scale in scales) else "tensorwise"
 
 
 def summarize(ledger: WeightGemmLedger, kept: dict[str, str], fp8_expected: bool,

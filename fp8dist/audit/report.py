@@ -31,7 +31,7 @@ def build(spec: Spec, model: str, observed: dict[str, Any], nproc: int,
         got = observed.get(phase) or {"observed": "not observed", "detail": "no probe result for this phase",
                                       "measured": False}
         want, why = got.get("expects", (want, why))  # what the run asked for, where the config decided per module
-        matches = normalize(got["observed"]) == normalize(want)
+        matches = normalize(got["observed"]) == normalize(want) and not got.get("fails")  # fails: the policy check
         status = NOT_MEASURED if not got["measured"] else (OK if matches else MISMATCH)
         checks.append({"phase": phase, "expected": want, "observed": got["observed"], "ok": status == OK,
                        "status": status, "why": why, "detail": got["detail"], "measured": got["measured"],
@@ -89,8 +89,10 @@ def table(result: dict[str, Any]) -> str:
     flops = result.get("gemm_flops")
     if flops and flops["weight_gemm_flops"]:
         formats = ", ".join(f"{fmt} {share:.1%}" for fmt, share in flops["by_format"].items())
+        asked = (flops.get("policy") or {}).get("asked_fp8_share")
         lines.append(f"weight-GEMM FLOPs in FP8: {flops['fp8_share']:.1%} ({formats})"
-                     + (", emulated" if result.get("fp8_emulated") else ""))
+                     + (", emulated" if result.get("fp8_emulated") else "")
+                     + (f"; the policy asks {asked:.1%}" if asked is not None else ""))
         allowed: dict[str, list] = {}  # reason -> the rows it keeps in high precision
         for row in flops["high_precision"]:
             if row["allowed"]:
@@ -105,7 +107,11 @@ def table(result: dict[str, Any]) -> str:
     if result["fp8_modules"]:
         kept = [m for m in result["fp8_modules"] if not m["convert"]]
         adapters = [m for m in kept if m["reason"] == ADAPTER_REASON]
-        lines.append(f"FP8 modules: {len(converted)} of {len(result['fp8_modules'])} converted; kept: " +
+        recipes: dict[str, int] = {}
+        for m in converted:
+            recipes[m.get("recipe") or "converted"] = recipes.get(m.get("recipe") or "converted", 0) + 1
+        by_recipe = f" ({', '.join(f'{r} {n}' for r, n in recipes.items())})" if len(recipes) > 1 else ""
+        lines.append(f"FP8 modules: {len(converted)} of {len(result['fp8_modules'])} converted{by_recipe}; kept: " +
                      ("; ".join([f"{m['fqn']} ({m['reason']})" for m in kept if m not in adapters]
                                 + ([f"{len(adapters)} Linears: {ADAPTER_REASON}"] if adapters else [])) or "none"))
     kernels = result.get("kernel_matmuls")

@@ -28,8 +28,9 @@ from typing import Any, Literal, cast
 import fp8dist.audit.probes as probes
 from fp8dist.audit.gemm_flops import clean_name, summarize as summarize_gemm_flops
 from fp8dist.audit.numerics import NumericsRecorder, observe as observe_numerics
+from fp8dist.audit.policy_check import check as check_policy, describe as describe_policy
 from fp8dist.audit.speed_row import speed_row
-from fp8dist.backends.module_filter import SPEED_KEPT, LinearInfo, decide, linear_infos
+from fp8dist.backends.module_filter import SPEED_KEPT, LinearInfo, decide, linear_infos, policy_of
 from fp8dist.audit.expected import expected, normalize
 from fp8dist.audit.report import build, table, verdict
 from fp8dist.audit.wire import DATA_AXES, REDUCTIONS, WireRecorder
@@ -42,7 +43,7 @@ from fp8dist.engines.registry import inspector_for
 from fp8dist.facts.torchao import TORCHAO_HIGH_PRECISION_GEMMS
 from fp8dist.backends.adapters import split_parameters, trained_beside_base
 from fp8dist.errors import ExitCode, Fp8distError
-from fp8dist.translate.fsdp2 import module_filter_plan
+from fp8dist.translate.fsdp2 import module_filter_plan, torchao_recipe_dims
 
 ON_MISMATCH = ("warn", "raise", "ignore", "defer")  # defer: decide later with Watch.conclude
 FLOAT8_WIRE = {"uint8", "fp8_e4m3", "fp8_e5m2"}  # gloo carries float8 as uint8 (engines/collectives.py)
@@ -72,7 +73,7 @@ class Watch:
     """Context manager behind `watch`. After the block: `report`, `passed`, and `observed` (the raw cells)."""
 
     def __init__(self, model, optimizer, config, *, on_mismatch: str = "warn", name: str | None = None,
-                 verbose: bool = False, loading: dict | None = None, numerics: bool = False):
+                 verbose: bool = False, loading: dict | None = None, numerics: bool = False, step: int = 1):
         if on_mismatch not in ON_MISMATCH:
             raise Fp8distError(f"on_mismatch={on_mismatch!r}: use one of {', '.join(ON_MISMATCH)}")
         self.spec = _spec(config)
@@ -88,6 +89,10 @@ class Watch:
         self.wire: WireRecorder | None = None
         self.numerics = numerics
         self._numerics: NumericsRecorder | None = None
+        # the watched step (from 1): after precision.schedule's switch its GEMMs are expected in the compute dtype
+        switch = self.spec.switch_step
+        self.switched = self.spec.precision.schedule.gemms if switch is not None and step >= switch else None
+        self.step = step
 
     # -- entering: what the prepared run stores before the step -------------------------------------------
     def __enter__(self) -> "Watch":
@@ -283,12 +288,29 @@ class Watch:
         ledger = cast(probes.MatmulRecorder, self.matmuls).ledger  # __enter__ made it; _release drops it after this
         decisions = self.inspector.decisions or self._config_decisions()
         kept = {d.fqn: d.reason for d in decisions if not d.convert}
-        by_design = (TORCHAO_HIGH_PRECISION_GEMMS.get(self.spec.fp8.torchao.recipe_name, {})
-                     if self.spec.fp8.backend == "torchao" else {})
+        by_design = dict(TORCHAO_HIGH_PRECISION_GEMMS.get(self.spec.fp8.torchao.recipe_name, {})
+                         if self.spec.fp8.backend == "torchao" else {})
+        if self.switched:
+            switched = (f"precision.schedule: from step {self.spec.switch_step} ({self.switched} GEMMs in the compute "
+                        "dtype)")
+            by_design.update(dict.fromkeys(("forward",) if self.switched == "forward" else
+                                           ("forward", "input_gradient", "weight_gradient"), switched))
+        if self.spec.fp8.backend == "torchao" and self.spec.fp8.overrides:  # several recipes: each Linear's own
+            by_design.update(TORCHAO_HIGH_PRECISION_GEMMS["rowwise_with_gw_hp"])  # the policy check judges them
         flops = summarize_gemm_flops(ledger, kept, self.spec.fp8.enabled, by_design)
         self.observed["_gemm_flops"] = flops
         if not flops["weight_gemm_flops"]:
             return
+        if self.switched == "all":
+            gemm["expects"] = (expected(self.spec, 1)["training"][0], switched)
+        if self.spec.fp8.backend == "torchao":
+            policy = check_policy(ledger, self._policy_expected(decisions), self.switched,
+                                  switched if self.switched else "")
+            flops["policy"] = policy
+            if policy["mismatches"]:
+                gemm["fails"] = True
+                gemm["detail"] = ("Linears not in the format the policy says: " + describe_policy(policy["mismatches"])
+                                  + "; " + gemm["detail"])
         if decisions and not any(d.convert for d in decisions) and any(SPEED_KEPT in d.reason for d in decisions):
             # the config's own speed rule kept every Linear: the run it asked for has no FP8 GEMM to find
             gemm["expects"] = (expected(self.spec, 1)["training"][0],
@@ -312,15 +334,26 @@ class Watch:
         return speed_row(self.spec, ledger, device_info().get("name"))
 
     def _config_decisions(self) -> list:
-        """Which Linears the config keeps in high precision, for a model fp8dist did not convert (Accelerate, HF
-        Trainer, a hand-written loop): its module filter applied to the model as it is, the rule every fp8dist
-        backend applies (backends/module_filter.py)."""
+        """Which Linears the config keeps in high precision and in which recipe it runs the others, for a model fp8dist
+        did not convert (Accelerate, HF Trainer, a hand-written loop) and for the policy check: its module filter and
+        per-Linear policy applied to the model as it is, the rule every fp8dist backend applies
+        (backends/module_filter.py)."""
         if self.spec.fp8.backend in ("none", "msamp"):  # MS-AMP: table A's scope, not a module filter
             return []
         rules = module_filter_plan(self.spec)
-        infos = [LinearInfo(clean_name(i.fqn), i.in_features, i.out_features, i.router)
+        infos = [LinearInfo(clean_name(i.fqn), i.in_features, i.out_features, i.router, i.block, i.blocks)
                  for i in linear_infos(self.inspector.module)]
-        return decide(infos, rules.exclude, rules.skip_first_last, rules.require_dims_multiple_of)
+        dims = torchao_recipe_dims(self.spec.fp8.torchao) if self.spec.fp8.backend == "torchao" else {}
+        return decide(infos, rules.exclude, rules.skip_first_last, rules.require_dims_multiple_of,
+                      policy=policy_of(self.spec.fp8, dims))
+
+    def _policy_expected(self, decisions: list) -> dict[str, tuple[str | None, str]]:
+        """Linear -> (the recipe the config's policy gives it, None: compute dtype; why), from the config, not from
+        what the engine says it did; a Linear the run's speed rule kept (precision.fp8.min_speedup, decided on the
+        run's GPU) is expected kept."""
+        speed_kept = {d.fqn: d.reason for d in decisions if not d.convert and SPEED_KEPT in d.reason}
+        return {d.fqn: (None, speed_kept[d.fqn]) if d.fqn in speed_kept else
+                (d.recipe if d.convert else None, d.reason) for d in self._config_decisions()}
 
     def _no_master_expected(self) -> bool:
         return expected(self.spec, self.data_size)["master_weights"][0] == "n/a"
@@ -405,7 +438,7 @@ class Watch:
 
 
 def watch(model, optimizer, config, *, on_mismatch: str = "warn", name: str | None = None,
-          verbose: bool = False, loading: dict | None = None, numerics: bool = False) -> Watch:
+          verbose: bool = False, loading: dict | None = None, numerics: bool = False, step: int = 1) -> Watch:
     """Audit everything run inside the `with` block against `config` (a path, a dict or a Spec).
 
     model: what the loop calls (fp8dist-prepared, `fully_shard`ed, a DeepSpeedEngine, DDP, a plain module,
@@ -416,6 +449,8 @@ def watch(model, optimizer, config, *, on_mismatch: str = "warn", name: str | No
         verdict. loading: the `loading` cell when the caller observed the model as loaded (the CLI audit).
     numerics: also measure every FP8 weight GEMM's casts and SQNR (fp8dist.audit.numerics): a `numerics` row
         checked against `audit.numerics`, and `numerics` in the report; the watched step costs more.
+    step: which step of the run the block is (from 1): from precision.schedule's switch on, its GEMMs are expected
+        in the compute dtype (the forward ones, or all).
     """
     return Watch(model, optimizer, config, on_mismatch=on_mismatch, name=name, verbose=verbose, loading=loading,
-                 numerics=numerics)
+                 numerics=numerics, step=step)

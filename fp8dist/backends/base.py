@@ -63,6 +63,10 @@ class PrecisionBackend:
     def after_optimizer_step(self, model) -> None:
         """Called after every optimizer step (torchao: precompute float8 scales for FSDP2)."""
 
+    def at_step(self, step: int) -> None:
+        """Called before optimizer step `step` (from 1; a resumed run's first is the checkpoint's step + 1):
+        precision.schedule's switch acts here (torchao; the config rules refuse a schedule elsewhere)."""
+
 
 # precision.fp8.backend -> its class. Each backend module registers itself (fp8dist/backends/__init__.py imports
 # them all, so the registry is complete whenever this module is importable).

@@ -1,9 +1,9 @@
 """Which nn.Linear layers get FP8, and why the others do not. Pure: layer facts in, decisions out."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import fp8dist.speed as speed
 from fp8dist.config.spec import Spec, min_speedup_number, min_speedup_of
@@ -17,6 +17,8 @@ class LinearInfo:
     in_features: int
     out_features: int
     router: bool = False  # an MoE router (is_router): stays in high precision
+    block: int | None = None  # the index of the decoder block that holds it (block_list), None outside the blocks
+    blocks: int = 0  # how many decoder blocks the model has
 
 
 ROUTER_REASON = "MoE router: kept in high precision by design (top-k on FP8 logits changes which experts run)"
@@ -42,6 +44,44 @@ class Decision:
     fqn: str
     convert: bool
     reason: str
+    recipe: str | None = None  # the recipe a converted Linear runs (the run's, or an override's); None: kept
+
+
+@dataclass(frozen=True)
+class Policy:
+    """precision.fp8's per-Linear policy on top of the run's recipe: `overrides` ((patterns, recipe) in order, the
+    first whose pattern matches a Linear decides it: as `modules.exclude` matches, and so that the specific entry
+    written first wins over a broad one after it), `keep_first` / `keep_last` decoder blocks in the compute dtype
+    (Megatron-Core's num_layers_at_start_in_bf16 / num_layers_at_end_in_bf16), and the dims multiple each recipe
+    needs (`dims`; a recipe not named there: decide's `dim_multiple`)."""
+    recipe: str | None
+    overrides: tuple[tuple[tuple[str, ...], str], ...] = ()
+    keep_first: int = 0
+    keep_last: int = 0
+    dims: Mapping[str, int | None] = field(default_factory=dict)
+
+    def override(self, fqn: str) -> tuple[int, str, str] | None:
+        """(index, pattern, recipe) of the first override that matches `fqn`, None where none does."""
+        for index, (patterns, recipe) in enumerate(self.overrides):
+            if pattern := matching_pattern(fqn, patterns):
+                return index, pattern, recipe
+        return None
+
+    def kept_block(self, info: "LinearInfo") -> str | None:
+        """Why a Linear's decoder block stays in the compute dtype (keep_first / keep_last), None where it does not."""
+        if info.block is None:
+            return None
+        if info.block < self.keep_first:
+            return f"decoder block {info.block} of {info.blocks}: precision.fp8.keep_first_layers={self.keep_first}"
+        if info.block >= info.blocks - self.keep_last:
+            return f"decoder block {info.block} of {info.blocks}: precision.fp8.keep_last_layers={self.keep_last}"
+        return None
+
+
+def policy_of(fp8, dims: Mapping[str, int | None] | None = None) -> Policy:
+    """The Policy of a spec's precision.fp8 (config.spec.FP8Spec)."""
+    return Policy(fp8.recipe[0] if fp8.recipe else None, tuple((o.modules, o.recipe) for o in fp8.overrides),
+                  fp8.keep_first_layers, fp8.keep_last_layers, dict(dims or {}))
 
 
 # The words every reason of the speed rule ends with (the audit reads them: a run whose rule kept every Linear).
@@ -67,18 +107,20 @@ class SpeedRule:
     gpu: str
     compiled: bool
 
-    def predicted(self, info: LinearInfo) -> float:
-        return speed.linear_times(self.tokens, info.in_features, info.out_features, self.recipe, self.gpu,
+    def predicted(self, info: LinearInfo, recipe: str | None = None) -> float:
+        return speed.linear_times(self.tokens, info.in_features, info.out_features, recipe or self.recipe, self.gpu,
                                   backend=self.backend, compiled=self.compiled).speedup
 
-    def too_slow(self, info: LinearInfo) -> str | None:
-        """The reason a Linear stays in the compute dtype, None where FP8 is predicted to pay enough."""
-        predicted = self.predicted(info)
+    def too_slow(self, info: LinearInfo, recipe: str | None = None) -> str | None:
+        """The reason a Linear stays in the compute dtype, None where FP8 is predicted to pay enough; `recipe`: the
+        Linear's own (an override's), default the run's."""
+        recipe = recipe or self.recipe
+        predicted = self.predicted(info, recipe)
         if predicted >= self.min_speedup:
             return None
         leaf = info.fqn.rsplit(".", 1)[-1]
         return (f"{leaf} {info.in_features}x{info.out_features} at M={self.tokens}: predicted {predicted:.2f}x on "
-                f"{self.gpu.upper()} ({self.recipe}{'' if self.compiled else ', not compiled'}), {SPEED_KEPT}"
+                f"{self.gpu.upper()} ({recipe}{'' if self.compiled else ', not compiled'}), {SPEED_KEPT}"
                 f"={self.min_speedup:g}")
 
 
@@ -108,37 +150,76 @@ def matching_pattern(fqn: str, patterns: Iterable[str]) -> str | None:
 
 
 def decide(linears: Sequence[LinearInfo], exclude: Iterable[str], skip_first_last: bool,
-           dim_multiple: int | None, dim_hint: str = "", speed_rule: SpeedRule | None = None) -> list[Decision]:
-    """One decision per Linear, in model order. `dim_multiple` None means no divisibility rule;
-    `dim_hint` is appended to the reason of a layer that breaks it (how to convert it anyway); `speed_rule`
-    (precision.fp8.min_speedup) keeps the Linears FP8 is predicted not to pay for, checked last."""
+           dim_multiple: int | None, dim_hint: str = "", speed_rule: SpeedRule | None = None,
+           policy: Policy | None = None) -> list[Decision]:
+    """One decision per Linear, in model order, checked in this order: adapters, routers, `exclude`, the policy's
+    kept decoder blocks, `skip_first_last`, the policy's first matching override (`none`: kept), the dims the
+    Linear's recipe needs (`dim_multiple` None: no divisibility rule; `dim_hint` appended to the reason: how to
+    convert it anyway), and last `speed_rule` (precision.fp8.min_speedup) at the Linear's recipe."""
     exclude = list(exclude)
+    policy = policy or Policy(speed_rule.recipe if speed_rule else None)
     bases = [info for info in linears if not is_adapter(info.fqn)]
     edges = {bases[0].fqn, bases[-1].fqn} if (skip_first_last and bases) else set()
     out = []
     for info in linears:
-        pattern = matching_pattern(base_name(info.fqn), exclude)
+        name = base_name(info.fqn)
+        pattern = matching_pattern(name, exclude)
+        override = policy.override(name)
+        recipe, why = (override[2], f"precision.fp8.overrides[{override[0]}] ({override[1]!r})") if override else (
+            policy.recipe, "the run's recipe")
+        multiple = policy.dims.get(recipe, dim_multiple) if recipe is not None else dim_multiple
         if is_adapter(info.fqn):
             out.append(Decision(info.fqn, False, ADAPTER_REASON))
         elif info.router:
             out.append(Decision(info.fqn, False, ROUTER_REASON))
         elif pattern:
             out.append(Decision(info.fqn, False, f"excluded by pattern {pattern!r}"))
+        elif kept := policy.kept_block(info):
+            out.append(Decision(info.fqn, False, kept))
         elif info.fqn in edges:
             out.append(Decision(info.fqn, False, "first/last Linear (skip_first_last)"))
-        elif dim_multiple and (info.in_features % dim_multiple or info.out_features % dim_multiple):
+        elif recipe == "none":
+            out.append(Decision(info.fqn, False, f"{why}: none (compute dtype)"))
+        elif multiple and (info.in_features % multiple or info.out_features % multiple):
             out.append(Decision(info.fqn, False, f"dims {info.in_features}x{info.out_features} are not multiples of "
-                                f"{dim_multiple} (FP8 quantization rule{dim_hint})"))
-        elif speed_rule is not None and (slow := speed_rule.too_slow(info)):
+                                f"{multiple} (FP8 quantization rule{'' if override else dim_hint})"))
+        elif speed_rule is not None and (slow := speed_rule.too_slow(info, recipe)):
             out.append(Decision(info.fqn, False, slow))
         else:
-            out.append(Decision(info.fqn, True, "converted"))
+            out.append(Decision(info.fqn, True, "converted" + (f": {why}" if override else ""), recipe))
     return out
+
+
+def block_list(model) -> str | None:
+    """The name of the model's decoder-block list: the first nn.ModuleList whose every entry holds an nn.Linear
+    (transformers' `model.layers`, GPT-2's `transformer.h`), None where there is none."""
+    import torch
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and all(
+                any(isinstance(m, torch.nn.Linear) for m in child.modules()) for child in module):
+            return name
+    return None
 
 
 def linear_infos(model) -> list[LinearInfo]:
     import torch
 
     modules = dict(model.named_modules())
-    return [LinearInfo(name, m.in_features, m.out_features, is_router(name, m, modules.get(name.rpartition(".")[0])))
+    blocks_name = block_list(model)
+    blocks = len(modules[blocks_name]) if blocks_name is not None else 0
+
+    def block_of(name: str) -> int | None:
+        if blocks_name is None or not name.startswith(f"{blocks_name}."):
+            return None
+        return int(name[len(blocks_name) + 1:].split(".", 1)[0])
+
+    return [LinearInfo(name, m.in_features, m.out_features, is_router(name, m, modules.get(name.rpartition(".")[0])),
+                       block_of(name), blocks)
             for name, m in modules.items() if isinstance(m, torch.nn.Linear)]
+
+
+def policy_lines(decisions: Sequence[Decision]) -> list[str]:
+    """The start report of a per-Linear policy: each Linear with what it got and why, one line each."""
+    return [f"  {d.fqn}: {d.recipe if d.convert else 'compute dtype'} ({d.reason})" for d in decisions
+            if d.reason != ADAPTER_REASON]

@@ -18,7 +18,7 @@ from contextlib import nullcontext
 from typing import Any
 
 from fp8dist.backends.base import PrecisionBackend, register
-from fp8dist.backends.module_filter import Decision, decide, linear_infos
+from fp8dist.backends.module_filter import Decision, decide, linear_infos, policy_of
 from fp8dist.backends.transformer_engine import TransformerEngine, installed_te_version
 from fp8dist.errors import Fp8distError, UnsupportedEnvironment
 from fp8dist.facts import versions
@@ -90,7 +90,7 @@ class MSAMP(PrecisionBackend):
         rules = self.spec.fp8.modules
         # No divisibility rule: MS-AMP pads GEMM operands to multiples of 16 (msamp/operators/gemm/gemm.py).
         decisions = decide(linear_infos(model), rules.exclude, rules.skip_first_last, None,
-                           speed_rule=self.speed_rule)
+                           speed_rule=self.speed_rule, policy=policy_of(self.spec.fp8))  # overrides: none only
         for decision in decisions:
             setattr(model.get_submodule(decision.fqn), KEEP_LINEAR_FLAG, not decision.convert)
         return [Decision(d.fqn, d.convert, "left to MS-AMP's FP8Linear" if d.convert else d.reason)

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from fp8dist.backends.base import PrecisionBackend, register
-from fp8dist.backends.module_filter import Decision, decide, linear_infos
+from fp8dist.backends.module_filter import Decision, decide, linear_infos, policy_of
 from fp8dist.errors import UnsupportedEnvironment
 from fp8dist.facts.transformer_engine import TE_OLDEST_SUPPORTED, TE_RECIPES, te_recipe_hardware, te_supported
 from fp8dist.facts.versions import Version, fmt, parse_version
@@ -98,7 +98,8 @@ class TransformerEngine(PrecisionBackend):
 
         rules = self.spec.fp8.modules
         decisions = decide(linear_infos(model), rules.exclude, rules.skip_first_last,
-                           TE_RECIPES[self.spec.fp8.te.recipe].dim_multiple, speed_rule=self.speed_rule)
+                           TE_RECIPES[self.spec.fp8.te.recipe].dim_multiple, speed_rule=self.speed_rule,
+                           policy=policy_of(self.spec.fp8))  # overrides: the run's recipe or none (config rules)
         chosen = {d.fqn for d in decisions if d.convert}
         for fqn, module in list(model.named_modules()):
             if fqn in chosen:

@@ -105,6 +105,13 @@ class MSAMPSpec:
 
 
 @dataclass(frozen=True)
+class OverrideSpec:
+    """One entry of precision.fp8.overrides: the Linears its patterns match get `recipe` (`none`: compute dtype)."""
+    modules: tuple[str, ...]
+    recipe: str
+
+
+@dataclass(frozen=True)
 class FP8Spec:
     backend: str
     modules: ModulesSpec
@@ -113,6 +120,22 @@ class FP8Spec:
     msamp: MSAMPSpec
     # "auto" | "off" | False (YAML's off) | a number: the speed-aware module filter (backends/module_filter)
     min_speedup: Any = "auto"
+    # the per-Linear policy (backends/module_filter.Policy); the schema's defaults, for a spec built by hand
+    overrides: tuple[OverrideSpec, ...] = ()
+    keep_first_layers: int = 0
+    keep_last_layers: int = 0
+
+    def __post_init__(self):
+        # _build hands the list's entries over as dicts (it builds nested dataclasses, not lists of them)
+        object.__setattr__(self, "overrides", tuple(
+            o if isinstance(o, OverrideSpec) else OverrideSpec(tuple(o["modules"]), o["recipe"])
+            for o in self.overrides))
+
+    @property
+    def recipes(self) -> tuple[str, ...]:
+        """Every recipe the run's Linears may get: the run's own (recipe) and the overrides' (`none` left out)."""
+        own = [self.recipe[0]] if self.recipe else []
+        return tuple(dict.fromkeys(own + [o.recipe for o in self.overrides if o.recipe != "none"]))
 
     @property
     def enabled(self) -> bool:
@@ -147,6 +170,24 @@ class LossScalingSpec:
 
 
 @dataclass(frozen=True)
+class ScheduleSpec:
+    """precision.schedule: from one step on, the FP8 GEMMs (`gemms`: forward | all) run in the compute dtype."""
+    from_step: int | None = None
+    from_fraction: float | None = None
+    gemms: str = "forward"
+
+
+def switch_step_of(schedule: ScheduleSpec, steps: int) -> int | None:
+    """The first step (counted from 1) that precision.schedule runs in the compute dtype, None without a schedule:
+    from_step, or floor(from_fraction x train.steps) + 1 (the first fraction of the steps in FP8)."""
+    if schedule.from_step is not None:
+        return schedule.from_step
+    if schedule.from_fraction is not None:
+        return int(schedule.from_fraction * steps) + 1
+    return None
+
+
+@dataclass(frozen=True)
 class PrecisionSpec:
     preset: str | None
     load_dtype: Dtype
@@ -155,6 +196,7 @@ class PrecisionSpec:
     reduce_dtype: Dtype
     loss_scaling: LossScalingSpec
     fp8: FP8Spec
+    schedule: ScheduleSpec = ScheduleSpec()
 
     @property
     def compute_dtype(self) -> str:
@@ -313,9 +355,16 @@ class Spec:
 
     @property
     def float8_all_gather(self) -> bool:
-        """Whether FSDP2 all-gathers the converted weights in float8 (float8_all_gather_of)."""
-        return float8_all_gather_of(self.fp8.torchao.enable_fsdp_float8_all_gather, self.fp8.torchao.recipe_name,
+        """Whether FSDP2 all-gathers the converted tensorwise weights in float8 (float8_all_gather_of): a run whose
+        overrides give some Linears tensorwise gathers those in float8, the others in the compute dtype."""
+        recipe = "tensorwise" if "tensorwise" in self.fp8.recipes else self.fp8.torchao.recipe_name
+        return float8_all_gather_of(self.fp8.torchao.enable_fsdp_float8_all_gather, recipe,
                                     self.engine, self.fp8.backend, self.parallel.sharding)
+
+    @property
+    def switch_step(self) -> int | None:
+        """The first step precision.schedule runs in the compute dtype (switch_step_of), None without one."""
+        return switch_step_of(self.precision.schedule, self.train.steps) if self.fp8.enabled else None
 
 
 def _build(cls, data: dict[str, Any]):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from fp8dist.backends.module_filter import SPEED_KEPT
+from fp8dist.backends.module_filter import SPEED_KEPT, policy_lines
 from fp8dist.config.spec import Spec
 from fp8dist.facts.torchao import torchao_fp8_hardware, torchao_too_small_to_gain
 
@@ -98,3 +98,21 @@ def say_when_fp8_is_kept_off_every_linear(decisions: list) -> None:
             f"without FP8: FP8 is predicted slower for each at its tokens per micro-batch on this GPU (e.g. "
             f"{kept[0].reason})\n  fix, if FP8 is what you want: compile: true and more tokens per micro-batch "
             "(docs/speed.md), or precision.fp8.min_speedup=off")
+
+
+def say_policy(spec: Spec, decisions: list) -> None:
+    """The start report of a per-Linear policy (precision.fp8.overrides, keep_first_layers / keep_last_layers) and
+    of precision.schedule: each Linear with what it got and why."""
+    fp8 = spec.fp8
+    if not (fp8.overrides or fp8.keep_first_layers or fp8.keep_last_layers or spec.switch_step is not None):
+        return
+    linears = [d for d in decisions if d.recipe is not None or not d.convert]
+    counts: dict[str, int] = {}
+    for d in linears:
+        key = d.recipe if d.convert else "compute dtype"
+        counts[key] = counts.get(key, 0) + 1
+    schedule = spec.precision.schedule
+    switch = (f"; from step {spec.switch_step} the {schedule.gemms} GEMMs run in the compute dtype "
+              "(precision.schedule)" if spec.switch_step is not None else "")
+    say("fp8-policy", f"FP8 policy per Linear ({', '.join(f'{k} {n}' for k, n in counts.items())}){switch}:\n"
+        + "\n".join(policy_lines(linears)))

@@ -24,6 +24,7 @@ import contextlib
 from typing import Any, Callable, ClassVar, ContextManager
 
 from fp8dist.config.spec import Spec
+from fp8dist.engines.advice import say_policy
 
 AUDIT_MODES = ("warn", "raise", "off")
 # (engine, mode) -> a context manager around the first optimizer step; it yields an object whose `report` is the
@@ -49,9 +50,14 @@ class Engine:
     def __init__(self, spec: Spec, backend, decisions: list, *, audit: str | None = None,
                  first_step_audit: FirstStepAudit | None = None):
         self.spec, self.backend, self.decisions = spec, backend, list(decisions)
+        say_policy(spec, self.decisions)
         self.audit_mode = audit or spec.audit.first_step
         self.first_step_audit = first_step_audit or default_first_step_audit()
         self.audit_report: dict | None = None  # the report of the audited first step (the first one that stepped)
+        # Optimizer steps begun (the next is step_number + 1): precision.schedule switches by it; a resume sets it
+        # (fp8dist.engines.checkpoint.resume)
+        self.step_number = 0
+        self.switch_audited = spec.switch_step is None  # the first step after the schedule's switch is audited too
         self.model: Any = None
         self.optimizer: Any = None
 
@@ -103,16 +109,25 @@ class Engine:
 
     @contextlib.contextmanager
     def first_step(self):
-        """The first-step audit around one optimizer step, until a step has been audited (a loop that runs the
-        halves of a step itself, `accumulate` and `apply_gradients`, wraps them in this). Yields the audit, or
-        None when there is nothing to audit; keeps its report in `audit_report`."""
-        if self.audit_report is not None or self.audit_mode == "off" or self.first_step_audit is None:
+        """One optimizer step (a loop that runs the halves of a step itself, `accumulate` and `apply_gradients`,
+        wraps them in this): counts it and applies precision.schedule at its number (the backend's `at_step`); the
+        first-step audit around it until a step has been audited, and again around the first step after the
+        schedule's switch. Yields the audit, or None when there is nothing to audit; keeps the first report in
+        `audit_report`."""
+        self.step_number += 1
+        if self.backend is not None:
+            self.backend.at_step(self.step_number)
+        switch = self.spec.switch_step
+        at_switch = not self.switch_audited and switch is not None and self.step_number >= switch
+        if (self.audit_report is not None and not at_switch) or self.audit_mode == "off" \
+                or self.first_step_audit is None:
             yield None
             return
         with self.first_step_audit(self, self.audit_mode) as audit:
             yield audit
         if getattr(audit, "report", None) is not None:
-            self.audit_report = audit.report
+            self.audit_report = self.audit_report or audit.report
+            self.switch_audited = self.switch_audited or at_switch
 
 
 def training_mode(model) -> None:

@@ -6,14 +6,14 @@ from typing import TYPE_CHECKING, cast
 
 from fp8dist.backends.experts import experts_modules
 from fp8dist.backends.module_filter import (Decision, LinearInfo, decide, is_router, linear_infos, matching_pattern,
-                                           speed_rule)
+                                           policy_of, speed_rule)
 from fp8dist.config.spec import Spec
 from fp8dist.estimate.model import MetaModel
 from fp8dist.estimate.result import Fp8Coverage, LeftOut
 from fp8dist.estimate.tensor_parallel import TensorSplit
 from fp8dist.facts.torchao import TORCHAO_EXPERTS_DIM_MULTIPLE, torchao_too_small_to_gain
 from fp8dist.facts.transformer_engine import TE_RECIPES
-from fp8dist.translate.fsdp2 import torchao_dims_multiple
+from fp8dist.translate.fsdp2 import torchao_dims_multiple, torchao_recipe_dims
 
 if TYPE_CHECKING:
     import torch
@@ -28,8 +28,9 @@ def decisions(meta: MetaModel, spec: Spec, gpu: str | None = None) -> tuple[list
                 "torchao": torchao_dims_multiple(fp8.torchao)}.get(fp8.backend)
     if fp8.backend == "msamp" and fp8.msamp.use_te:
         multiple = TE_RECIPES[fp8.te.recipe].dim_multiple  # MS-AMP with use_te converts with TE's filter
+    dims = torchao_recipe_dims(fp8.torchao) if fp8.backend == "torchao" else {}
     return infos, decide(infos, fp8.modules.exclude, fp8.modules.skip_first_last, multiple,
-                         speed_rule=speed_rule(spec, gpu) if fp8.enabled else None)
+                         speed_rule=speed_rule(spec, gpu) if fp8.enabled else None, policy=policy_of(fp8, dims))
 
 
 def _experts(meta: MetaModel, spec: Spec) -> list[tuple[str, int, str | None]]:
@@ -91,8 +92,8 @@ def fp8_coverage(meta: MetaModel, spec: Spec, gpu: str | None = None) -> Fp8Cove
     converted = [d.fqn for d in chosen if d.convert]
     small: list[str] = []
     if fp8.backend == "torchao":
-        small = [fqn for fqn in converted if torchao_too_small_to_gain(
-            fp8.torchao.recipe_name, by_fqn[fqn].out_features, by_fqn[fqn].in_features)]
+        small = [d.fqn for d in chosen if d.convert and torchao_too_small_to_gain(
+            d.recipe or fp8.torchao.recipe_name, by_fqn[d.fqn].out_features, by_fqn[d.fqn].in_features)]
     in_fp8 = sum(flops[f] for f in converted) + sum(n for _, n, why in experts if why is None)
     total = sum(flops.values()) + sum(n for _, n, _ in experts) + sum(n for _, n in _routers(meta))
     left_out = [LeftOut(d.fqn, d.reason) for d in chosen if not d.convert]
@@ -113,9 +114,10 @@ def fp8_extra_bytes(meta: MetaModel, spec: Spec, split: TensorSplit, gpu: str | 
              for i, d in zip(infos, chosen) if d.convert]
     if spec.fp8.backend == "torchao":
         scales = 4 * 3 * len(sizes)  # input, weight and grad scales (fp32) per Float8Linear
-        if spec.float8_all_gather:
-            return sum(sizes) + scales, ("unsharded float8 weights of the converted Linears, saved for backward "
-                                         "in eager mode (1 byte/param), plus their scales")
+        if spec.float8_all_gather:  # the tensorwise Linears' weights (the only ones gathered in float8)
+            gathered = [size for size, d in zip(sizes, [d for d in chosen if d.convert]) if d.recipe == "tensorwise"]
+            return sum(gathered) + scales, ("unsharded float8 weights of the converted tensorwise Linears, saved for "
+                                            "backward in eager mode (1 byte/param), plus their scales")
         return scales, "float8 scales only: weights are cast per GEMM and not kept"
     if spec.fp8.backend == "te":
         history = spec.fp8.te.amax_history_len or 1024  # TE's DelayedScaling default

@@ -118,9 +118,9 @@ def _attention(meta: MetaModel, spec: Spec, split: TensorSplit, gpu: str) -> flo
 
 
 def _linear_rows(meta: MetaModel, spec: Spec, split: TensorSplit,
-                 gpu: str) -> list[tuple[LinearInfo, int, int, bool]]:
-    """(Linear, K and N on a rank, converted) of every Linear of the model, converted as the backend decides on `gpu`
-    (precision.fp8.min_speedup included: coverage.decisions)."""
+                 gpu: str) -> list[tuple[LinearInfo, int, int, str | None]]:
+    """(Linear, K and N on a rank, its recipe where converted, else None) of every Linear of the model, converted as
+    the backend decides on `gpu` (precision.fp8.min_speedup and the per-Linear policy included: coverage.decisions)."""
     infos, chosen = decisions(meta, spec, gpu)
     rows = []
     for info, decision in zip(infos, chosen):
@@ -128,7 +128,7 @@ def _linear_rows(meta: MetaModel, spec: Spec, split: TensorSplit,
         k = info.in_features // (split.tp if style == "rowwise" else 1)
         head = split.vocabulary is not None and info.fqn == split.vocabulary[1]  # a vocabulary split over tp
         n = info.out_features // (split.tp if style == "colwise" or head else 1)
-        rows.append((info, k, n, spec.fp8.enabled and decision.convert))
+        rows.append((info, k, n, decision.recipe if spec.fp8.enabled and decision.convert else None))
     return rows
 
 
@@ -136,12 +136,14 @@ def _side(meta: MetaModel, spec: Spec, split: TensorSplit, dims: ParallelDims, g
           weight_share: float) -> _Side:
     """The compute of one micro-batch on one rank, with FP8 as configured (`fp8`) or every Linear in bf16."""
     side, compiled = _Side(), spec.compile
-    recipe = _recipe(spec) if fp8 else None
     tokens = spec.tokens_per_micro_batch
+    backend = spec.fp8.recipe[1] if spec.fp8.recipe else ""
     in_blocks = tuple(f"{name}." for name, _ in blocks(meta.model, spec))
     shared: set[tuple[str, str]] = set()
     full, selective = (spec.parallel.activation_checkpointing == mode for mode in ("full", "selective"))
-    for info, k, n, converted in _linear_rows(meta, spec, split, gpu):
+    for info, k, n, own in _linear_rows(meta, spec, split, gpu):
+        converted = own is not None
+        recipe = (own, backend) if fp8 and own is not None else None  # the Linear's own (the per-Linear policy)
         last = info.fqn.rsplit(".", 1)[-1]
         group, input_from, grad_from = ROLES.get(last, ("", "opaque", "opaque"))
         block = info.fqn.startswith(in_blocks)

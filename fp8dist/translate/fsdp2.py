@@ -287,6 +287,8 @@ class ModuleFilterPlan(PlanSection):
     skip_first_last: bool
     require_dims_multiple_of: int | None  # None: any dims (torchao pads them)
     speed_rule: SpeedRulePlan | None = _left_out_when(None)  # None: no speed rule can act
+    # precision.fp8's per-Linear policy where one is written (overrides, keep_first/last_layers, policy auto)
+    policy: Mapping[str, Any] | None = _left_out_when(None)
 
 
 def speed_rule_plan(spec: Spec) -> SpeedRulePlan | None:
@@ -443,12 +445,27 @@ def loss_scaling_plan(spec: Spec) -> LossScalingPlan | None:
                            hysteresis=ls.hysteresis, min_loss_scale=ls.min_loss_scale)
 
 
-def torchao_dims_multiple(ao) -> int | None:
-    """What a Linear's dims must be a multiple of to convert: 16 for float8's _scaled_mm (None: pad_inner_dim pads
-    instead), 32 for MXFP8's blocks."""
-    if ao.recipe_name == "mxfp8":
+def torchao_dims_multiple(ao, recipe: str | None = None) -> int | None:
+    """What a Linear's dims must be a multiple of to convert under `recipe` (default the run's): 16 for float8's
+    _scaled_mm (None: pad_inner_dim pads instead), 32 for MXFP8's blocks."""
+    if (recipe or ao.recipe_name) == "mxfp8":
         return TORCHAO_MX_BLOCK
     return None if ao.pad_inner_dim else FP8_DIM_MULTIPLE
+
+
+def torchao_recipe_dims(ao) -> dict[str, int | None]:
+    """torchao_dims_multiple for each torchao recipe (module_filter.Policy.dims: a Linear's own recipe decides)."""
+    return {recipe: torchao_dims_multiple(ao, recipe) for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp",
+                                                                       "mxfp8")}
+
+
+def policy_section(spec: Spec) -> dict[str, Any] | None:
+    """precision.fp8's per-Linear policy as the plan shows it, None where none is written."""
+    fp8 = spec.fp8
+    section = {key: value for key, value in (
+        ("overrides", [{"modules": list(o.modules), "recipe": o.recipe} for o in fp8.overrides]),
+        ("keep_first_layers", fp8.keep_first_layers), ("keep_last_layers", fp8.keep_last_layers)) if value}
+    return section or None
 
 
 def float8_plan(spec: Spec, torchao_version: str | None = None, te_version: str | None = None) -> Float8Plan | None:
@@ -467,7 +484,8 @@ def module_filter_plan(spec: Spec) -> ModuleFilterPlan:
     dims_multiple = (TE_RECIPES[fp8.te.recipe].dim_multiple if fp8.backend == "te"
                      else torchao_dims_multiple(fp8.torchao))
     return ModuleFilterPlan(exclude=tuple(fp8.modules.exclude), skip_first_last=fp8.modules.skip_first_last,
-                            require_dims_multiple_of=dims_multiple, speed_rule=speed_rule_plan(spec))
+                            require_dims_multiple_of=dims_multiple, speed_rule=speed_rule_plan(spec),
+                            policy=policy_section(spec))
 
 
 def te_float8_plan(spec: Spec, te_version: str | None = None) -> TEFloat8Plan:

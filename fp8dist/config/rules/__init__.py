@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from fp8dist.config.rules import common, deepspeed, fsdp2, msamp, te, torchao
+from fp8dist.config.rules import common, deepspeed, fsdp2, msamp, policy, te, torchao
 from fp8dist.config.schema import schema
 from fp8dist.config.spec import Spec
 from fp8dist.errors import Issue
@@ -24,7 +24,7 @@ BACKEND_RULES: dict[str, Rule] = {"torchao": torchao.check, "te": te.check, "msa
 def check(spec: Spec, explicit: Mapping[str, Any] | None = None) -> list[Issue]:
     """Every issue of `spec`; `explicit`: what the user wrote (the rules that refuse a written setting read it)."""
     written = explicit or {}
-    issues = common.check(spec, written)
+    issues = common.check(spec, written) + policy.check(spec, written)  # policy: per-Linear recipes, schedule
     for block in common.blocks_in_use(spec.fp8):
         issues += BACKEND_RULES[block](spec, written)
     return issues + ENGINE_RULES[spec.engine](spec, written)

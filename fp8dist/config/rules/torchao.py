@@ -12,7 +12,7 @@ from fp8dist.facts.torchao import TORCHAO_MX_BLOCK
 def check(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
     ao, issues = spec.fp8.torchao, []
     if ao.enable_fsdp_float8_all_gather is True:
-        if ao.recipe_name != "tensorwise":
+        if "tensorwise" not in spec.fp8.recipes:  # with overrides: the tensorwise Linears gather in float8
             issues.append(Issue("precision.fp8.torchao.enable_fsdp_float8_all_gather",
                                 f"float8 all-gather needs tensorwise scaling, recipe is '{ao.recipe_name}'",
                                 True, "set it to auto/false, or use recipe_name=tensorwise "
@@ -21,7 +21,7 @@ def check(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
             issues.append(Issue("precision.fp8.torchao.enable_fsdp_float8_all_gather",
                                 f"float8 all-gather is an FSDP2 feature, engine is '{spec.engine}'", True,
                                 "set it to auto/false, or use engine=fsdp2"))
-    if ao.recipe_name == "mxfp8":
+    if "mxfp8" in spec.fp8.recipes:  # the run's recipe, or an override's
         issues += _mxfp8(spec, ao)
     if ao.emulate and spec.compile:
         issues.append(Issue("precision.fp8.torchao.emulate", "emulated float8 does not work with torch.compile",

@@ -54,7 +54,8 @@ def check_compatible(manifest: dict[str, Any], path: Path, engine: EngineCheckpo
                            f"\n  fix: resume with a config of engine={manifest['engine']}, or start a new "
                            "--checkpoint-dir (export the old one with `fp8dist export` to reuse its weights)")
     changes = config_changes(manifest.get("config"), config)
-    _refuse_adapter_changes(changes, path)  # before the shapes: use_dora adds parameters, and the key says why
+    _refuse_adapter_changes(changes, path)
+    _refuse_switching_back(manifest, config, path)  # before the shapes: use_dora adds parameters, and the key says why
     saved, here = manifest["model"]["parameters"], engine.parameter_shapes()
     if saved != here:
         missing = sorted(set(saved) - set(here))
@@ -93,6 +94,26 @@ def check_compatible(manifest: dict[str, Any], path: Path, engine: EngineCheckpo
                          f"the base is quantized for this job's shards, not those of the {manifest['world_size']} "
                          "ranks that trained so far (the start note lists what stayed in the load dtype)")
     return notes
+
+
+def _refuse_switching_back(manifest: dict[str, Any], config: dict[str, Any] | None, path: Path) -> None:
+    """A checkpoint whose last steps ran after precision.schedule's switch, resumed under a config that would run
+    the next steps in FP8 again (no schedule, a later switch, or fewer GEMMs switched): the run would change meaning
+    mid-way without a word."""
+    from fp8dist.config.spec import ScheduleSpec, switch_step_of
+
+    recorded = manifest.get("precision_schedule")
+    if not recorded or not recorded["switched_steps"] or config is None:
+        return
+    schedule = ScheduleSpec(**config["precision"].get("schedule", {}))
+    here = switch_step_of(schedule, config["train"]["steps"]) if config["precision"]["fp8"]["backend"] != "none" \
+        else None
+    if here is None or here > manifest["step"] + 1 or (recorded["gemms"] == "all" and schedule.gemms != "all"):
+        raise Fp8distError(f"{path}: its last {recorded['switched_steps']} steps ran after precision.schedule's switch "
+                           f"(from step {recorded['switch_step']}, {recorded['gemms']} GEMMs in the compute dtype); "
+                           "this config would run the next steps in FP8 again"
+                           f"\n  fix: resume with the checkpoint's precision.schedule (from_step "
+                           f"{recorded['switch_step']}, gemms {recorded['gemms']}), or start a new --checkpoint-dir")
 
 
 def _refuse_adapter_changes(changes: list[tuple[str, Any, Any]], path: Path) -> None:

@@ -128,6 +128,7 @@ def save(target: Any, directory: str | os.PathLike[str], step: int, *, spec: Any
             "world_size": world,
             "model": {"name": model_name, "parameters": engine.parameter_shapes()},
             "config": spec.to_dict(),
+            "precision_schedule": schedule_state(spec, step),
             "files": {str(p.relative_to(partial)): p.stat().st_size
                       for p in sorted(partial.rglob("*")) if p.is_file()},
             "versions": _versions(),
@@ -175,7 +176,21 @@ def resume(target: Any, directory: str | os.PathLike[str], *, model_name: str = 
     else:  # the scaler and the scheduler: the same on all ranks
         engine.load_rank_state(torch.load(path / rank_file(0), weights_only=True))
     distributed.barrier()
+    run = getattr(target, "fp8dist_run", target)
+    if isinstance(getattr(run, "step_number", None), int):  # precision.schedule switches by the engine's step count
+        run.step_number = manifest["step"]
     return Resumed(path, manifest["step"], manifest["data_position"], tuple(notes))
+
+
+def schedule_state(spec: Any, step: int) -> dict[str, Any] | None:
+    """precision.schedule as a checkpoint taken after `step` steps records it: the switch step, the GEMMs it switches
+    and how many of the steps taken ran switched (fp8dist.engines.checkpoint.compatibility refuses a resume that
+    would run FP8 again after them). None without a schedule."""
+    switch = getattr(spec, "switch_step", None)
+    if switch is None:
+        return None
+    return {"switch_step": switch, "gemms": spec.precision.schedule.gemms,
+            "switched_steps": max(0, step - switch + 1)}
 
 
 def check_run_directory(directory: str | os.PathLike[str], resuming: bool) -> None:
