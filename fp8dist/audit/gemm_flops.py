@@ -258,6 +258,43 @@ class WeightGemmLedger:
         under the library's name, as its entry point does not say which module called it."""
         self.flops[(library, fmt)] += flops
 
+    # -- the ledgers of a pipeline's stages, one per rank, as one ----------------------------------------------
+    _COUNTS = ("flops", "high_precision_phases", "phase_flops")
+
+    def tallies(self) -> dict:
+        """What was counted, as plain data (no tensor): what another rank merges (`merge`)."""
+        return {"counts": {name: dict(getattr(self, name)) for name in self._COUNTS},
+                "phase_scalings": {key: sorted(value) for key, value in self.phase_scalings.items()},
+                "routers": sorted(self.routers), "kinds": dict(self.kinds), "experts": dict(self.experts),
+                "shapes": dict(self.shapes), "activation_flops": self.activation_flops}
+
+    def merge(self, tallies: dict) -> None:
+        """Add another rank's `tallies`: a pipeline stage's weight GEMMs, whose modules no other stage runs."""
+        for name, counts in tallies["counts"].items():
+            mine = getattr(self, name)
+            for key, value in counts.items():
+                mine[key] += value
+        for key, scalings in tallies["phase_scalings"].items():
+            self.phase_scalings[key].update(scalings)
+        self.routers.update(tallies["routers"])
+        self.kinds.update(tallies["kinds"])
+        self.experts.update(tallies["experts"])
+        self.shapes.update(tallies["shapes"])
+        self.activation_flops += tallies["activation_flops"]
+
+
+def merged_over(ledger: WeightGemmLedger, group) -> WeightGemmLedger:
+    """One ledger of every rank of `group` (a pipeline's ranks, each running other stages of the model): the step's
+    weight GEMMs of the whole model, whichever rank ran them."""
+    import torch.distributed as dist
+
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, ledger.tallies(), group=group)
+    merged = WeightGemmLedger()
+    for tallies in everyone:
+        merged.merge(tallies)
+    return merged
+
 
 def is_low_precision(fmt: str) -> bool:
     return fmt.startswith(LOW_PRECISION) or fmt.startswith("mx")

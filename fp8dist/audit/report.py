@@ -86,6 +86,15 @@ def table(result: dict[str, Any]) -> str:
                      f"{result['frozen_bytes_per_param']} bytes per parameter"
                      + (f" ({', '.join(f'{fmt} {v:g}' for fmt, v in by_format.items())})" if len(by_format) > 1
                         else ""))
+    pipeline = result.get("pipeline")
+    if pipeline:
+        measured = ", ".join(f"rank {rank} {idle:.1%}" for rank, idle in pipeline["bubble_measured_by_rank"].items()
+                             if idle is not None)
+        by_axis = (result.get("communication_bytes_by_axis") or {}).get("pp", {})
+        sent = ", ".join(f"{dtype} {cell['bytes']:,} B" for dtype, cell in by_axis.get("send", {}).items())
+        lines.append(f"pipeline: {pipeline['stages']} stages, {pipeline['schedule']}, {pipeline['microbatches']} "
+                     f"microbatches; bubble (idle fraction) {measured or 'not measured'}, theory "
+                     f"{pipeline['bubble_theory']:.1%}" + (f"; sent between stages by rank 0: {sent}" if sent else ""))
     flops = result.get("gemm_flops")
     if flops and flops["weight_gemm_flops"]:
         formats = ", ".join(f"{fmt} {share:.1%}" for fmt, share in flops["by_format"].items())

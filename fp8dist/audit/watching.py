@@ -26,7 +26,7 @@ import sys
 from typing import Any, Literal, cast
 
 import fp8dist.audit.probes as probes
-from fp8dist.audit.gemm_flops import clean_name, summarize as summarize_gemm_flops
+from fp8dist.audit.gemm_flops import clean_name, merged_over, summarize as summarize_gemm_flops
 from fp8dist.audit.numerics import NumericsRecorder, observe as observe_numerics
 from fp8dist.audit.policy_check import check as check_policy, describe as describe_policy
 from fp8dist.audit.speed_row import speed_row
@@ -285,7 +285,10 @@ class Watch:
     def _weigh_gemms(self, gemm: dict) -> None:
         """The FLOP view of the gemm row: the share of weight-GEMM FLOPs in FP8, and the modules whose weight GEMMs
         ran in high precision although the config converts them (the row then shows their format too)."""
-        ledger = cast(probes.MatmulRecorder, self.matmuls).ledger  # __enter__ made it; _release drops it after this
+        matmuls = cast(probes.MatmulRecorder, self.matmuls)  # __enter__ made it; _release drops it after this
+        if self.inspector.pipeline_mesh() is not None:  # each rank ran its stages: the row is the whole model's
+            matmuls.ledger = merged_over(matmuls.ledger, self.inspector.pipeline_mesh().get_group())
+        ledger = matmuls.ledger
         decisions = self.inspector.decisions or self._config_decisions()
         kept = {d.fqn: d.reason for d in decisions if not d.convert}
         by_design = dict(TORCHAO_HIGH_PRECISION_GEMMS.get(self.spec.fp8.torchao.recipe_name, {})

@@ -30,6 +30,8 @@ KINDS = {
     "allgather_": "all_gather", "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
     "allgather_coalesced_": "all_gather",
     "broadcast_": "broadcast", "alltoall_base_": "all_to_all", "alltoall_": "all_to_all",
+    # point to point (pipeline parallel's activations and their gradients); a recv's bytes are those it received
+    "send": "send", "recv_": "recv", "recv_any_source_": "recv",
 }
 # The functional collectives (torch 2.13 torch/csrc/distributed/c10d/Functional.cpp): the input first, the group's
 # name last.

@@ -66,7 +66,29 @@ def observe(spec, loaded, steps: int, numerics: bool = False, dims: ParallelDims
         session.step(0)
     for index in range(1, steps):
         session.step(index)
-    return cast(dict[str, Any], audit.report)  # the block ended without an error: its __exit__ built the report
+    report = cast(dict[str, Any], audit.report)  # the block ended without an error: its __exit__ built the report
+    pipeline = getattr(engine, "pipeline", None)
+    if pipeline is not None:
+        report["pipeline"] = pipeline_bubble(pipeline)
+    return report
+
+
+def pipeline_bubble(pipeline) -> dict[str, Any]:
+    """The bubble of a pipeline run, measured beside the schedule's theory: each rank's idle fraction (time waiting
+    for a neighbour stage over the schedule's time; the median over the steps after the audited one, which ran
+    under the watch's dispatch modes, or that one alone)."""
+    import statistics
+
+    import torch.distributed as dist
+
+    plan = pipeline.plan
+    steps = pipeline.idle[1:] or pipeline.idle
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, statistics.median(steps) if steps else None)
+    return {"schedule": plan.schedule, "stages": plan.stages, "microbatches": plan.microbatches,
+            "bubble_theory": round(plan.bubble_theory, 4),
+            "bubble_measured_by_rank": {rank: None if idle is None else round(idle, 4)
+                                        for rank, idle in enumerate(everyone)}}
 
 
 def main(model_name: str, config: str, steps: int, overrides: list[str], out_path: str,

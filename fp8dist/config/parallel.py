@@ -3,6 +3,9 @@
 Accelerate's ParallelismConfig (accelerate 1.15 accelerate/parallelism_config.py).
 
 Axes, outermost first (the order of the DeviceMesh and of the rank numbering):
+- `pp`: pipeline parallel (`parallel.pipeline_size`): the model split by layer ranges into stages, each pipeline
+  rank running `pp_stages_per_rank` of them (`pipeline_stages`, `stage_layers`); the ranks of one pipeline hold
+  different layers and read the same batch;
 - `dp_replicate`: copies of the model that only all-reduce gradients (HSDP's replicate dim, `parallel.sharding:
   replicate`);
 - `dp_shard`: the ranks one copy is sharded over (FSDP2's shard dim; DeepSpeed's ZeRO partition group);
@@ -27,13 +30,14 @@ from typing import Any, Mapping
 
 from fp8dist.config.engines import TRAITS
 from fp8dist.errors import Fp8distError
+from fp8dist.facts.torch import PIPELINE_SCHEDULES
 
 # The mesh dim names: the one place they are spelled (the meshes, the audit's axes and the estimate read them here).
-DP_REPLICATE, DP_SHARD, CP, TP = "dp_replicate", "dp_shard", "cp", "tp"
+PP, DP_REPLICATE, DP_SHARD, CP, TP = "pp", "dp_replicate", "dp_shard", "cp", "tp"
 EP, EFSDP = "ep", "efsdp"  # the experts' own mesh (expert_mesh_shape)
 FSDP = "dp_shard_cp"  # dp_shard x cp flattened: the dim FSDP shards a dense model over when cp > 1
-# The dense mesh's dims, outermost first (torchtitan's order: dp_replicate, dp_shard, cp, tp).
-AXES = (DP_REPLICATE, DP_SHARD, CP, TP)
+# The dense mesh's dims, outermost first (torchtitan's order: pp, dp_replicate, dp_shard, cp, tp).
+AXES = (PP, DP_REPLICATE, DP_SHARD, CP, TP)
 # The axes whose collectives carry gradients and weight shards (FSDP's gathers and reductions, DDP's all-reduce).
 DATA_AXES = (DP_REPLICATE, DP_SHARD, FSDP, EFSDP)
 
@@ -59,6 +63,11 @@ class ParallelDims:
     sequence_parallel: bool = False
     """`parallel.sequence_parallel` resolved (`sequence_parallel(spec)`): the activations between a block's
     tensor-parallel Linears split along the sequence too. Only with tp > 1."""
+    pp: int = 1
+    pp_stages_per_rank: int = 1
+    """The stages each pipeline rank runs (`parallel.pipeline_stages_per_rank` resolved)."""
+    pp_split: tuple[int, ...] = ()
+    """The first layer of every stage after the first (`parallel.pipeline_split`); empty: even layer ranges."""
 
     def __post_init__(self) -> None:
         for axis in AXES + (EP,):
@@ -68,6 +77,9 @@ class ParallelDims:
             raise ValueError(f"ParallelDims.ep={self.ep} must divide dp_shard={self.dp_shard}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("ParallelDims.sequence_parallel needs tp > 1")
+        if self.pp_stages_per_rank < 1 or (self.pp_split and len(self.pp_split) != self.pipeline_stage_count - 1):
+            raise ValueError(f"ParallelDims: pp_split {self.pp_split} must name {self.pipeline_stage_count - 1} "
+                             "stage starts")
 
     @classmethod
     def of(cls, spec, world: int, world_flag: str = RANKS_LAUNCHED) -> ParallelDims:
@@ -76,38 +88,42 @@ class ParallelDims:
         is left of the world size (torchtitan's dp_shard = -1). `world_flag`: the option that sets the world size
         where the caller was given it (`--nproc`, `--world-size`), named with a world size that fits in the fix."""
         par = spec.parallel
-        tp, cp, ep = par.tensor_size, par.context_size, par.expert_size
+        tp, cp, ep, pp = par.tensor_size, par.context_size, par.expert_size, par.pipeline_size
         sequence = sequence_parallel(spec)
-        if world % (tp * cp):
-            keys = " x ".join(f"parallel.{key}={value}" for key, value in (("tensor_size", tp), ("context_size", cp))
-                              if value > 1)
-            raise Fp8distError(f"{keys} does not divide the {world} ranks of this job: the mesh is dp_replicate x "
-                               f"dp_shard x cp x tp = world size\n  fix: {_ranks_fix(world, tp * cp, world_flag)}, "
-                               f"or lower {keys.split('=')[0]} to a divisor of {world}")
-        data = world // (tp * cp)
+        pipeline = dict(pp=pp, pp_stages_per_rank=pipeline_stages_per_rank(spec), pp_split=tuple(par.pipeline_split))
+        if world % (pp * tp * cp):
+            keys = " x ".join(f"parallel.{key}={value}" for key, value in (
+                ("pipeline_size", pp), ("tensor_size", tp), ("context_size", cp)) if value > 1)
+            raise Fp8distError(f"{keys} does not divide the {world} ranks of this job: the mesh is pp x dp_replicate "
+                               f"x dp_shard x cp x tp = world size\n  fix: "
+                               f"{_ranks_fix(world, pp * tp * cp, world_flag)}, or lower {keys.split('=')[0]} to a "
+                               f"divisor of {world}")
+        data = world // (pp * tp * cp)
         if par.sharding == "hybrid":
             size = par.shard_size
             if data % size:
-                left = (f"the {data} data-parallel ranks left by tp x cp" if tp * cp > 1
+                left = (f"the {data} data-parallel ranks left by pp x tp x cp" if pp * tp * cp > 1
                         else f"the {world} ranks of this job")
                 raise Fp8distError(f"parallel.shard_size={size} does not divide {left}: hybrid sharding needs whole "
                                    f"shard groups\n  fix: set parallel.shard_size to a divisor of {data} (e.g. the "
-                                   f"GPUs per node / tensor_size), or {_ranks_fix(world, tp * cp * size, world_flag)}")
+                                   f"GPUs per node / tensor_size), or "
+                                   f"{_ranks_fix(world, pp * tp * cp * size, world_flag)}")
             return cls(dp_replicate=data // size, dp_shard=size, cp=cp, tp=tp, replicate_dim=True,
-                       sequence_parallel=sequence)
+                       sequence_parallel=sequence, **pipeline)
         if par.sharding == "replicate":
-            return cls(dp_replicate=data, dp_shard=1, cp=cp, tp=tp, replicate_dim=True, sequence_parallel=sequence)
+            return cls(dp_replicate=data, dp_shard=1, cp=cp, tp=tp, replicate_dim=True, sequence_parallel=sequence,
+                       **pipeline)
         if data % ep:
             raise Fp8distError(f"parallel.expert_size={ep} does not divide the {data} data-parallel ranks of this "
                                f"job: expert parallel borrows its ranks from dp_shard, whole groups of {ep}\n  fix: "
-                               f"{_ranks_fix(world, tp * cp * ep, world_flag)}, or set parallel.expert_size to a "
+                               f"{_ranks_fix(world, pp * tp * cp * ep, world_flag)}, or set parallel.expert_size to a "
                                f"divisor of {data}")
-        return cls(dp_shard=data, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence)
+        return cls(dp_shard=data, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence, **pipeline)
 
     # -- sizes ----------------------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def data_size(self) -> int:
@@ -132,6 +148,10 @@ class ParallelDims:
         return (self.tp if self.sequence_parallel else 1) * (2 * self.cp if self.cp > 1 else 1)
 
     # -- which axes are used ----------------------------------------------------------------------------------
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
     @property
     def dp_replicate_enabled(self) -> bool:
         return self.dp_replicate > 1
@@ -158,17 +178,44 @@ class ParallelDims:
         return {axis: getattr(self, axis) for axis in AXES}
 
     def data_rank(self, rank: int) -> int:
-        """The data-parallel index of global `rank`: the ranks of one cp x tp group read the same batch."""
+        """The data-parallel index of global `rank`: the ranks of one cp x tp group, and the pipeline ranks of one
+        data rank, read the same batch."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
-        return rank // (self.cp * self.tp)
+        return (rank % (self.world_size // self.pp)) // (self.cp * self.tp)
+
+    def pp_rank(self, rank: int) -> int:
+        """The pipeline rank of global `rank` (pp is the outermost dim)."""
+        return rank // (self.world_size // self.pp)
+
+    # -- the pipeline's stages --------------------------------------------------------------------------------
+    @property
+    def pipeline_stage_count(self) -> int:
+        return self.pp * self.pp_stages_per_rank
+
+    def pipeline_stages(self, pp_rank: int) -> tuple[int, ...]:
+        """The stages pipeline rank `pp_rank` runs: pp_rank, pp_rank + pp, ... (the looped placement torch's
+        interleaved schedules expect, torch 2.13 torch/distributed/pipelining/schedules.py)."""
+        return tuple(pp_rank + k * self.pp for k in range(self.pp_stages_per_rank))
+
+    def stage_layers(self, num_layers: int) -> list[range]:
+        """Each stage's decoder layers: even ranges, or those `pp_split` starts."""
+        count = self.pipeline_stage_count
+        if self.pp_split:
+            starts = [0, *self.pp_split, num_layers]
+        elif num_layers % count == 0:
+            starts = [num_layers // count * k for k in range(count + 1)]
+        else:
+            raise ValueError(f"{num_layers} layers do not split into {count} even stages")
+        return [range(starts[k], starts[k + 1]) for k in range(count)]
 
     # -- the meshes' shapes (built by fp8dist.engines.mesh.build_meshes) ----------------------------------------
     def mesh_shape(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """(dim names, sizes) of the DeviceMesh: (dp_replicate, dp_shard) when ranks replicate or the layout
         names the replicate dim (FSDP2 wants a named 2-D mesh for HSDP and replicate, torch 2.13 _fsdp_init.py
         _validate_mesh), else a 1-D shard mesh; cp and tp only when they are used."""
-        dims = [(DP_REPLICATE, self.dp_replicate)] if self.dp_replicate > 1 or self.replicate_dim else []
+        dims = [(PP, self.pp)] if self.pp > 1 else []
+        dims += [(DP_REPLICATE, self.dp_replicate)] if self.dp_replicate > 1 or self.replicate_dim else []
         dims.append((DP_SHARD, self.dp_shard))
         dims += [(axis, getattr(self, axis)) for axis in (CP, TP) if getattr(self, axis) > 1]
         return tuple(name for name, _ in dims), tuple(size for _, size in dims)
@@ -188,6 +235,28 @@ class ParallelDims:
         return (EFSDP, EP), (self.efsdp, self.ep)
 
     # -- does this model split --------------------------------------------------------------------------------
+    def _check_pipeline(self, config: Mapping[str, Any], problems: list[str], fixes: list[str]) -> None:
+        """The decoder layers split into the stages (even ranges, or `pipeline_split` within the layers), and no
+        LM head tied to the embeddings, which live on the first and the last stage."""
+        layers, count = config.get("num_hidden_layers"), self.pipeline_stage_count
+        if not isinstance(layers, int):
+            problems.append("its config names no num_hidden_layers for the pipeline stages to split")
+            fixes.append("parallel.pipeline_size=1 for this model")
+        elif self.pp_split:
+            if list(self.pp_split) != sorted(set(self.pp_split)) or self.pp_split[-1] >= layers:
+                problems.append(f"parallel.pipeline_split={list(self.pp_split)} is not increasing layer indices "
+                                f"below its {layers} layers")
+                fixes.append(f"parallel.pipeline_split: {count - 1} increasing indices between 1 and {layers - 1}")
+        elif layers % count:
+            problems.append(f"its {layers} layers do not split evenly into {count} pipeline stages (pipeline_size "
+                            f"{self.pp} x {self.pp_stages_per_rank} stages per rank)")
+            fixes.append(f"parallel.pipeline_split with {count - 1} stage starts, or a pipeline_size x "
+                         f"pipeline_stages_per_rank that divides {layers}")
+        if config.get("tie_word_embeddings"):
+            problems.append("its LM head is tied to its embeddings (tie_word_embeddings), which live on the first "
+                            "and the last pipeline stage, on different ranks, where they would train apart")
+            fixes.append("parallel.pipeline_size=1 for this model")
+
     def check_model(self, config: Mapping[str, Any], seq_len: int, *, source: str) -> None:
         """Refuse, before any weight is loaded, a mesh the model cannot be split on: heads, KV heads, hidden and MLP
         sizes by tp (each rank holds whole heads: torchtitan and DeepSpeed AutoTP distribute heads whole); experts
@@ -214,6 +283,8 @@ class ParallelDims:
         factors = ([f"tp {self.tp}"] if self.sequence_parallel else []) + (
             [f"2 x cp {self.cp}"] if self.cp > 1 else [])
         divisor = self.seq_len_divisor
+        if self.pp > 1:
+            self._check_pipeline(config, problems, fixes)
         if divisor > 1 and seq_len % divisor:
             problems.append(f"the sequence length (train.seq_len={seq_len}) does not divide by {divisor} "
                             f"({' x '.join(factors)}: each rank holds an equal slice of the sequence)")
@@ -228,6 +299,22 @@ def _ranks_fix(world: int, multiple: int, world_flag: str) -> str:
     fits = -(-world // multiple) * multiple
     named = " / ".join(f"{flag} {fits}" for flag in world_flag.split(" / "))
     return f"run on a multiple of {multiple} ranks ({named})"
+
+
+def pipeline_stages_per_rank(spec) -> int:
+    """`parallel.pipeline_stages_per_rank` resolved: `auto` is 2 for the schedules that run several stages per rank
+    (fp8dist.facts.torch PIPELINE_SCHEDULES), else 1."""
+    value = spec.parallel.pipeline_stages_per_rank
+    if value != "auto":
+        return int(value)
+    multi_stage = PIPELINE_SCHEDULES[spec.parallel.pipeline_schedule].multi_stage
+    return 2 if spec.parallel.pipeline_size > 1 and multi_stage else 1
+
+
+def pipeline_microbatches(spec) -> int:
+    """`parallel.pipeline_microbatches` resolved: `auto` is 2 x pipeline_size."""
+    value = spec.parallel.pipeline_microbatches
+    return 2 * spec.parallel.pipeline_size if value == "auto" else int(value)
 
 
 def sequence_parallel(spec) -> bool:

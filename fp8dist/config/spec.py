@@ -279,6 +279,11 @@ class ParallelSpec:
     sequence_parallel: Any  # "auto" | bool
     context_size: int
     expert_size: int
+    pipeline_size: int
+    pipeline_schedule: str  # 1f1b | gpipe | interleaved_1f1b | zero_bubble
+    pipeline_microbatches: Any  # "auto" | int
+    pipeline_stages_per_rank: Any  # "auto" | int
+    pipeline_split: tuple[int, ...]
     offload: str  # none | optimizer | params
     activation_checkpointing: str  # none | full | selective
     cpu_ram_efficient_loading: bool

@@ -94,13 +94,21 @@ class Inspector:
         """The module parameters the optimizer steps (its param groups)."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
+    def pipeline_mesh(self):
+        """The pp mesh of a pipeline-parallel run (the FSDP2 engine leaves it on the model it keeps, as
+        `fp8dist_pipeline_mesh`): the ranks that hold the model's other stages. None without pipeline parallel."""
+        return getattr(self.module, "fp8dist_pipeline_mesh", None)
+
     def mesh_axes(self) -> dict[frozenset[int], str]:
         """The ranks of each group this run communicates on -> its mesh axis: every named dim of the meshes its
-        DTensor parameters live on (FSDP2's data axes, tensor parallel's `tp`, expert parallel's `efsdp` and `ep`)."""
+        DTensor parameters live on (FSDP2's data axes, tensor parallel's `tp`, expert parallel's `efsdp` and `ep`),
+        and pipeline parallel's `pp` (`pipeline_mesh`)."""
         from fp8dist.engines.mesh import axis_ranks, merge_axes
 
         axes: dict[frozenset[int], str] = {}
         meshes = {id(p.device_mesh): p.device_mesh for p in self.module.parameters() if hasattr(p, "device_mesh")}
+        if self.pipeline_mesh() is not None:
+            meshes[id(self.pipeline_mesh())] = self.pipeline_mesh()
         for mesh in meshes.values():
             merge_axes(axes, axis_ranks(mesh))
         return axes

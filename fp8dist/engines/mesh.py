@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fp8dist.config.parallel import CP, EFSDP, EP, TP, ParallelDims
+from fp8dist.config.parallel import CP, EFSDP, EP, PP, TP, ParallelDims
 
 
 def device_type() -> str:
@@ -27,6 +27,8 @@ class Meshes:
     data_mesh_dims; torchtitan parallel_dims.py "fsdp = dp_shard * cp": FSDP always applies when cp is used)."""
     tp: Any = None
     cp: Any = None
+    pp: Any = None
+    """The pipeline ranks this rank's stages talk to (send / recv of activations and their gradients)."""
     experts: Any = None
     """The experts' own mesh, (efsdp, ep) over the dp_shard ranks (ParallelDims.expert_mesh_shape): a root of its
     own, so that the experts' DTensors and their FSDP2 sharding live on it while the dense layers stay on `dense`."""
@@ -65,7 +67,8 @@ def build_meshes(dims: ParallelDims) -> Meshes:
         expert_names, expert_shape = dims.expert_mesh_shape()
         experts = init_device_mesh(device_type(), expert_shape, mesh_dim_names=expert_names)
     return Meshes(dims, dense, data, tp=dense[TP] if dims.tp_enabled else None,
-                  cp=dense[CP] if dims.cp_enabled else None, experts=experts)
+                  cp=dense[CP] if dims.cp_enabled else None, pp=dense[PP] if dims.pp_enabled else None,
+                  experts=experts)
 
 
 SHARED_AXES = "|"  # joins the names of axes whose groups hold the same ranks (`merge_axes`)

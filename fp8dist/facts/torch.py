@@ -1,6 +1,8 @@
 """PyTorch and FSDP2: the releases fp8dist needs, and why."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from fp8dist.facts.versions import Version, fmt
 
 # fully_shard is public at torch.distributed.fsdp from torch 2.6 (pytorch/pytorch#141868).
@@ -42,3 +44,28 @@ SDPA_CPU_DROPOUT = ("it takes that path for attention dropout on a CPU, as its f
 def sdpa_kernel_reason(dropout_on_cpu: bool) -> str:
     """Why F.scaled_dot_product_attention computed in another precision than the inputs it was given."""
     return SDPA_MATH_UPCAST + (f"; {SDPA_CPU_DROPOUT}" if dropout_on_cpu else "")
+
+
+@dataclass(frozen=True)
+class PipelineScheduleFact:
+    torch_class: str
+    """The schedule's class in torch.distributed.pipelining."""
+    multi_stage: bool
+    """Whether it runs several stages per rank (virtual stages: `parallel.pipeline_stages_per_rank`, default 2)."""
+    microbatches: str
+    """What its microbatch count must be, as torch checks it (pipeline_size: P)."""
+
+
+# parallel.pipeline_schedule -> the torch schedule it runs (torch 2.13 torch/distributed/pipelining/schedules.py):
+# Schedule1F1B refuses fewer microbatches than stages; ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble
+# need a multiple of the rounds (max(1, microbatches // P)), which a multiple of P always is; GPipe takes any count.
+# fp8dist's `zero_bubble` is the interleaved zero-bubble schedule (backward split into input and weight gradients,
+# arXiv 2401.10241), not the V-shaped ZBV one, whose stage placement differs.
+PIPELINE_SCHEDULES = {
+    "1f1b": PipelineScheduleFact("Schedule1F1B", multi_stage=False, microbatches="at least P"),
+    "gpipe": PipelineScheduleFact("ScheduleGPipe", multi_stage=False, microbatches="any"),
+    "interleaved_1f1b": PipelineScheduleFact("ScheduleInterleaved1F1B", multi_stage=True,
+                                             microbatches="a multiple of P"),
+    "zero_bubble": PipelineScheduleFact("ScheduleInterleavedZeroBubble", multi_stage=True,
+                                        microbatches="a multiple of P"),
+}

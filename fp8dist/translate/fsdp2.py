@@ -18,10 +18,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
-from fp8dist.config.parallel import CP, TP, sequence_parallel
+from fp8dist.config.parallel import CP, TP, pipeline_microbatches, pipeline_stages_per_rank, sequence_parallel
 from fp8dist.config.spec import Dtype, Spec, min_speedup_number, min_speedup_of
 from fp8dist.errors import ConfigError, Issue
 from fp8dist.facts import versions
+from fp8dist.facts.torch import PIPELINE_SCHEDULES
 from fp8dist.facts.torchao import NEWEST_KNOWN_TORCHAO, TORCHAO_MX_BLOCK, torchao_force_recompute
 from fp8dist.facts.transformer_engine import (TE_NEWEST_KNOWN, TE_OLDEST_SUPPORTED, TE_RECIPES, te_field_kept,
                                               te_recipe_available, te_supported)
@@ -166,6 +167,7 @@ class ShardingPlan(PlanSection):
     tensor_size: int = 1
     context_size: int = 1
     expert_size: int = 1
+    pipeline_size: int = 1
 
     @property
     def mesh(self) -> str:
@@ -180,15 +182,18 @@ class ShardingPlan(PlanSection):
     def _dense_mesh(self) -> str:
         inner = [f"{axis} = {size}" for axis, size in ((CP, self.context_size), (TP, self.tensor_size))
                  if size > 1]
-        data = " / ".join(["world"] + [str(size) for size in (self.context_size, self.tensor_size) if size > 1])
+        data = " / ".join(["world"] + [str(size) for size in (self.pipeline_size, self.context_size,
+                                                               self.tensor_size) if size > 1])
+        outer = [f"pp = {self.pipeline_size}"] if self.pipeline_size > 1 else []
         if self.strategy == "hybrid":
             dims = [f"replicate = {data} / {self.shard_size}", f"shard = {self.shard_size}", *inner]
         elif self.strategy == "replicate":
             dims = [f"replicate = {data}", "shard = 1", *inner]
-        elif inner:
+        elif inner or outer:
             dims = [f"shard = {data}", *inner]
         else:
             return "1-D (shard over all ranks)"
+        dims = outer + dims
         return f"{len(dims)}-D ({', '.join(dims)})"
 
     def to_json(self) -> dict[str, Any]:
@@ -210,6 +215,21 @@ class TensorParallelSection(PlanSection):
     order: str
     vocabulary: str = ("split over tp where it divides and embeddings are untied (logits gathered); else whole on "
                        "each tp rank")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineSection(PlanSection):
+    """`parallel.pipeline_size` > 1: the decoder split by layer ranges into stages on the mesh's `pp` axis, run by
+    a torch.distributed.pipelining schedule (fp8dist/engines/fsdp2/pipeline_parallel.py; the run says which layers
+    each rank's stages hold)."""
+    size: int
+    schedule: str
+    schedule_class: str  # torch.distributed.pipelining's
+    microbatches: int
+    stages_per_rank: int
+    split: tuple[int, ...] | Literal["even"]
+    order: str = ("FP8 conversion, tensor parallel, activation checkpointing and compile on the whole model, then "
+                  "the split into this rank's stages, then fully_shard per stage (each stage a root)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -372,6 +392,7 @@ class FSDP2Plan(PlanSection):
     loss_scaling: LossScalingPlan | None
     float8: Float8Plan | None
     tensor_parallel: TensorParallelSection | None = _left_out_when(None)
+    pipeline: PipelineSection | None = _left_out_when(None)
     optimizer: OptimizerPlan
     compile: CompilePlan | None
     gradient_clipping: float
@@ -392,7 +413,7 @@ def fsdp2_layout(spec: Spec) -> ShardingPlan:
         shard_size = 1
     return ShardingPlan(strategy=strategy, shard_size=shard_size, reshard_after_forward=strategy != "grad_op",
                         tensor_size=spec.parallel.tensor_size, context_size=spec.parallel.context_size,
-                        expert_size=spec.parallel.expert_size)
+                        expert_size=spec.parallel.expert_size, pipeline_size=spec.parallel.pipeline_size)
 
 
 def tensor_parallel_section(spec: Spec) -> TensorParallelSection | None:
@@ -406,6 +427,16 @@ def tensor_parallel_section(spec: Spec) -> TensorParallelSection | None:
         order=("tensor parallel, then MXFP8 conversion (torchao wraps the DTensor weights)" if mxfp8 else
                "FP8 conversion, then tensor parallel (torchao's float8 styles need Float8Linears)" if spec.fp8.enabled
                else "tensor parallel, then activation checkpointing, compile and fully_shard"))
+
+
+def pipeline_section(spec: Spec) -> PipelineSection | None:
+    par = spec.parallel
+    if par.pipeline_size == 1:
+        return None
+    return PipelineSection(size=par.pipeline_size, schedule=par.pipeline_schedule,
+                           schedule_class=PIPELINE_SCHEDULES[par.pipeline_schedule].torch_class,
+                           microbatches=pipeline_microbatches(spec), stages_per_rank=pipeline_stages_per_rank(spec),
+                           split=tuple(par.pipeline_split) or "even")
 
 
 # Spec's enumerated fields are `str` (the schema has checked their values): `cast` names the plan's Literal type.
@@ -427,6 +458,7 @@ def to_fsdp2(spec: Spec, torchao_version: str | None = None, te_version: str | N
         loss_scaling=loss_scaling_plan(spec),
         float8=float8_plan(spec, torchao_version, te_version),
         tensor_parallel=tensor_parallel_section(spec),
+        pipeline=pipeline_section(spec),
         optimizer=OptimizerPlan(
             cls=OPTIMIZER_CLASSES[(spec.optimizer.name, state if state in ("fp8", "int8") else None)],
             steps_on=master, state_dtype=state, lr=spec.optimizer.lr, weight_decay=spec.optimizer.weight_decay),

@@ -4,8 +4,10 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import fp8dist.speed as speed
+from fp8dist.config.parallel import pipeline_microbatches, pipeline_stages_per_rank
 from fp8dist.config.spec import FP8Spec, Spec
 from fp8dist.errors import Fp8distError, Issue
+from fp8dist.facts.torch import PIPELINE_SCHEDULES
 
 
 def written(explicit: Mapping[str, Any], *path: str) -> Any:
@@ -61,6 +63,55 @@ def _mesh(spec: Spec) -> list[Issue]:
                             "base over every rank)"))
     if par.expert_size > 1:
         issues += _expert_parallel(spec)
+    if par.pipeline_size > 1:
+        issues += _pipeline_parallel(spec)
+    return issues
+
+
+def _pipeline_parallel(spec: Spec) -> list[Issue]:
+    """What fp8dist's pipeline parallel (engines/fsdp2/pipeline_parallel.py) needs of the rest of the config: its
+    microbatches and stages meet the schedule's rule (fp8dist.facts.torch PIPELINE_SCHEDULES), and what it has not
+    run with is refused, with the reason."""
+    par, issues, pp = spec.parallel, [], spec.parallel.pipeline_size
+    rule = PIPELINE_SCHEDULES[par.pipeline_schedule]
+    micro, stages = pipeline_microbatches(spec), pipeline_stages_per_rank(spec)
+    how = " (auto: 2 x pipeline_size)" if par.pipeline_microbatches == "auto" else ""
+    if spec.train.micro_batch_size % micro:
+        issues.append(Issue("parallel.pipeline_microbatches", f"{micro} microbatches{how} do not divide "
+                            f"train.micro_batch_size={spec.train.micro_batch_size}: the pipeline splits each "
+                            "micro-batch along the batch dim", par.pipeline_microbatches,
+                            f"set train.micro_batch_size to a multiple of {micro}, or parallel.pipeline_microbatches "
+                            "to a divisor of it"))
+    if (rule.microbatches == "at least P" and micro < pp) or (rule.microbatches == "a multiple of P" and micro % pp):
+        issues.append(Issue("parallel.pipeline_microbatches", f"{par.pipeline_schedule} ({rule.torch_class}) needs "
+                            f"{rule.microbatches.replace('P', f'pipeline_size={pp}')} microbatches, got {micro}{how}",
+                            par.pipeline_microbatches, f"set parallel.pipeline_microbatches to {2 * pp}"))
+    if rule.multi_stage != (stages > 1):
+        need = "at least 2" if rule.multi_stage else "exactly 1"
+        issues.append(Issue("parallel.pipeline_stages_per_rank", f"{par.pipeline_schedule} ({rule.torch_class}) runs "
+                            f"{need} stages per rank, got {stages}", par.pipeline_stages_per_rank,
+                            "leave parallel.pipeline_stages_per_rank auto"))
+    if par.pipeline_split and len(par.pipeline_split) != pp * stages - 1:
+        issues.append(Issue("parallel.pipeline_split", f"{len(par.pipeline_split)} stage starts for {pp * stages} "
+                            f"stages (pipeline_size {pp} x {stages} per rank): it names the first layer of every "
+                            "stage after the first", list(par.pipeline_split),
+                            f"give {pp * stages - 1} increasing layer indices, or [] for even ranges"))
+    for key, size, why in (
+            ("expert_size", par.expert_size, "expert parallel borrows its ranks from dp_shard across the whole world; "
+             "an expert mesh per pipeline stage is not wired"),
+            ("context_size", par.context_size, "context parallel shards the sequence around the whole model's "
+             "forward, and the schedule runs each stage's forward apart")):
+        if size > 1:
+            issues.append(Issue("parallel.pipeline_size", f"pipeline parallel with parallel.{key}={size}: {why}",
+                                pp, f"set parallel.{key}=1, or parallel.pipeline_size=1"))
+    if spec.precision.mixed_precision == "fp16":
+        issues.append(Issue("parallel.pipeline_size", "pipeline parallel with fp16 compute: the loss scaler's skip "
+                            "of a step with non-finite gradients is not wired through the schedule's backward", pp,
+                            "use precision.preset bf16 (or an FP8 preset on bf16), or parallel.pipeline_size=1"))
+    if par.cpu_ram_efficient_loading:
+        issues.append(Issue("parallel.pipeline_size", "pipeline parallel with CPU-RAM-efficient loading: the meta "
+                            "build reads its shards after sharding the whole model, and each rank keeps only its "
+                            "stages", pp, "set parallel.cpu_ram_efficient_loading=false, or parallel.pipeline_size=1"))
     return issues
 
 

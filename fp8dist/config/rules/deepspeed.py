@@ -119,6 +119,13 @@ def _optimizer(spec: Spec) -> list[Issue]:
 def _parallel(spec: Spec) -> list[Issue]:
     """The `parallel` vocabulary where DeepSpeed cannot run it at the ZeRO stage it resolved to."""
     par, stage, issues = spec.parallel, spec.deepspeed.zero_stage, []
+    if par.pipeline_size > 1:
+        # deepspeed 0.19 runtime/pipe/module.py PipelineModule(layers=[...]) and runtime/pipe/engine.py: the model is
+        # given as a list of layers and trained by its own PipelineEngine.train_batch, not a module's forward
+        issues.append(Issue("parallel.pipeline_size", "DeepSpeed's pipeline engine trains a PipelineModule, a model "
+                            "written as a list of layers, through its own train_batch; a Hugging Face model is not "
+                            "one", par.pipeline_size, "use engine=fsdp2 for pipeline parallel, or "
+                            "parallel.pipeline_size=1"))
     if par.offload == "params" and stage != 3:
         issues.append(Issue("parallel.offload", "DeepSpeed offloads parameters only under ZeRO-3 "
                             f"(deepspeed.zero_stage is {stage})", "params",

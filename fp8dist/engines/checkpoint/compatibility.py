@@ -55,6 +55,7 @@ def check_compatible(manifest: dict[str, Any], path: Path, engine: EngineCheckpo
                            "--checkpoint-dir (export the old one with `fp8dist export` to reuse its weights)")
     changes = config_changes(manifest.get("config"), config)
     _refuse_adapter_changes(changes, path)
+    _refuse_pipeline_changes(changes, path)
     _refuse_switching_back(manifest, config, path)  # before the shapes: use_dora adds parameters, and the key says why
     saved, here = manifest["model"]["parameters"], engine.parameter_shapes()
     if saved != here:
@@ -114,6 +115,18 @@ def _refuse_switching_back(manifest: dict[str, Any], config: dict[str, Any] | No
                            "this config would run the next steps in FP8 again"
                            f"\n  fix: resume with the checkpoint's precision.schedule (from_step "
                            f"{recorded['switch_step']}, gemms {recorded['gemms']}), or start a new --checkpoint-dir")
+
+
+def _refuse_pipeline_changes(changes: list[tuple[str, Any, Any]], path: Path) -> None:
+    """A checkpoint of another pipeline layout: each rank saved its own stages' parameters and their optimizer state
+    by parameter name, and a resume on other stages has not been run (refused rather than guessed)."""
+    for key, before, after in changes:
+        if key in ("parallel.pipeline_size", "parallel.pipeline_stages_per_rank", "parallel.pipeline_split"):
+            raise Fp8distError(f"{path}: written with {key}={before!r}, this run has {after!r}: a pipeline run's "
+                               "checkpoint holds each stage's parameters and optimizer state as its ranks saved them, "
+                               f"and resuming on another stage layout is not supported\n  fix: resume with {key}="
+                               f"{before!r}, or export it (`fp8dist export`) and start a new --checkpoint-dir from "
+                               "the exported model")
 
 
 def _refuse_adapter_changes(changes: list[tuple[str, Any, Any]], path: Path) -> None:

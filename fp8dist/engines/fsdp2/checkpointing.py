@@ -30,8 +30,12 @@ class Checkpointing(EngineCheckpointing):
         self.run = run
 
     def _options(self) -> StateDictOptions:
+        """A pipeline run's optimizer state is flattened to one key per parameter (`flatten_optimizer_state_dict`,
+        torch 2.13 distributed/checkpoint/state_dict.py, as torchtitan saves its model parts): its param groups
+        differ per stage, and DCP keeps one copy of a non-tensor entry such as `param_groups`."""
         frozen = any(not p.requires_grad for p in self.run.model.parameters())
-        return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+        return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen,
+                                flatten_optimizer_state_dict=self.run.pipeline is not None)
 
     def _state(self) -> dict:
         model_state, optim_state = get_state_dict(self.run.model, self.run.optimizer, options=self._options())

@@ -7,12 +7,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, across=None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over gradients that live on different meshes (tensor-parallel Linears on
     (dp, tp), expert-parallel experts on (efsdp, ep), the rest on dp), where torch's foreach norm refuses the mix
     ("mixed torch.Tensor and DTensor"; transformers #36296). Each gradient's local sum of squares is summed over the
     mesh dims it is sharded on (one all-reduce per group of gradients that share a mesh and placements, per sharded
-    dim); replicated dims hold copies and are not summed."""
+    dim); replicated dims hold copies and are not summed. `across`: a process group whose ranks hold the model's
+    other parameters (pipeline stages): the sums of squares are summed over it too."""
     grads = [p.grad for p in parameters if p.grad is not None]
     groups: dict[tuple | None, list[torch.Tensor]] = {}
     for grad in grads:
@@ -30,6 +31,8 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
                 if not placement.is_replicate() and not placement.is_partial():
                     dist.all_reduce(squares, group=mesh.get_group(dim))
         total_squares = total_squares + squares
+    if across is not None:
+        dist.all_reduce(total_squares, group=across)
     total = total_squares.sqrt()
     coefficient = float(max_norm) / (float(total) + 1e-6)
     if not coefficient >= 1.0:  # a non-finite norm scales by NaN, as torch's clip_grad_norm_ does

@@ -30,6 +30,7 @@ from fp8dist.engines.fsdp2.checkpointing import Checkpointing
 from fp8dist.engines.fsdp2.clipping import clip_grad_norm_
 import fp8dist.engines.fsdp2.context_parallel as context_parallel
 import fp8dist.engines.fsdp2.expert_parallel as expert_parallel
+import fp8dist.engines.fsdp2.pipeline_parallel as pipeline_parallel
 import fp8dist.engines.fsdp2.tensor_parallel as tensor_parallel
 from fp8dist.engines.mesh import Meshes, build_meshes, device_type
 from fp8dist.engines.inspector import Inspector
@@ -49,12 +50,14 @@ class FSDP2Run(Engine):
                  scaler: DynamicLossScaler | None, *, audit: str | None = None,
                  first_step_audit: FirstStepAudit | None = None,
                  tensor_parallel_plan: tensor_parallel.TensorParallelPlan | None = None, cp_mesh=None,
-                 expert_parallel_plan: expert_parallel.ExpertParallelPlan | None = None):
+                 expert_parallel_plan: expert_parallel.ExpertParallelPlan | None = None,
+                 pipeline: pipeline_parallel.PipelineSchedule | None = None):
         super().__init__(spec, backend, decisions, audit=audit, first_step_audit=first_step_audit)
         self.model, self.optimizer, self.plan, self.wrapped = model, optimizer, plan, wrapped
         self.tensor_parallel = tensor_parallel_plan  # None: no tp axis
         self.cp_mesh = cp_mesh  # None: no cp axis (fp8dist/engines/fsdp2/context_parallel.py)
         self.expert_parallel = expert_parallel_plan  # None: no ep axis
+        self.pipeline = pipeline  # None: no pp axis
         self.scaler = scaler  # fp16 compute only
         self.clip = spec.train.gradient_clipping
         self.last_step: StepOutcome | None = None  # how the fp16 loss scale moved on the last step
@@ -62,6 +65,8 @@ class FSDP2Run(Engine):
     def accumulate(self, batches: list[dict]) -> float:
         """Forward and backward over `batches` (reduce-scatter on the last micro-batch only); the loss is scaled
         where fp16 compute needs it. Returns the mean loss."""
+        if self.pipeline is not None:  # the schedule runs each micro-batch's forward and backward over the stages
+            return sum(self.pipeline.step(batch, 1 / len(batches)).item() for batch in batches) / len(batches)
         total = 0.0
         for i, batch in enumerate(batches):
             self.model.set_requires_gradient_sync(i == len(batches) - 1)
@@ -90,7 +95,9 @@ class FSDP2Run(Engine):
                 self.optimizer.zero_grad(set_to_none=True)
                 return False
             self.scaler.unscale_(params)
-        if self.clip > 0 and (self.tensor_parallel is not None or self.expert_parallel is not None):
+        if self.clip > 0 and self.pipeline is not None:  # the norm over every stage's gradients
+            clip_grad_norm_(params, self.clip, across=self.pipeline.group)
+        elif self.clip > 0 and (self.tensor_parallel is not None or self.expert_parallel is not None):
             clip_grad_norm_(params, self.clip)  # gradients on (dp, tp) or (efsdp, ep) and dp meshes
         elif self.clip > 0:
             torch.nn.utils.clip_grad_norm_(params, self.clip)
@@ -165,6 +172,12 @@ class _Preparing:
     tensor_parallel: tensor_parallel.TensorParallelPlan | None = None
     expert_parallel: expert_parallel.ExpertParallelPlan | None = None
     units: list = field(default_factory=list)  # (name, module) of the blocks fully_shard wraps one by one
+    stages: list = field(default_factory=list)  # this rank's pipeline stages (each an FSDP2 root), or none
+    pipeline: pipeline_parallel.PipelinePlan | None = None
+
+    def roots(self) -> list:
+        """The modules fully_shard makes roots: this rank's pipeline stages, or the model."""
+        return self.stages or [self.model]
 
 
 def _upcast_trainable(state: _Preparing) -> None:
@@ -230,8 +243,22 @@ def _compile_blocks(state: _Preparing) -> None:
             unit.compile()
 
 
+def _split_pipeline(state: _Preparing) -> None:
+    """Pipeline parallel: this rank's stages of the converted, split, wrapped and compiled model; the model keeps
+    only their modules (engines/fsdp2/pipeline_parallel.py)."""
+    section, meshes = state.plan.pipeline, state.meshes
+    if section is None or meshes.pp is None:
+        return
+    state.stages, state.pipeline = pipeline_parallel.keep_own_stages(state.model, meshes.dims,
+                                                                    meshes.pp.get_local_rank(), section)
+    own = {id(module) for stage in state.stages for module in stage.modules()}
+    state.units = [(name, unit) for name, unit in state.units if id(unit) in own]
+    say("pipeline-parallel", state.pipeline.summary())
+
+
 def _shard(state: _Preparing) -> None:
-    """fully_shard the experts (on their own mesh), each block, then the root, on the data mesh."""
+    """fully_shard the experts (on their own mesh), each block, then the root (each pipeline stage), on the data
+    mesh."""
     plan, meshes = state.plan, state.meshes
     mp = plan.mixed_precision_policy
     policy = dict(param_dtype=_dtype(mp.param_dtype), reduce_dtype=_dtype(mp.reduce_dtype),
@@ -248,8 +275,9 @@ def _shard(state: _Preparing) -> None:
     for _, unit in state.units:
         fully_shard(unit, mesh=meshes.data, mp_policy=block_policy, reshard_after_forward=reshard,
                     offload_policy=offload, ignored_params=state.unsharded)
-    fully_shard(state.model, mesh=meshes.data, mp_policy=root_policy, offload_policy=offload,
-                reshard_after_forward=plan.sharding.root_reshard_after_forward, ignored_params=state.unsharded)
+    for root in state.roots():
+        fully_shard(root, mesh=meshes.data, mp_policy=root_policy, offload_policy=offload,
+                    reshard_after_forward=plan.sharding.root_reshard_after_forward, ignored_params=state.unsharded)
 
 
 def _gather_float8_over_gloo(state: _Preparing) -> None:
@@ -261,7 +289,7 @@ def _gather_float8_over_gloo(state: _Preparing) -> None:
         # imported only here: it builds on torch's private FSDP2 collectives (tests/unit: no import otherwise)
         from fp8dist.engines.fsdp2.collectives import ByteViewAllGather
 
-        for module in state.model.modules():
+        for module in {id(m): m for root in state.roots() for m in root.modules()}.values():
             if isinstance(module, FSDPModule):
                 module.set_custom_all_gather(ByteViewAllGather())
 
@@ -277,6 +305,7 @@ TRANSFORMS: tuple[tuple[str, Callable[[_Preparing], None]], ...] = (
     ("expert parallel on the experts' mesh", _split_experts),
     ("activation checkpointing", _checkpoint_activations),
     ("torch.compile per block", _compile_blocks),
+    ("pipeline parallel: this rank's stages on the pp mesh", _split_pipeline),
     ("fully_shard: experts, blocks, root", _shard),
     ("float8 all-gather's collective", _gather_float8_over_gloo),
 )
@@ -317,10 +346,17 @@ def prepare(model, spec: Spec, meshes: Meshes | None = None, *, optimizer=None, 
     optimizer.register_step_post_hook(lambda *_: backend.after_optimizer_step(model))
     scaler = DynamicLossScaler(spec.precision.loss_scaling) if plan.loss_scaling else None  # ranks agree on a skip
     model.fp8dist_decisions = state.decisions  # for an inspector that recognises the model (fp8dist.audit.watch)
+    model.fp8dist_pipeline_mesh = meshes.pp  # likewise: the ranks that hold the other stages (or None)
+    pipeline = None
+    if state.pipeline is not None:
+        pipeline = pipeline_parallel.PipelineSchedule(
+            state.stages, state.pipeline, meshes.pp, torch.device(device_type()),
+            loss=lambda logits, labels: model.loss_function(logits=logits, labels=labels,
+                                                            vocab_size=model.config.vocab_size))
     return FSDP2Run(model, optimizer, backend, plan, spec, state.decisions, [name for name, _ in state.units],
                     scaler, audit=audit, first_step_audit=first_step_audit,
                     tensor_parallel_plan=state.tensor_parallel, cp_mesh=meshes.cp,
-                    expert_parallel_plan=state.expert_parallel)
+                    expert_parallel_plan=state.expert_parallel, pipeline=pipeline)
 
 
 def _quantize_base(model, shards: int) -> set[torch.nn.Parameter]:
