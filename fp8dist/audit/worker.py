@@ -58,7 +58,7 @@ def observe(spec, loaded, steps: int, numerics: bool = False) -> dict[str, Any]:
     engine's own first-step audit is off: the watch here is the audit."""
     loading = loading_cell(loaded)
     session = loop.start(spec, loaded, audit="off")
-    engine = session.engine
+    engine, spec = session.engine, session.spec  # policy auto: the spec with the calibrated overrides
     with watch(engine.model, engine.optimizer, spec, on_mismatch="ignore", name=loaded.name, loading=loading,
                numerics=numerics) as audit:
         session.step(0)
