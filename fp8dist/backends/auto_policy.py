@@ -146,7 +146,8 @@ def _fastest(info: LinearInfo, passing: Sequence[str], model: SpeedModel) -> tup
     at = f"at M={model.tokens} on {model.gpu.upper()}{'' if model.compiled else ', not compiled'}"
     listed = ", ".join([f"{r} {p:.2f}x" for r, p in predicted.items()] +
                        [f"{r} does not run on {model.gpu.upper()}" for r in unsupported])
-    threshold = "" if model.min_speedup is None else f", precision.fp8.min_speedup={model.min_speedup:g}"
+    threshold = (" (no min_speedup: FP8 emulated, or min_speedup off)" if model.min_speedup is None
+                 else f", precision.fp8.min_speedup={model.min_speedup:g}")
     if not fast:
         return None, f"speed: predicted {listed} {at}: below min_speedup{threshold}"
     chosen = max(fast, key=lambda r: predicted[r])  # max keeps the first of equal ones: candidate order

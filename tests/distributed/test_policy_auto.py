@@ -65,3 +65,20 @@ def test_calibrate_writes_a_config_whose_run_audits_pass_as_the_auto_run(outlier
     assert "precision.fp8.policy auto: calibrated 14 Linears" in calibrated.stderr  # the start report
     assert recipes(auto_report) == recipes(report)
     assert {fqn for fqn, recipe in recipes(report).items() if recipe is None} == KEPT | {"lm_head"}
+
+
+def test_with_the_speed_model_every_linear_below_min_speedup_stays_in_bf16_and_the_audit_expects_it(tmp_path):
+    """tiny-llama's Linears at 128 tokens on an H100 (hardware.gpu; FP8 emulated here): predicted far below 1x, so
+    the calibration keeps them all in the compute dtype, each with its predicted speedups; the gemm row expects
+    bf16 for that reason."""
+    auto = tmp_path / "auto.yaml"
+    auto.write_text(yaml.safe_dump({"engine": "fsdp2", "hardware": {"gpu": "h100"}, "precision": {
+        "preset": "torchao-float8", "fp8": {"torchao": {"emulate": True}, "policy": "auto", "calibration_steps": 1,
+                                             "min_speedup": 1.0}}}))
+    done = run_cli("audit", "tiny-llama", "--config", auto, "--format", "json", timeout=600)
+    report = json.loads(done.stdout)
+    assert done.returncode == 0 and report["passed"], done.stdout[-3000:]
+    assert "compute dtype 14; speed model: H100" in done.stderr
+    assert "at M=128 on H100, not compiled: below min_speedup, precision.fp8.min_speedup=1" in done.stderr
+    gemm = next(row for row in report["checks"] if row["phase"] == "gemm")
+    assert gemm["expected"] == gemm["observed"] == "bf16" and "policy auto kept every Linear" in gemm["why"]
