@@ -3,9 +3,9 @@
 Importing fp8dist imports neither torch nor DeepSpeed; the runtimes import them when used. It does filter the
 libraries' known-benign start-up messages (fp8dist.library_noise), so importing it first keeps them out.
 
-This module is also the composition root: it hands the first-step audit (fp8dist.audit, a layer above the
-engines) to the engines, which never import it, and the recognition of other tools' files (fp8dist.formats) to the
-config loader (docs/architecture.md).
+This module is also the composition root: it hands the first-step audit and precision.fp8.policy auto's
+calibration (fp8dist.audit, a layer above the engines) to the engines, which never import it, and the recognition
+of other tools' files (fp8dist.formats) to the config loader (docs/architecture.md).
 """
 from typing import TYPE_CHECKING
 
@@ -13,7 +13,7 @@ from fp8dist import library_noise
 from fp8dist.config.arguments import add_config_arguments, spec_from_args
 from fp8dist.config.load import load_config, provide_other_tool
 from fp8dist.config.spec import Spec
-from fp8dist.engines.base import provide_first_step_audit
+from fp8dist.engines.base import provide_calibration, provide_first_step_audit
 from fp8dist.errors import ConfigError, ExitCode, Fp8distError, UnsupportedEnvironment
 
 if TYPE_CHECKING:
@@ -42,6 +42,24 @@ def _first_step_audit(engine, mode: str):
     return first_step_audit(engine, mode)
 
 
+def _calibrate(spec, model, steps, gpu, rank):
+    import os
+    import sys
+
+    from fp8dist.audit.calibration import calibrated_spec
+    from fp8dist.runtime.ranks import JOB_ENV, PROGRESS, emit
+
+    def say(text: str) -> None:
+        """On stderr; in the ranks of a CLI command (`audit`, `compare`: fp8dist.runtime.ranks.launch) as a progress
+        line, which the command shows on its stderr (the ranks' own output is kept for errors only)."""
+        if os.environ.get(JOB_ENV):
+            emit(PROGRESS, "calibration", text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    return calibrated_spec(spec, model, steps, gpu, rank, say)
+
+
 def _other_tool(document, source: str):
     from fp8dist.formats.importing import other_tool_issue
 
@@ -49,5 +67,6 @@ def _other_tool(document, source: str):
 
 
 provide_first_step_audit(_first_step_audit)
+provide_calibration(_calibrate)
 provide_other_tool(_other_tool)
 library_noise.install()

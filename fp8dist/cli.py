@@ -17,7 +17,7 @@ from fp8dist.errors import ExitCode, Fp8distError
 
 AUDIT_TIMEOUT_S = 600  # default bound of an audit or compare run
 # Commands whose words after the positionals may be KEY=VALUE config overrides.
-TAKES_OVERRIDES = ("validate", "translate", "estimate", "audit", "compare", "run")
+TAKES_OVERRIDES = ("validate", "translate", "estimate", "audit", "compare", "run", "calibrate")
 OVERRIDES_HELP = ("config overrides: KEY=VALUE words (after the command, anywhere) set one config key each, the "
                   "value read as YAML, e.g. precision.fp8.backend=none train.steps=4; launch/train.py and scripts "
                   "using fp8dist.add_config_arguments take the same as --fp8dist-set KEY=VALUE")
@@ -97,6 +97,11 @@ def _export(args):
 def _run(args):
     from fp8dist.commands import run
     return run.run(args)
+
+
+def _calibrate(args):
+    from fp8dist.commands import calibrate
+    return calibrate.run(args)
 
 
 def _audit(args):
@@ -223,6 +228,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "saturation, the GEMM's SQNR against high precision (limits: audit.numerics); that step "
                         "costs up to 3x a plain one")
     p.set_defaults(func=_audit)
+
+    p = sub.add_parser("calibrate", help="precision.fp8.policy auto's calibration: each Linear's recipe from its "
+                       "measured FP8 numerics and predicted speed, written as explicit precision.fp8.overrides")
+    p.add_argument("model", help=MODEL_FORMS)
+    p.add_argument("--config", required=True, help="the fp8dist config to calibrate (backend torchao)")
+    p.add_argument("-o", "--output", required=True, help="the config to write (atomically): --config as written, "
+                   "with policy manual and the calibrated overrides")
+    p.add_argument("--nproc", type=int, default=1, help="ranks (default 1); their measurements are summed")
+    p.add_argument("--steps", type=int, default=None, help="the run's first steps to calibrate on (default "
+                   "precision.fp8.calibration_steps, 2)")
+    p.add_argument("--timeout", type=float, default=AUDIT_TIMEOUT_S,
+                   help=f"seconds the calibration may take before it is stopped (default {AUDIT_TIMEOUT_S})")
+    p.set_defaults(func=_calibrate)
 
     p = sub.add_parser("run",
                        usage="fp8dist run CONFIG [KEY=VALUE ...] [--nproc N] [--launcher L] -- SCRIPT [ARGS ...]",

@@ -50,6 +50,14 @@ file's `mixed_precision` (and is required where the file names a `deepspeed_conf
 Trainer's arguments themselves (their `bf16`, batch and learning rate fill their DeepSpeed JSON's `"auto"`) and
 PEFT files only the adapter: the flags are refused for them.
 
+**Megatron-Core's bf16 layers** (`first_last_layers_bf16` with `num_layers_at_start_in_bf16` /
+`num_layers_at_end_in_bf16`, Megatron-Core transformer_config.py) are fp8dist's `precision.fp8.keep_first_layers` /
+`keep_last_layers`. None of the five file kinds carries them: Accelerate 1.15's `MegatronLMPlugin` has no such field
+(its `other_megatron_args` is Python only, and a config file's `megatron_lm_config` is refused as a whole, below);
+DeepSpeed 0.19, PEFT 0.21 and TRL have no such key. Axolotl's nearest, `nvfp4_training.skip_first_n_blocks` /
+`skip_last_n_blocks` (src/axolotl/utils/schemas/nvfp4.py), belongs to its NVFP4 GEMM training, which fp8dist does
+not build: `nvfp4_training` is refused with the two keys to write instead. Write them in the imported config.
+
 **Which tool a file is** is decided by evidence: keys only that tool writes (Accelerate's `distributed_type`,
 `mixed_precision`, `fp8_config`...; Axolotl's `base_model`, `micro_batch_size`, a `bf16` flag, a `deepspeed` path...;
 DeepSpeed's `zero_optimization`, `train_batch_size`, `bf16` or `optimizer` sections...; TRL's `model_name_or_path`,

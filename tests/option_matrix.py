@@ -129,6 +129,12 @@ RUNS = [
                                                            "overrides": [{"modules": ["*.mlp.*"],
                                                                           "recipe": "rowwise"}]}}},
         {"float8_linears": 7}),
+    # policy auto: the calibration pass on the first step's batches, every Linear of the healthy tiny-llama passes
+    # tensorwise numerics on both ranks (tests/distributed/test_policy_auto.py runs the outlier model)
+    Run("fsdp2-torchao-policy-auto",
+        {"precision": {"preset": "torchao-float8", "fp8": {"torchao": EMULATE, "policy": "auto",
+                                                           "calibration_steps": 1}}},
+        {"float8_linears": 14}),
     Run("ds-zero2-torchao-keep-last-schedule-all",
         {**DS, "precision": {"preset": "torchao-float8", "fp8": {"torchao": EMULATE, "keep_last_layers": 1},
                              "schedule": {"from_fraction": 0.5, "gemms": "all"}}},
@@ -504,6 +510,18 @@ REFUSALS = [
     Refusal("schedule-te", merge(TE, {"precision": {"schedule": {"from_step": 1}}}), "no switch of it is wired"),
     Refusal("schedule-mxfp8-forward", {"precision": {"preset": "torchao-float8", "fp8": {
         "torchao": {**EMULATE, "recipe_name": "mxfp8"}}, "schedule": {"from_step": 1}}}, "forward alone"),
+    Refusal("policy-auto-te", merge(TE, {"precision": {"fp8": {"policy": "auto"}}}), "numerics probes cannot run"),
+    Refusal("policy-auto-deepspeed", {**DS, "precision": {"preset": "torchao-float8", "fp8": {
+        "torchao": EMULATE, "policy": "auto"}}}, "wired into the FSDP2 engine"),
+    Refusal("policy-auto-lora", {"adapter": {"kind": "lora"}, "precision": {"preset": "torchao-float8", "fp8": {
+        "torchao": EMULATE, "policy": "auto"}}}, "base Linears are frozen"),
+    Refusal("policy-auto-tensor-parallel", {"parallel": {"tensor_size": 2}, "precision": {
+        "preset": "torchao-float8", "fp8": {"torchao": EMULATE, "policy": "auto"}}}, "runs each rank's whole model"),
+    Refusal("policy-auto-ram-efficient-loading", {"parallel": {"cpu_ram_efficient_loading": True}, "precision": {
+        "preset": "torchao-float8", "fp8": {"torchao": EMULATE, "policy": "auto"}}}, "builds the model on the meta"),
+    Refusal("policy-auto-schedule-all-gather", {"precision": {"preset": "torchao-float8", "fp8": {
+        "torchao": {**EMULATE, "enable_fsdp_float8_all_gather": "auto"}, "policy": "auto"},
+        "schedule": {"from_step": 1}}}, "calibration may give Linears tensorwise"),
     Refusal("schedule-compile", {"compile": True, "precision": {"preset": "torchao-float8", "fp8": {
         "torchao": {"enable_fsdp_float8_all_gather": False}}, "schedule": {"from_step": 1}}}, "torch.compile"),
 ]

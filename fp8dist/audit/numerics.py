@@ -412,7 +412,7 @@ class ExpertsProbe:
             saved = None
             with quiet(self.tally, probe.name):
                 saved = probe.forward(tokens, weight_t, offsets)
-            _on_gradient(out, probe, saved, self.tally, self.active)
+            on_gradient(out, probe, saved, self.tally, self.active)
             return out
 
         return registered.func(observed, module, *args, **kwargs)
@@ -424,7 +424,7 @@ class ExpertsProbe:
             self._restore = None
 
 
-def _on_gradient(output, probe, saved, tally: Tally, active: Callable[[], bool]) -> None:
+def on_gradient(output, probe, saved, tally: Tally, active: Callable[[], bool]) -> None:
     """The probe's backward GEMMs once the gradient of `output` (the GEMM's result) arrives."""
     if not isinstance(output, torch.Tensor) or not output.requires_grad or saved is None:
         return
@@ -472,7 +472,7 @@ class NumericsRecorder:
         saved = None
         with quiet(self.tally, probe.name):
             saved = probe.forward(args[0].detach(), module.weight)
-        _on_gradient(output, probe, saved, self.tally, self.active)
+        on_gradient(output, probe, saved, self.tally, self.active)
 
     def __exit__(self, *exc) -> None:
         self._active = False

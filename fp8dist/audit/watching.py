@@ -319,6 +319,12 @@ class Watch:
             gemm["expects"] = (expected(self.spec, 1)["training"][0],
                                "precision.fp8.min_speedup kept every Linear in the compute dtype (FP8 is predicted "
                                "slower for each on this GPU: the module filter's report says why)")
+        elif decisions and not any(d.convert for d in decisions) and flops.get("policy", {}).get(
+                "asked_fp8_share") == 0.0 and self.spec.fp8.policy == "auto" and not self.switched:
+            # policy auto's calibration (its overrides) kept every Linear: no FP8 GEMM is what the run asked for
+            gemm["expects"] = (expected(self.spec, 1)["training"][0],
+                               "precision.fp8.policy auto kept every Linear in the compute dtype (none passed its "
+                               "numerics and speed checks: the calibration's start report says why for each)")
         gemm["detail"] += f"; FP8 share of weight-GEMM FLOPs {flops['fp8_share']:.1%}"
         stray = [row for row in flops["high_precision"] if not row["allowed"]]
         if stray:

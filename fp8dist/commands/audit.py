@@ -41,7 +41,8 @@ def measure(model: str, config: str | None, nproc: int, steps: int, timeout: flo
     from fp8dist.commands.audit_worker import NUMERICS
 
     return launch("fp8dist.commands.audit_worker", [model, config or "", str(steps), "\n".join(overrides),
-                                           NUMERICS if numerics else ""], nproc, timeout, "audit run")
+                                           NUMERICS if numerics else ""], nproc, timeout, "audit run",
+                  lambda line: print(line, file=sys.stderr, flush=True))  # on_progress: policy auto's decisions
 
 
 def run_audit(args) -> int:

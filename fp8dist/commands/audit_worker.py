@@ -60,7 +60,7 @@ def observe(spec, loaded, steps: int, numerics: bool = False, dims: ParallelDims
     on this world)."""
     loading = loading_cell(loaded)
     session = loop.start(spec, loaded, audit="off", dims=dims)
-    engine = session.engine
+    engine, spec = session.engine, session.spec  # policy auto: the spec with the calibrated overrides
     with watch(engine.model, engine.optimizer, spec, on_mismatch="ignore", name=loaded.name, loading=loading,
                numerics=numerics) as audit:
         session.step(0)

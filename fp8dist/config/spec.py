@@ -124,6 +124,9 @@ class FP8Spec:
     overrides: tuple[OverrideSpec, ...] = ()
     keep_first_layers: int = 0
     keep_last_layers: int = 0
+    # manual | auto: auto calibrates each Linear's recipe before the first step (fp8dist.audit.calibration)
+    policy: str = "manual"
+    calibration_steps: int = 2
 
     def __post_init__(self):
         # _build hands the list's entries over as dicts (it builds nested dataclasses, not lists of them)
@@ -370,6 +373,15 @@ class Spec:
     def switch_step(self) -> int | None:
         """The first step precision.schedule runs in the compute dtype (switch_step_of), None without one."""
         return switch_step_of(self.precision.schedule, self.train.steps) if self.fp8.enabled else None
+
+
+def with_overrides(spec: "Spec", overrides: list[dict[str, Any]]) -> "Spec":
+    """`spec` with `overrides` ({modules, recipe} entries) after its written precision.fp8.overrides: how
+    precision.fp8.policy auto hands its calibrated decisions to the engine (the written entries still win)."""
+    fp8 = spec.fp8
+    added = tuple(OverrideSpec(tuple(o["modules"]), o["recipe"]) for o in overrides)
+    return dataclasses.replace(spec, precision=dataclasses.replace(
+        spec.precision, fp8=dataclasses.replace(fp8, overrides=fp8.overrides + added)))
 
 
 def _build(cls, data: dict[str, Any]):

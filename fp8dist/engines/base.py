@@ -42,6 +42,21 @@ def default_first_step_audit() -> FirstStepAudit | None:
     return _provided[0] if _provided else None
 
 
+# (spec, the rank's whole model, the first steps' micro-batches, the GPU the speed model predicts for or None, rank)
+# -> the spec with precision.fp8.policy auto's calibrated overrides (fp8dist.audit.calibration, a layer above)
+Calibrate = Callable[[Spec, Any, list, "str | None", int], Spec]
+_calibration: list[Calibrate] = []
+
+
+def provide_calibration(calibrate: Calibrate) -> None:
+    """Install precision.fp8.policy auto's calibration (fp8dist.audit's); the composition root calls it once."""
+    _calibration[:] = [calibrate]
+
+
+def provided_calibration() -> Calibrate | None:
+    return _calibration[0] if _calibration else None
+
+
 class Engine:
     """One prepared run (see the module docstring). Subclasses set `model`, `optimizer`, `backend`, `decisions`."""
 

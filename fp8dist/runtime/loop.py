@@ -74,10 +74,44 @@ def start(spec: Spec, loaded: LoadedModel, *, plan: EnginePlan | None = None, au
     profile, dims = profile_for(spec), dims or ParallelDims.of(spec, process_group.world_size())
     if torch.cuda.is_available() and loaded.materialize is None and not profile.moves_model_to_device:
         loaded.model.to("cuda")  # a meta-built model is allocated on the device by the engine
+    if spec.fp8.enabled and spec.fp8.policy == "auto":
+        spec = calibrated(spec, loaded, make_batch or loaded.make_batch, batch_dims or dims, pool)
     meshes = {"meshes": build_meshes(dims)} if profile.uses_device_mesh else {}
     engine = registry.setup(loaded.model, spec, optimizer=loaded.make_optimizer, audit=audit, plan=plan,
                             first_step_audit=first_step_audit, materialize=loaded.materialize, **meshes)
     return Session(spec, loaded, engine, make_batch or loaded.make_batch, batch_dims or dims, pool)
+
+
+def calibration_steps(spec: Spec, make_batch: BatchMaker, dims: ParallelDims, pool: int | None,
+                      device: str) -> list[list[dict]]:
+    """The micro-batches of the run's first precision.fp8.calibration_steps steps on this rank, on `device`: the
+    batches precision.fp8.policy auto calibrates on (the run then trains on the same ones)."""
+    rank = dims.data_rank(process_group.rank())
+    return [[{k: v.to(device) for k, v in batch.items()} for batch in batches_for(make_batch, spec, index, rank, pool)]
+            for index in range(spec.fp8.calibration_steps)]
+
+
+def calibrated(spec: Spec, loaded: LoadedModel, make_batch: BatchMaker, dims: ParallelDims,
+               pool: int | None) -> Spec:
+    """precision.fp8.policy auto: the spec with the calibration's overrides (fp8dist.audit.calibration, handed in by
+    the composition root), measured on this rank's whole model and the run's first batches."""
+    from fp8dist.engines.base import provided_calibration
+    from fp8dist.facts.hardware import run_gpu
+    from fp8dist.machine import device_info
+
+    calibrate = provided_calibration()
+    if calibrate is None:
+        raise Fp8distError("precision.fp8.policy=auto: no calibration is installed (import fp8dist, whose composition "
+                           "root installs it)")
+    if any(p.is_meta or hasattr(p, "ds_tensor") for p in loaded.model.parameters()):
+        raise Fp8distError("precision.fp8.policy=auto calibrates on each rank's whole model before sharding, and this "
+                           "model's weights are not loaded whole on the rank (built on meta or partitioned)\n  fix: "
+                           "set parallel.cpu_ram_efficient_loading=false, or run `fp8dist calibrate` and train with "
+                           "its overrides (policy manual)")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpu = run_gpu(spec.hardware.gpu, device_info().get("name"))
+    return calibrate(spec, loaded.model, calibration_steps(spec, make_batch, dims, pool, device), gpu,
+                     process_group.rank())
 
 
 @dataclass(frozen=True)

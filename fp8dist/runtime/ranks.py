@@ -23,6 +23,7 @@ from fp8dist.runtime import process_group
 # scripts' cases, the benchmarks' figures): one line `fp8dist-result <kind> <name> <json payload>`.
 RESULT = "fp8dist-result"
 PROGRESS = "progress"  # a line the parent shows as it comes (launch's on_progress)
+JOB_ENV = "FP8DIST_RANKS_JOB"  # set in the ranks of a launch: what a rank says goes back as PROGRESS lines
 # torchrun's own failure report (torch.distributed.elastic), line by line: said better by fp8dist's message.
 _ELASTIC_NOISE = ("torch.distributed.elastic", "ChildFailedError", "error_file", "traceback :", "To enable traceback",
                   "Root Cause", "Failures:", "<NO_OTHER_FAILURES>", "exitcode  :", "host      :", "rank      :",
@@ -89,7 +90,7 @@ def launch(module: str, args: list[str], nproc: int, timeout: float, what: str,
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                "-m", module, *args, out]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cuda" if has_cuda() else "cpu")}
+               "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cuda" if has_cuda() else "cpu"), JOB_ENV: "1"}
         # One pipe for both streams, drained by a thread: progress shown as it comes, the tail kept for errors,
         # and no rank ever blocks on a full pipe. Its own session: a timeout ends it and everything below it.
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,

@@ -12,7 +12,7 @@ TE_ONLY_RECIPES = ("delayed", "current", "block", "nvfp4")
 
 
 def check(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
-    return _without_fp8(spec) + _overrides(spec) + _schedule(spec)
+    return _without_fp8(spec) + _overrides(spec) + _schedule(spec) + _auto(spec)
 
 
 def _without_fp8(spec: Spec) -> list[Issue]:
@@ -24,6 +24,7 @@ def _without_fp8(spec: Spec) -> list[Issue]:
         ("precision.fp8.overrides", [o.recipe for o in fp8.overrides] or None),
         ("precision.fp8.keep_first_layers", fp8.keep_first_layers or None),
         ("precision.fp8.keep_last_layers", fp8.keep_last_layers or None),
+        ("precision.fp8.policy", fp8.policy if fp8.policy == "auto" else None),
         ("precision.schedule", schedule.from_step or schedule.from_fraction)) if value]
     return [Issue(key, "a per-Linear FP8 policy or schedule with precision.fp8.backend=none: there is no FP8 GEMM for "
                   "it to act on", value, "set precision.fp8.backend (e.g. preset torchao-float8), or remove it")
@@ -93,4 +94,62 @@ def _schedule(spec: Spec) -> list[Issue]:
         issues.append(Issue("precision.schedule", "a switch mid-run under torch.compile (the compiled blocks "
                             "recompiled with the new cast configs) has not been run", True,
                             "set compile=false with a schedule"))
+    return issues
+
+
+def _auto(spec: Spec) -> list[Issue]:
+    """precision.fp8.policy: auto calibrates on each rank's whole model before the engine prepares it
+    (fp8dist.audit.calibration): what that cannot do is refused, with `fp8dist calibrate` and its explicit overrides
+    (policy manual) as the fix where the run itself can take them."""
+    fp8, key = spec.fp8, "precision.fp8.policy"
+    if fp8.policy != "auto" or not fp8.enabled:
+        return []
+    calibrate = "run `fp8dist calibrate MODEL --config C -o policy.yaml` where it can run and train with its overrides"
+    issues = calibration_issues(spec)
+    if fp8.backend != "torchao":
+        return issues
+    if spec.engine != "fsdp2":
+        issues.append(Issue(key, "the calibration before the first step is wired into the FSDP2 engine's start; "
+                            f"engine {spec.engine} with it has not been run", "auto",
+                            f"{calibrate} (policy manual), or use engine fsdp2"))
+    if spec.precision.schedule.from_step is not None or spec.precision.schedule.from_fraction is not None:
+        if fp8.torchao.enable_fsdp_float8_all_gather is not False and spec.engine == "fsdp2":
+            issues.append(Issue("precision.fp8.torchao.enable_fsdp_float8_all_gather", "with policy auto and a "
+                                "schedule: the calibration may give Linears tensorwise, which `auto` all-gathers in "
+                                "float8, and a schedule cannot switch weights gathered in float8",
+                                fp8.torchao.enable_fsdp_float8_all_gather,
+                                "set precision.fp8.torchao.enable_fsdp_float8_all_gather=false"))
+    return issues
+
+
+def calibration_issues(spec: Spec, run: bool = True) -> list[Issue]:
+    """What the calibration itself cannot measure, each naming its key: a run's policy auto (`run`) and
+    `fp8dist calibrate` alike."""
+    fp8 = spec.fp8
+    what = "precision.fp8.policy auto" if run else "fp8dist calibrate"
+    if fp8.backend != "torchao":
+        return [Issue("precision.fp8.backend", f"{what}: the calibration casts each Linear's operands with torchao's "
+                      f"own float8 cast functions and recipes; backend {fp8.backend} casts inside its own kernels "
+                      "(or there is no FP8), which fp8dist's numerics probes cannot run per recipe", fp8.backend,
+                      "set precision.fp8.backend=torchao (preset torchao-float8)" +
+                      (", or policy manual with explicit overrides" if run else ""))]
+    issues = []
+    for key, size in (("parallel.tensor_size", spec.parallel.tensor_size),
+                      ("parallel.expert_size", spec.parallel.expert_size)):
+        if size > 1:
+            issues.append(Issue(key, f"{what}: the calibration runs each rank's whole model before the engine splits "
+                                "it; tensor parallel runs one recipe for the whole model (recipes side by side are "
+                                "refused there), and an expert-parallel rank holds part of the experts", size,
+                                f"set {key}=1 to calibrate" + (", or policy manual" if run else "")))
+    if spec.adapter.enabled:
+        issues.append(Issue("adapter.kind", f"{what}: a LoRA run's base Linears are frozen (no weight-gradient GEMM) "
+                            "and wrapped by PEFT; their calibration has not been run", spec.adapter.kind,
+                            "write explicit precision.fp8.overrides for the base Linears (policy manual)"))
+    if spec.parallel.cpu_ram_efficient_loading:
+        issues.append(Issue("parallel.cpu_ram_efficient_loading", f"{what}: RAM-efficient loading builds the model "
+                            "on the meta device and reads the weights after sharding; the calibration needs each "
+                            "rank's whole model with its weights before", True,
+                            "set parallel.cpu_ram_efficient_loading=false" + (
+                                ", or run `fp8dist calibrate` (without it) and train with its overrides" if run
+                                else " to calibrate (the written overrides then apply with it on)")))
     return issues

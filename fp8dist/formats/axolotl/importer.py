@@ -71,6 +71,15 @@ KEYS = Table("Axolotl", {
     "fp8": kept("precision.fp8 (torchao tensorwise, Accelerate's module filter)"),
     "fp8_enable_fsdp_float8_all_gather": kept("precision.fp8.torchao.enable_fsdp_float8_all_gather"),
     "tf32": refused(_TF32, "set tf32: false to train in full fp32, or bf16: true"),  # no effect on 16-bit compute
+    # axolotl src/axolotl/utils/schemas/nvfp4.py NVFP4TrainingConfig: FP4 GEMMs by Axolotl's own module swap; its
+    # skip_first_n_blocks / skip_last_n_blocks are Megatron-Core's num_layers_at_start/end_in_bf16
+    "nvfp4_training": refused("Axolotl's NVFP4 GEMM training (FP4 forward and backward GEMMs through its own "
+                              "module swap), which fp8dist does not build; its skip_first_n_blocks / "
+                              "skip_last_n_blocks are fp8dist's precision.fp8.keep_first_layers / keep_last_layers",
+                              "remove it and write precision.fp8 (fp8: true, or Transformer Engine's recipe nvfp4) "
+                              "with precision.fp8.keep_first_layers / keep_last_layers for the skipped blocks",
+                              unless=disabled, otherwise="off",
+                              example={"enabled": True, "skip_first_n_blocks": 1, "skip_last_n_blocks": 2}),
     # parallel layout (kept)
     "fsdp": kept("parallel.sharding (with fsdp_config)", example=["full_shard", "auto_wrap"]),
     "fsdp_config": kept("parallel / fsdp2 (fp8dist/formats/accelerate/sections.py)", example={"fsdp_version": 2}),
