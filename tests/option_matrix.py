@@ -193,6 +193,22 @@ RUNS = [
     Run("ds-hybrid-hpz", {**DS, "parallel": {"sharding": "hybrid", "shard_size": 2}}, {"zero_stage": 3}),
     # Tensor parallel on 2 ranks (dp_shard 1 x tp 2): both ranks read the same batch. The 4-rank FSDP2 x TP runs with
     # every FP8 path are tests/distributed/test_tensor_parallel.py.
+    # Pipeline parallel on 2 ranks (one data rank): tiny-llama's 2 layers as 2 stages under 1f1b; small-llama's 4 as 4
+    # stages, 2 per rank, interleaved; GPipe with the split given (tests/distributed/test_pipeline_parallel.py checks
+    # the losses against one process, the audit on pp x dp_shard, resume and export)
+    Run("fsdp2-pipeline-1f1b-float8", {"precision": {"preset": "torchao-float8", "fp8": {"torchao": EMULATE}},
+                                       "parallel": {"pipeline_size": 2, "pipeline_microbatches": 2}},
+        {"pipeline": "pipeline parallel: 2 stages, schedule 1f1b, 2 microbatches per micro-batch; this rank runs "
+                     "stage 0: layers 0-0", "float8_linears": 7}),  # rank 0 keeps its stage's layer only
+    Run("fsdp2-pipeline-interleaved", {"parallel": {"pipeline_size": 2, "pipeline_schedule": "interleaved_1f1b",
+                                                    "pipeline_stages_per_rank": 2},
+                                       "train": {"micro_batch_size": 4}},
+        {"pipeline": "pipeline parallel: 4 stages, schedule interleaved_1f1b, 4 microbatches per micro-batch; this "
+                     "rank runs stage 0: layers 0-0, stage 2: layers 2-2"}, model="small-llama"),
+    Run("fsdp2-pipeline-gpipe-split", {"parallel": {"pipeline_size": 2, "pipeline_schedule": "gpipe",
+                                                    "pipeline_split": [1], "pipeline_microbatches": 1}},
+        {"pipeline": "pipeline parallel: 2 stages, schedule gpipe, 1 microbatches per micro-batch; this rank runs "
+                     "stage 0: layers 0-0"}),
     Run("fsdp2-tp-sequence-parallel", {"parallel": {"tensor_size": 2, "sequence_parallel": True}},
         {"mesh": [1, 2], "sequence_parallel": True}),
     Run("fsdp2-tp-no-sequence-parallel", {"parallel": {"tensor_size": 2, "sequence_parallel": False}},
@@ -427,6 +443,27 @@ REFUSALS = [
                                       "parallel": {"tensor_size": 2}}, "only through Megatron-LM"),
     Refusal("adapter-tensor-parallel", {"adapter": {"kind": "lora"}, "parallel": {"tensor_size": 2}},
             "fp8dist splits plain nn.Linear layers only"),
+    Refusal("ds-pipeline", {**DS, "parallel": {"pipeline_size": 2}, "train": {"micro_batch_size": 4}},
+            "DeepSpeed's pipeline engine trains a PipelineModule"),
+    Refusal("pipeline-zero-bubble", {"parallel": {"pipeline_size": 2, "pipeline_schedule": "zero_bubble"},
+                                     "train": {"micro_batch_size": 4}}, "stage_backward_weight"),
+    Refusal("pipeline-microbatches-do-not-divide", {"parallel": {"pipeline_size": 2, "pipeline_microbatches": 3}},
+            "do not divide train.micro_batch_size=2"),
+    Refusal("pipeline-1f1b-too-few-microbatches", {"parallel": {"pipeline_size": 2, "pipeline_microbatches": 1}},
+            "needs at least pipeline_size=2 microbatches"),
+    Refusal("pipeline-stages-per-rank-single-stage-schedule",
+            {"parallel": {"pipeline_size": 2, "pipeline_stages_per_rank": 2}, "train": {"micro_batch_size": 4}},
+            "runs exactly 1 stages per rank"),
+    Refusal("pipeline-split-length", {"parallel": {"pipeline_size": 2, "pipeline_split": [1, 2]},
+                                      "train": {"micro_batch_size": 4}}, "2 stage starts for 2 stages"),
+    Refusal("pipeline-expert-parallel", {"parallel": {"pipeline_size": 2, "expert_size": 2},
+                                         "train": {"micro_batch_size": 4}}, "an expert mesh per pipeline stage"),
+    Refusal("pipeline-context-parallel", {"parallel": {"pipeline_size": 2, "context_size": 2},
+                                          "train": {"micro_batch_size": 4}}, "the schedule runs each stage"),
+    Refusal("pipeline-fp16", {"precision": {"preset": "fp16-amp"}, "parallel": {"pipeline_size": 2},
+                              "train": {"micro_batch_size": 4}}, "pipeline parallel with fp16 compute"),
+    Refusal("pipeline-efficient-loading", {"parallel": {"pipeline_size": 2, "cpu_ram_efficient_loading": True},
+                                           "train": {"micro_batch_size": 4}}, "CPU-RAM-efficient loading"),
     Refusal("expert-parallel-tensor-parallel", {"parallel": {"expert_size": 2, "tensor_size": 2}},
             "fp8dist's tensor parallel refuses MoE models"),
     Refusal("expert-parallel-context-parallel", {"parallel": {"expert_size": 2, "context_size": 2}},
@@ -673,6 +710,8 @@ AUDIT_ROWS = {  # what the audit shows for a key: the phases whose expected dtyp
     "parallel.sequence_parallel": "tp_all_gather (fp8 for tensorwise float8, else the compute dtype)",
     "parallel.expert_size": "ep_all_to_all (the tokens' dispatch in the compute dtype, on the ep axis of "
                             "communication_bytes_by_axis)",
+    "parallel.pipeline_size": "gemm (every stage's GEMM ledger merged), communication_bytes_by_axis.pp (send / recv), "
+                              "pipeline (the bubble measured beside the schedule's theory)",
     "engine": "engine (recognised from the prepared objects), then every phase",
     "audit.first_step": "whether step 1 is audited, and what a mismatch does",
     **{f"audit.numerics.{key}": "numerics (with `--numerics` / `watch(..., numerics=True)`)" for key in (

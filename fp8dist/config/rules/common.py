@@ -91,6 +91,15 @@ def _pipeline_parallel(spec: Spec) -> list[Issue]:
         issues.append(Issue("parallel.pipeline_stages_per_rank", f"{par.pipeline_schedule} ({rule.torch_class}) runs "
                             f"{need} stages per rank, got {stages}", par.pipeline_stages_per_rank,
                             "leave parallel.pipeline_stages_per_rank auto"))
+    if par.pipeline_schedule == "zero_bubble":
+        # torch 2.13 torch/distributed/pipelining/stage.py backward_maybe_with_nosync -> stage_backward_weight: the
+        # split weight-gradient pass differentiates with respect to self.submod.parameters(), which fully_shard keeps
+        # sharded while the forward ran on the gathered ones (measured here: the gradients come back None)
+        issues.append(Issue("parallel.pipeline_schedule", "zero_bubble computes the weight gradients in a pass of "
+                            "their own, with respect to the stage's parameters as stored; FSDP2 stores them sharded "
+                            "while the forward ran on the gathered ones, so torch 2.13's pass gets no gradient "
+                            "(stage.py stage_backward_weight)", "zero_bubble",
+                            "use interleaved_1f1b (the smallest bubble that runs on FSDP2), or 1f1b"))
     if par.pipeline_split and len(par.pipeline_split) != pp * stages - 1:
         issues.append(Issue("parallel.pipeline_split", f"{len(par.pipeline_split)} stage starts for {pp * stages} "
                             f"stages (pipeline_size {pp} x {stages} per rank): it names the first layer of every "

@@ -76,7 +76,8 @@ def run_fsdp2(case, spec, loaded) -> dict:
     from fp8dist.engines.fsdp2 import accumulate_gradients, apply_gradients, prepare
 
     run = prepare(loaded.model, spec, materialize=loaded.materialize)
-    loaded_from_files = matches_saved(loaded, run.model.model.embed_tokens.weight.full_tensor())
+    embeddings = run.model.model.embed_tokens  # None on a pipeline rank without the first stage
+    loaded_from_files = embeddings is not None and matches_saved(loaded, embeddings.weight.full_tensor())
     reduce_scatters = count_reduce_scatters(run.model)
     losses, skipped, scales = [], [], []
     for step in range(spec.train.steps):
@@ -96,6 +97,10 @@ def run_fsdp2(case, spec, loaded) -> dict:
         if run.scaler is not None:
             scales.append(run.scaler.scale)
     local, _ = probes.summarize(p.to_local() for p in probes.trainable(run.model))
+    if run.pipeline is not None:  # a stage's modules are not a model to call: what the pipeline ran
+        return {"losses": losses, "local_dtype": local, "optimizer": type(run.optimizer).__name__,
+                "float8_linears": float8_linears(run.model), "pipeline": run.pipeline.plan.summary(),
+                **audit_facts(run.audit_report)}
     with torch.no_grad():
         logits = run.model(**batches_for(loaded.make_batch, spec, 0, data_rank(spec))[0]).logits
     for module in run.model.modules():  # FSDP2 keeps the root (grad_op: every unit) unsharded after a forward
