@@ -53,10 +53,30 @@ PEFT files only the adapter: the flags are refused for them.
 **Megatron-Core's bf16 layers** (`first_last_layers_bf16` with `num_layers_at_start_in_bf16` /
 `num_layers_at_end_in_bf16`, Megatron-Core transformer_config.py) are fp8dist's `precision.fp8.keep_first_layers` /
 `keep_last_layers`. None of the five file kinds carries them: Accelerate 1.15's `MegatronLMPlugin` has no such field
-(its `other_megatron_args` is Python only, and a config file's `megatron_lm_config` is refused as a whole, below);
+(its `other_megatron_args` is Python only, and a config file's `megatron_lm_config` is read only with the refused
+distributed_type MEGATRON_LM, below);
 DeepSpeed 0.19, PEFT 0.21 and TRL have no such key. Axolotl's nearest, `nvfp4_training.skip_first_n_blocks` /
 `skip_last_n_blocks` (src/axolotl/utils/schemas/nvfp4.py), belongs to its NVFP4 GEMM training, which fp8dist does
 not build: `nvfp4_training` is refused with the two keys to write instead. Write them in the imported config.
+
+**Pipeline parallel** (fp8dist's `parallel.pipeline_size`, `pipeline_microbatches`, `pipeline_split`, engine
+fsdp2). DeepSpeed 0.19.8's `pipeline` section (runtime/config.py get_pipeline_config: `stages`, `partition`,
+`seed_layers`, `activation_checkpoint_interval`, `pipe_partitioned`, `grad_partitioned`, and `use_reentrant`) is
+read only by its PipelineEngine, which `deepspeed.initialize` builds for a PipelineModule alone: `pipeline.stages`
+above 1 is refused, its fix naming the fp8dist keys of the same pipeline with the file's numbers (the PipelineEngine
+runs `gradient_accumulation_steps` micro-batches of `train_micro_batch_size_per_gpu` a step: `pipeline_microbatches`
+that many, `train.micro_batch_size` their product); its other keys are noted; in a JSON that an Accelerate, Axolotl
+or TRL file names the whole section is noted, since the HF Trainer and Accelerate never drive a PipelineEngine (its
+forward, backward and step raise outside `train_batch`). A DeepSpeed JSON without the section says nothing of a
+pipeline (the stage count is the script's `PipelineModule(num_stages=...)`). Accelerate 1.15's ParallelismConfig has
+no pipeline size (dp_replicate, dp_shard, tp, cp, sp; a `parallelism_config_pp_size` is noted); its Megatron-LM
+plugin's `megatron_lm_pp_degree`, `megatron_lm_num_micro_batches` and `megatron_lm_decoder_last_pipeline_num_layers`
+are refused with distributed_type MEGATRON_LM (Megatron-Core's own model), each naming the fp8dist key, and
+noted under any other distributed_type, where `accelerate launch` does not export them
+(`pipeline_model_parallel_split_rank` and `num_layers_per_virtual_pipeline_stage` are Python only). PEFT 0.21's
+`megatron_config` (Megatron's TransformerConfig, with its `pipeline_model_parallel_size`) is refused. Axolotl (axolotl-ai-cloud/axolotl@067b021)
+and TRL (1.10, with transformers 5.24's TrainingArguments) have no pipeline-parallel key: one written is said as
+unknown.
 
 **Which tool a file is** is decided by evidence: keys only that tool writes (Accelerate's `distributed_type`,
 `mixed_precision`, `fp8_config`...; Axolotl's `base_model`, `micro_batch_size`, a `bf16` flag, a `deepspeed` path...;

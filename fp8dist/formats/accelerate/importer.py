@@ -24,7 +24,7 @@ from fp8dist.formats.common import (LAUNCHER_FLAGS, Imported, ImportProblem, Lau
 from fp8dist.formats.deepspeed.importer import AutoContext, convert_config
 from fp8dist.formats.accelerate.sections import fp8_section, fsdp_settings, note_accelerate_refusals
 from fp8dist.formats.accelerate.translate import ADAPTER_MARK, LOAD_DTYPE_MARK
-from fp8dist.formats.keys import KeyClass, Table, disabled, kept, no_effect, refused
+from fp8dist.formats.keys import KeyClass, Table, kept, no_effect, one_or_unset, refused
 
 _MARK = re.compile("^" + re.escape(LOAD_DTYPE_MARK) + r"(fp32|bf16|fp16)\b", re.MULTILINE)
 _ADAPTER = re.compile("^" + re.escape(ADAPTER_MARK) + r"(\S*)", re.MULTILINE)
@@ -32,6 +32,13 @@ _ADAPTER = re.compile("^" + re.escape(ADAPTER_MARK) + r"(\S*)", re.MULTILINE)
 # DistributedType): fp8dist runs them as FSDP2 with nothing sharded. NO is one process.
 _DDP = {"NO", "MULTI_GPU", "MULTI_CPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
         "MULTI_HPU", "MULTI_NEURON"}
+# Accelerate's Megatron-LM mode: `accelerate launch` exports megatron_lm_config (MEGATRON_LM_*) only for it
+# (accelerate 1.15 utils/launch.py prepare_multi_gpu_env, `if args.use_megatron_lm`), and MegatronLMPlugin trains
+# Megatron-Core's own model and optimizer (utils/megatron_lm.py), which fp8dist does not build.
+_MEGATRON_ONLY = ("read only with distributed_type MEGATRON_LM (accelerate launch exports it then: utils/launch.py "
+                  "prepare_multi_gpu_env), which fp8dist refuses")
+_MEGATRON_MODEL = ("Megatron-Core's own model and optimizer (distributed_type MEGATRON_LM, accelerate 1.15 "
+                   "utils/megatron_lm.py), which fp8dist does not build")
 _LAUNCH = "a launch setting (where and how many processes), not one of the run's numerics or layout"
 KEYS = Table("Accelerate", {
     "distributed_type": kept("engine (FSDP: fsdp2; DEEPSPEED: deepspeed; NO / MULTI_*: fsdp2 with nothing sharded); "
@@ -43,11 +50,29 @@ KEYS = Table("Accelerate", {
     "fp8_config": kept("precision.fp8 (with mixed_precision fp8)", example={"backend": "AO"}),
     "dynamo_config": kept("compile", example={"dynamo_backend": "INDUCTOR"}),
     "parallelism_config": kept("parallel: sharding hybrid from dp_shard x dp_replicate, tensor_size from tp, "
-                               "context_size from cp (sp, DeepSpeed's Ulysses, refused)",
+                               "context_size from cp (sp, DeepSpeed's Ulysses, refused; Accelerate 1.15 has no "
+                               "pipeline size there: a pp_size is noted)",
                                example={"parallelism_config_dp_shard_size": 2}),
-    "megatron_lm_config": refused("Megatron-LM's tensor / pipeline parallelism",
-                                  "use distributed_type FSDP or DEEPSPEED", unless=disabled, otherwise="empty",
-                                  example={"megatron_lm_tp_degree": 2}),
+    "megatron_lm_config": no_effect(f"{_MEGATRON_ONLY}; with it, the keys below are refused naming fp8dist's",
+                                    example={"megatron_lm_tp_degree": 2}),
+    # accelerate 1.15 utils/dataclasses.py MegatronLMPlugin (pp_degree, num_micro_batches,
+    # decoder_last_pipeline_num_layers), exported from the file by utils/launch.py prepare_multi_gpu_env
+    "megatron_lm_config.megatron_lm_pp_degree": refused(
+        f"Megatron-LM's pipeline-parallel degree (pipeline_model_parallel_size over {_MEGATRON_MODEL})",
+        "fp8dist's pipeline is parallel.pipeline_size (engine fsdp2: the Hugging Face model split by layer ranges, "
+        "torch.distributed.pipelining): write it with this degree in an fp8dist config, or import a distributed_type "
+        "FSDP file and add it", unless=one_or_unset, otherwise="1: no pipeline", example=2),
+    "megatron_lm_config.megatron_lm_num_micro_batches": refused(
+        f"the micro-batches Megatron-LM runs a step (global batch = data-parallel size x batch x this), through its "
+        f"pipeline when pp_degree is above 1, over {_MEGATRON_MODEL}",
+        "in fp8dist, parallel.pipeline_microbatches: N with train.micro_batch_size: your batch x N (each micro-batch "
+        "is split into the pipeline's microbatches); without a pipeline, train.gradient_accumulation_steps: N",
+        unless=one_or_unset, otherwise="1: one micro-batch a step", example=4),
+    "megatron_lm_config.megatron_lm_decoder_last_pipeline_num_layers": refused(
+        f"the decoder layers of Megatron-LM's last pipeline stage, the others split evenly, over {_MEGATRON_MODEL}",
+        "in fp8dist, parallel.pipeline_split: the first layer of each stage after the first (the last at the "
+        "model's layer count minus N)", unless=lambda value: value in (None, "None", ""), otherwise="unset: even",
+        example=2),
     "downcast_bf16": no_effect("TPU only (XLA_DOWNCAST_BF16)", example="no"),
     "use_cpu": no_effect("where the processes run, not their dtypes"),
     "debug": no_effect("Accelerate's debug checks of collective shapes"),
@@ -126,10 +151,12 @@ def convert(document: dict[str, Any], text: str, source: str, launcher: Launcher
         out = _fsdp(doc, dist, mixed, load_dtype, notes, issues, source)
         _script_values(launcher, out, notes)
     else:
-        raise ImportProblem([Issue("distributed_type", "fp8dist runs FSDP2 or DeepSpeed (or replicated data "
-                                   "parallelism as FSDP2 with nothing sharded); this Accelerate mode (Megatron-LM, "
-                                   "TPU) has no fp8dist equivalent", dist, "use FSDP, DEEPSPEED or MULTI_GPU")],
-                            source, "accelerate")
+        issues.append(Issue("distributed_type", "fp8dist runs FSDP2 or DeepSpeed (or replicated data parallelism as "
+                            "FSDP2 with nothing sharded); this Accelerate mode (Megatron-LM, TPU) has no fp8dist "
+                            "equivalent", dist, "use FSDP, DEEPSPEED or MULTI_GPU"))
+        if dist == "MEGATRON_LM":
+            _megatron(mapping(doc.get("megatron_lm_config"), "megatron_lm_config"), issues)
+        raise ImportProblem(issues, source, "accelerate")
     if mixed == "fp8" and out is not None:
         fp8 = fp8_section(fp8_config, out["engine"], notes, issues, "fp8_config.")
         if fp8 is not None and not (fp8["backend"] == "msamp" and "fp8" in out.get("precision", {})):
@@ -157,6 +184,16 @@ def convert(document: dict[str, Any], text: str, source: str, launcher: Launcher
     imported = cast(dict[str, Any], out)  # _deepspeed returns None only after recording an issue
     note_accelerate_refusals(imported, notes, "this file")
     return Imported("accelerate", imported, notes)
+
+
+def _megatron(config: Mapping[str, Any], issues: list[Issue]) -> None:
+    """megatron_lm_config under distributed_type MEGATRON_LM (refused itself): its pipeline keys refused too, each
+    naming the fp8dist key that says the same of an fp8dist run (KEYS megatron_lm_config.KEY). Its other keys go
+    with the refused mode: nothing is written."""
+    for key, value in config.items():
+        rule = KEYS.rule(f"megatron_lm_config.{key}")
+        if rule is not None and rule.cls is KeyClass.REFUSED:
+            KEYS.settle(f"megatron_lm_config.{key}", value, Notes(), issues)
 
 
 def _adapter_mark(text: str, issues: list[Issue]) -> dict[str, Any] | None:
@@ -430,6 +467,11 @@ def _parallelism(config: Mapping[str, Any], out: dict[str, Any], notes: Notes, i
                           "distributed/tensor/experimental/_context_parallel/_attention.py set_rotate_method): each "
                           "rank merges the same K/V blocks in the same order, gathered at once instead of passed "
                           "round the ring")
+        elif name == "pp_size":
+            notes.dropped(f"{_PC}{name}", value, "Accelerate 1.15's ParallelismConfig has no pipeline axis "
+                          "(dp_replicate, dp_shard, tp, cp, sp: parallelism_config.py) and accelerate launch exports "
+                          "no such key (utils/launch.py prepare_extend_env_parallelism_config): the run has no "
+                          "pipeline; fp8dist's is parallel.pipeline_size")
         elif name not in ("cp_backend", "cp_comm_strategy"):  # torch, allgather: fp8dist's own
             notes.dropped(f"{_PC}{name}", value, "no fp8dist meaning")
     if not parallel:

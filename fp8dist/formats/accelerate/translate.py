@@ -80,6 +80,14 @@ def accelerate_plan(spec: Spec, mode: str = "file", *, deepspeed_version: str | 
     plan: dict[str, Any] = {"engine": spec.engine, "mixed_precision": mixed, "load_dtype": spec.precision.load_dtype,
                             "fsdp": None, "deepspeed": None, "ddp": None, "fp8": None, "notes": []}
     _check_fp8_compute(spec, mode, issues)
+    if spec.parallel.pipeline_size > 1:
+        issues.append(Refusal("parallel.pipeline_size", "Accelerate has no pipeline parallel over a Hugging Face "
+                              "model: its ParallelismConfig's axes are dp_replicate, dp_shard, tp, cp and sp "
+                              "(accelerate 1.15 parallelism_config.py; its Megatron-LM mode's pp_degree trains "
+                              "Megatron-Core's own model), so every rank would hold every layer",
+                              spec.parallel.pipeline_size, "set parallel.pipeline_size=1 for Accelerate (the same "
+                              "numerics, every layer on each rank: more memory), or run fp8dist's own FSDP2 runtime",
+                              nearest={"parallel.pipeline_size": 1}))
     if spec.engine == "fsdp2" and spec.parallel.sharding == "replicate":
         plan["ddp"] = _ddp_plan(spec, mode, issues, plan["notes"])
     elif spec.engine == "fsdp2":

@@ -4,6 +4,8 @@ Precision sections (bf16 / fp16 / torch_autocast, communication_data_type, data_
 `precision`; zero_optimization's stage and offload the `parallel` vocabulary (fp8dist/config/vocabulary.py), and
 tensor_parallel.autotp_size (AutoTP) parallel.tensor_size, expert_parallel (AutoEP) enabled with autoep_size
 parallel.expert_size;
+the pipeline section (DeepSpeed's PipelineEngine, for a PipelineModule) key by key: stages above 1 refused with the
+fp8dist keys of the same pipeline (engine fsdp2), the others noted;
 batch and clipping keys `train`; the optimizer section `optimizer`; every other DeepSpeed key goes to
 `deepspeed.extra` unchanged. `"auto"` is what only Accelerate / the HF Trainer fill in, from the launch (DeepSpeed
 alone would drop it inside a typed section, DeepSpeedConfigModel, or crash on a top-level scalar): it is resolved
@@ -29,8 +31,25 @@ from fp8dist.formats.keys import KeyClass, Table, disabled, kept, no_effect, one
 SHARDING_OF_STAGE = {stage: name for name, stage in ZERO_STAGE.items() if name != "hybrid"}
 OFFLOAD_OF_DEVICES = {devices: name for name, devices in DEEPSPEED_OFFLOAD.items()}
 _EXTRA = "deepspeed.extra: DeepSpeed reads it as written"
-_NOT_BUILT = ("a parallel layout fp8dist does not build on DeepSpeed (it runs ZeRO data parallel, with AutoTP tensor "
-              "parallel from parallel.tensor_size and AutoEP expert parallel from parallel.expert_size)")
+# DeepSpeed's pipeline section (deepspeed 0.19.8 runtime/config.py get_pipeline_config: stages, partition,
+# seed_layers, activation_checkpoint_interval, pipe_partitioned, grad_partitioned, and use_reentrant that
+# runtime/pipe/engine.py adds) is read by runtime/pipe/engine.py PipelineEngine alone, which deepspeed/__init__.py
+# initialize builds only for a PipelineModule; stages, partition and seed_layers are read nowhere (PipelineModule's
+# own num_stages / partition_method / seed_layers arguments decide), and the engine runs gradient_accumulation_steps
+# micro-batches of train_micro_batch_size_per_gpu through the pipeline (PipelineEngine.__init__ micro_batches).
+_PIPELINE_ENGINE = ("read only by DeepSpeed's PipelineEngine, which runs a PipelineModule (deepspeed/__init__.py "
+                    "initialize); fp8dist passes the Hugging Face model, whose DeepSpeedEngine ignores the section "
+                    "(a pipelined run is fp8dist's engine fsdp2 with parallel.pipeline_size)")
+_PIPELINE_ARGUMENT = ("read from the config by no part of DeepSpeed 0.19.8 (runtime/config.py get_pipeline_config "
+                      "only fills it in; the PipelineModule's own argument decides)")
+_PIPELINE_STAGES = ("the pipeline stages of the run (DeepSpeed's PipelineEngine over a PipelineModule, the model "
+                    "written as a list of layers; DeepSpeed 0.19.8 takes the count from PipelineModule(num_stages) "
+                    "and reads this key nowhere): a layout fp8dist does not build on DeepSpeed (its pipeline "
+                    "parallel runs on FSDP2, over the Hugging Face model)")
+_PIPELINE_FIX = ("write engine: fsdp2 with parallel.pipeline_size (this count), parallel.pipeline_microbatches "
+                 "(DeepSpeed's gradient_accumulation_steps: its PipelineEngine runs that many micro-batches a step) "
+                 "and train.micro_batch_size train_micro_batch_size_per_gpu x gradient_accumulation_steps with "
+                 "gradient_accumulation_steps 1; or remove the pipeline section")
 # DeepSpeed's Ulysses: runtime/config.py divides the data-parallel world by it; deepspeed/sequence/layer.py
 # DistributedAttention exchanges the attention heads all-to-all.
 _ULYSSES = ("DeepSpeed's Ulysses sequence parallel (each sequence split over this many ranks, attention heads "
@@ -94,8 +113,25 @@ KEYS = Table("DeepSpeed", {
     "amp": refused("Apex AMP, a mixed-precision mode of its own (and removed from DeepSpeed 0.19.8)",
                    "remove it and say the precision with a bf16 or fp16 section", unless=disabled, otherwise="disabled",
                    example={"enabled": True, "opt_level": "O1"}),
-    "pipeline": refused(_NOT_BUILT, "remove the pipeline section (fp8dist does not build a PipelineModule)",
-                        unless=disabled, otherwise="empty", example={"stages": 2}),
+    # pipeline: deepspeed 0.19.8 runtime/config.py get_pipeline_config (a plain dict over its defaults)
+    "pipeline": no_effect(f"{_PIPELINE_ENGINE}; its keys by their rules (pipeline.stages above 1 refused); in a JSON "
+                          "an Accelerate, Axolotl or TRL file names, the whole section is noted (they train through "
+                          "DeepSpeedEngine)", example={}),
+    "pipeline.stages": refused(_PIPELINE_STAGES, _PIPELINE_FIX, unless=lambda value: value == "auto" or
+                               one_or_unset(value), otherwise=f"\"auto\" (DeepSpeed's default: the PipelineModule's "
+                               f"num_stages) or 1; {_PIPELINE_ENGINE}", example=2),
+    "pipeline.partition": no_effect(f"how a PipelineModule assigns its layers to stages, {_PIPELINE_ARGUMENT} "
+                                    "(partition_method); fp8dist's split of a pipeline is parallel.pipeline_split",
+                                    example="uniform"),
+    "pipeline.seed_layers": no_effect(f"a seed per layer as a PipelineModule builds them, {_PIPELINE_ARGUMENT}"),
+    "pipeline.activation_checkpoint_interval": no_effect(f"recomputes every N layers of a PipelineModule, "
+                                                         f"{_PIPELINE_ENGINE}; recomputing changes no number "
+                                                         "(fp8dist's: parallel.activation_checkpointing)", example=1),
+    "pipeline.use_reentrant": no_effect(f"which checkpoint function recomputes a PipelineModule's layers (the same "
+                                        f"numbers), {_PIPELINE_ENGINE}", example=False),
+    **{f"pipeline.{key}": no_effect(f"splits the {what} sent between stages over the tensor-parallel ranks "
+                                    f"(communication only), {_PIPELINE_ENGINE}", example=False)
+       for key, what in (("pipe_partitioned", "activations"), ("grad_partitioned", "gradients"))},
     "sequence_parallel_size": refused(_ULYSSES, "set it to 1 (for context parallel: parallel.context_size with "
                                       "engine fsdp2)", unless=one_or_unset, otherwise="1", example=2),
     # expert_parallel: deepspeed 0.19.8 module_inject/auto_ep_config.py parse_autoep_config (a plain dict: unknown keys
@@ -272,6 +308,7 @@ class _Importer:
         self._tensor_parallel()
         self._expert_parallel()
         self._train()
+        self._pipeline()
         self._optimizer()
         for key, value in self.config.items():  # the rest: DeepSpeed's own keys go to extra, the others by the rule
             rule = KEYS.rule(key)
@@ -585,6 +622,40 @@ class _Importer:
             else:
                 KEYS.settle(f"expert_parallel.{key}", value, self.notes, self.issues,
                             shown=self.key(f"expert_parallel.{key}"))
+
+    # -- pipeline (DeepSpeed's PipelineEngine) -----------------------------------------------------------------
+    def _pipeline(self) -> None:
+        """The pipeline section key by key (pipeline.KEY in KEYS): a stage count above 1 refused, with the fp8dist
+        keys of the same pipeline in the fix (train already imported: the micro batch and the accumulation that
+        DeepSpeed's PipelineEngine runs as its micro-batches); the others noted. In a JSON another tool's file names
+        (a prefix: Accelerate, Axolotl, TRL) the whole section is noted: the HF Trainer and Accelerate call the
+        engine's forward / backward / step, which a PipelineEngine refuses outside train_batch (deepspeed 0.19.8
+        runtime/pipe/engine.py PipelineError), so their runs build none."""
+        if "pipeline" not in self.config:
+            return
+        section = mapping(self.config.pop("pipeline"), self.key("pipeline"))
+        if not section:
+            KEYS.settle("pipeline", section, self.notes, self.issues, shown=self.key("pipeline"))
+            return
+        if self.prefix:
+            self.notes.dropped(self.key("pipeline"), section, f"{self.ctx.who} trains through DeepSpeedEngine, "
+                               "never DeepSpeed's PipelineEngine (its forward, backward and step raise PipelineError "
+                               "outside train_batch: runtime/pipe/engine.py), so the section changes nothing")
+            return
+        for key, value in section.items():
+            rule, shown = KEYS.rule(f"pipeline.{key}"), self.key(f"pipeline.{key}")
+            if key == "stages" and rule is not None and value is not None and not cast(Any, rule.unless)(value):
+                train = self.doc.get("train", {})
+                micro, accum = train.get("micro_batch_size"), train.get("gradient_accumulation_steps")
+                fix = rule.fix
+                if isinstance(micro, int) and isinstance(accum, int):
+                    fix = (f"write engine: fsdp2 with parallel.pipeline_size: {value}, parallel.pipeline_microbatches: "
+                           f"{accum} and train.micro_batch_size: {micro * accum}, gradient_accumulation_steps: 1 "
+                           f"(DeepSpeed's PipelineEngine runs gradient_accumulation_steps {accum} micro-batches of "
+                           f"{micro} a step); or remove the pipeline section")
+                self.issues.append(Issue(shown, rule.why, value, fix))
+            else:
+                KEYS.settle(f"pipeline.{key}", value, self.notes, self.issues, shown=shown)
 
     # -- batch, clipping, optimizer -------------------------------------------------------------------------
     def _launch_value(self, key: str, value: Any, flag_field: str | None, known: Any, fallback: Any, why: str) -> Any:

@@ -97,8 +97,15 @@ KEYS = Table("PEFT", {
                                example=["lm_head"]),
     "use_qalora": refused("QA-LoRA (pooled adapters over a GPTQ base)", "remove it", unless=disabled,
                           otherwise="off: changes nothing"),
-    "megatron_config": refused("LoRA on Megatron's tensor-parallel layers; fp8dist runs data parallelism only",
-                               "remove it", unless=disabled, otherwise="empty or unset: changes nothing",
+    # peft 0.21 tuners/lora/tp_layer.py LoraParallelLinear: the adapters split as Megatron-Core's parallel Linears;
+    # the dict is Megatron's TransformerConfig, whose tensor_model_parallel_size / pipeline_model_parallel_size are
+    # the layout of the Megatron model it was saved from
+    "megatron_config": refused("LoRA on Megatron-Core's ColumnParallelLinear / RowParallelLinear layers (the adapters "
+                               "split with them; its TransformerConfig's tensor_model_parallel_size and "
+                               "pipeline_model_parallel_size are that Megatron model's layout), which fp8dist does "
+                               "not build: its LoRA adapts the Hugging Face model's nn.Linear layers",
+                               "remove it (fp8dist's layout is its config's parallel.tensor_size / "
+                               "parallel.pipeline_size)", unless=disabled, otherwise="empty or unset: changes nothing",
                                example={"tensor_model_parallel_size": 2}),
     "trainable_token_indices": refused("trains some rows of the embedding beside the adapters", "remove it",
                                        unless=disabled, otherwise="empty or unset: changes nothing", example=[0, 1]),

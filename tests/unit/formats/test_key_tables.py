@@ -65,6 +65,9 @@ def peft(key: str, rule, tmp_path) -> dict:
 
 
 def accelerate(key: str, rule, tmp_path) -> dict:
+    if key.startswith("megatron_lm_config."):  # read with Accelerate's Megatron-LM mode only
+        return {"distributed_type": "MEGATRON_LM", "mixed_precision": "bf16",
+                "megatron_lm_config": {key.split(".", 1)[1]: rule.example}}
     doc = {"distributed_type": "MULTI_GPU", "mixed_precision": "bf16", **ACCELERATE_CONTEXT.get(key, {})}
     if key == "fsdp_config":
         doc["distributed_type"] = "FSDP"

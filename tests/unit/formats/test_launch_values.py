@@ -149,7 +149,7 @@ def test_flags_with_bad_values_or_for_files_that_say_them_are_refused_naming_the
              "torch_dtype": "bfloat16"}, {"deepspeed", "load_in_4bit"}),
     ("accelerate", {"distributed_type": "DEEPSPEED", "mixed_precision": "fp7",
                     "deepspeed_config": {"deepspeed_config_file": "missing.json"}, "megatron_lm_config": {"x": 2}},
-     {"mixed_precision", "deepspeed_config.deepspeed_config_file", "megatron_lm_config"}),
+     {"mixed_precision", "deepspeed_config.deepspeed_config_file"}),
 ])
 def test_a_missing_deepspeed_json_is_reported_with_the_files_other_problems(tmp_path, kind, document, named):
     path = _written(tmp_path, f"{kind}.yaml", document)
