@@ -38,8 +38,8 @@ def build(spec: Spec, model: str, observed: dict[str, Any], nproc: int,
                        **({"layouts": got["layouts"]} if "layouts" in got else {})})
     ranks = data_size or nproc
     every = expected(spec, 2) if ranks < 2 else {}  # what 2 ranks would check: the rows 1 rank has nothing to observe
-    not_observed = {phase: {"expected": want, "why": why, "detail": f"{ranks} rank: nothing reduces or all-gathers, "
-                            "so this row was not observed (audit with --nproc 2 to check it)"}
+    not_observed = {phase: {"expected": want, "why": why, "detail": f"{ranks} data-parallel rank: nothing reduces or "
+                            f"all-gathers, so this row was not observed ({more_ranks(nproc, ranks)})"}
                     for phase, (want, why) in every.items() if phase in MULTI_RANK_PHASES and phase not in outside}
     per_param = {k: round(v, 2) for k, v in observed.get("_bytes", {}).items()}
     return {"passed": all(c["ok"] for c in checks), "not_observed": not_observed, "model": model, "engine": spec.engine,
@@ -166,12 +166,18 @@ def numerics_lines(numerics: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def more_ranks(nproc: int, data_ranks: int) -> str:
+    """The fix for rows one data-parallel rank cannot observe: twice the ranks where the others split the model
+    (tensor, context or pipeline parallel), else 2."""
+    return f"audit with --nproc {2 * nproc // data_ranks if nproc > 1 else 2} to check it"
+
+
 def verdict(result: dict[str, Any]) -> str:
     statuses = {c["status"] for c in result["checks"]}
     unobserved = result.get("not_observed") or {}
     if result["passed"] and unobserved:
         return (f"PASS: every phase this run has was measured and matches the documented table; not observed on "
-                f"{result['nproc']} process: {', '.join(unobserved)} (audit with --nproc 2 to check it)")
+                f"{result['nproc']} process: {', '.join(unobserved)} ({more_ranks(result['nproc'], 1)})")
     if result["passed"]:
         return "PASS: every phase was measured and matches the documented table"
     if MISMATCH in statuses:

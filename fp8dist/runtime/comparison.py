@@ -97,6 +97,11 @@ def check_probes(specs: dict[str, Any], layer_steps: tuple[int, ...], fixed_rout
                                "optimizer steps (an extra backward would move DeepSpeed's gradient-accumulation "
                                "boundary and fill its reduce buckets)\n  fix: compare engine: fsdp2 configs for "
                                "the layer report, or drop --layer-steps")
+        if spec.parallel.pipeline_size > 1:
+            raise Fp8distError(f"{flags}: the {role} runs pipeline parallel (parallel.pipeline_size="
+                               f"{spec.parallel.pipeline_size}): each rank holds some layers only, and the probe passes "
+                               "and the routing replay run the whole model on every rank\n  fix: compare configs "
+                               f"without pipeline parallel for {flags}")
         split = [f"parallel.{key}={getattr(spec.parallel, key)}" for key in ("tensor_size", "context_size")
                  if getattr(spec.parallel, key) > 1]
         if layer_steps and split:
@@ -208,9 +213,10 @@ def worker(model_name: str, baseline: str, config: str, steps: int, data: str,
         # one group for both runs (DeepSpeed's init serves an FSDP2 config too)
         process_group.init(deepspeed=any(profile_for(spec).deepspeed_process_group for spec in specs.values()))
         rank, seed = process_group.rank(), specs["baseline"].train.seed  # the parent checked both train sections
-        # both runs read batches by the data ranks of the run that splits the model most (tp and cp peers: one)
+        # both runs read batches by the data ranks of the run that splits the model most (the tp, cp and pp peers
+        # of one data rank read one batch: a pipeline's first stage its tokens, its last the labels)
         layouts = {name: ParallelDims.of(spec, process_group.world_size()) for name, spec in specs.items()}
-        batch_dims = max(layouts.values(), key=lambda dims: dims.tp * dims.cp)
+        batch_dims = max(layouts.values(), key=lambda dims: dims.world_size // dims.data_size)
         make_batch: BatchMaker | None = None
         pool: int | None = SYNTHETIC_BATCHES
         for name, spec in specs.items():
