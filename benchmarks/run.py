@@ -72,6 +72,10 @@ BENCHMARKS = {
     "tensor_parallel": Benchmark("tensor_parallel.py", ("--layers", "4", "--pairs", "6"), (
         "tp_allgather_bytes_fp8_vs_bf16_per_block", "tp_allgather_bytes_fp8_vs_bf16_whole_model",
         "tp_axis_bytes_fp8_vs_bf16", "tp_step_time_fp8dist_vs_hand", "tp_step_time_noise_floor_hand_vs_hand")),
+    "pipeline_parallel": Benchmark("pipeline_parallel.py", ("--pairs", "6", "--steps", "4"), (
+        *(f"{figure}_{schedule}" for schedule in ("1f1b", "gpipe", "interleaved_1f1b") for figure in (
+            "pp_bubble", "pp_bubble_theory", "pp_p2p_bytes", "pp_p2p_bytes_theory", "pp_step_ms")),
+        "pp_step_time_fp8dist_vs_hand", "pp_step_time_noise_floor_hand_vs_hand", "pp_loss_gap_fp8dist_vs_hand")),
     "expert_parallel": Benchmark("expert_parallel.py", ("--pairs", "4"), (
         "ep_gathered_expert_bytes_ep2_vs_ep1", "ep_expert_bytes_at_rest_ep2_vs_ep1", "ep_all_to_all_bytes_per_step",
         "ep_gather_and_reduce_bytes_ep2_vs_ep1", "ep_step_time_ep2_vs_ep1", "ep_step_time_noise_floor")),

@@ -66,6 +66,9 @@ def _divided_note(result: Estimate) -> str:
     tp, cp, split = result.mesh[TP], result.mesh[CP], result.tensor_parallel
     if tp == 1:
         note = f"divided by mesh {_mesh(result)}: each store over the ranks it is sharded on ({shards})"
+        if result.pipeline:
+            note = (f"divided by mesh {_mesh(result)}: each pp rank holds its stages' parameters (pipeline line), each "
+                    f"store over the data ranks of its pp slice ({shards})")
     else:
         vocabulary = "with" if split.vocabulary_split else "without"
         note = (f"divided by mesh {_mesh(result)}: the {split.split_parameters / 1e6:,.2f}M parameters tensor "
@@ -88,10 +91,34 @@ def _divided_note(result: Estimate) -> str:
     return note + ("; activations: " + ", ".join(sequence) if sequence else "")
 
 
+def _pipeline_note(result: Estimate) -> str:
+    """The pipeline line: the schedule and its sizes, the bubble, each pipeline rank's stages and peak, and which
+    rank the figures above are (the heaviest) and why."""
+    pipe = result.pipeline
+    assert pipe is not None
+    stages = {stage.stage: stage for stage in pipe.stages}
+
+    def describe(stage: int) -> str:
+        row = stages[stage]
+        span = f"layers {row.layers[0]}-{row.layers[-1]}" if len(row.layers) > 1 else f"layer {row.layers[0]}"
+        return f"stage {stage}: " + ("embeddings + " if row.embeddings else "") + span + (
+            " + norm + lm_head" if row.lm_head else "")
+
+    ranks = "; ".join(f"pp rank {rank.pp_rank} ({', '.join(describe(stage) for stage in rank.stages)}; "
+                      f"{rank.microbatches_in_flight} in flight) {human(rank.peak_bytes)}" for rank in pipe.ranks)
+    return (f"pipeline: {pipe.schedule} over pp {pipe.pipeline_size} ({pipe.stages_per_rank} stage(s) per rank), "
+            f"{pipe.microbatches} microbatches of {pipe.microbatch_sequences} sequence(s), bubble "
+            f"{pipe.bubble_theory:.1%} (theory: (P - 1) / (V x M + P - 1)); peak per pp rank: {ranks}; the figures "
+            f"above are pp rank {pipe.heaviest_rank}'s, the heaviest: {pipe.heaviest_why}")
+
+
 def _notes(result: Estimate) -> list[str]:
     act, transient = result.activations_bytes, result.transient_bytes
+    pipe = result.pipeline
+    kept = (f"activations in flight on pp rank {pipe.heaviest_rank} (microbatches of {pipe.microbatch_sequences} "
+            "sequence(s) its schedule keeps at once)" if pipe else "activations per micro batch")
     notes = [_divided_note(result), _coverage_note(result),
-             f"activations per micro batch: {human(act.none)} without checkpointing, "
+             f"{kept}: {human(act.none)} without checkpointing, "
              f"{human(act.selective_checkpointing)} selective, {human(act.full_checkpointing)} full "
              f"(counted: {act.mode})",
              f"transient in backward: {human(transient.unsharded_units)} of gathered weights, "
@@ -101,10 +128,16 @@ def _notes(result: Estimate) -> list[str]:
                  f", {human(transient.nf4_dequantize)} to dequantize the largest NF4 weight for its GEMM (eager; "
                  "int64 code indices and three copies)" if transient.nf4_dequantize else "") + (
                  f", {human(transient.dora)} of DoRA's update in the largest adapted Linear (an in x in identity "
-                 "and three out x in copies)" if transient.dora else ""),
+                 "and three out x in copies)" if transient.dora else "") + (
+                 f", {human(transient.pipeline_weights)} of the rank's stages left gathered after a microbatch's "
+                 f"backward and {human(transient.pipeline_gradients)} of their gradients accumulated unsharded until "
+                 "the last microbatch (torch's pipeline stages defer FSDP2's reshard and reduce-scatter)"
+                 if transient.pipeline_weights else ""),
              f"fp8 extras: {result.fp8_extras_counted}"]
     if result.frozen_parameters:
         notes.insert(0, _frozen_note(result))
+    if pipe:
+        notes.insert(0, _pipeline_note(result))
     return notes
 
 
@@ -136,13 +169,15 @@ def render_table(result: Estimate, markdown: bool = False) -> str:
             f"{r.parameters / 1e6:,.2f}M parameters, {r.engine} on {r.world_size} rank(s) (mesh {_mesh(r)}), "
             f"micro batch {r.micro_batch_size} x {r.seq_len} tokens, config {r.config}")
     store_rows = _store_rows(r)
-    stores_title = "Per rank, by store (KiB, MiB, GiB: powers of 1024)" + (
+    which = f" (pp rank {r.pipeline.heaviest_rank}, the heaviest)" if r.pipeline else ""
+    stores_title = f"Per rank{which}, by store (KiB, MiB, GiB: powers of 1024)" + (
         f"; (host): in host memory, {human(r.host_bytes)} in all, outside the phases below"
         if r.offloaded_to_host else "")
-    phases_title = "Per rank on the device, by phase of a step (cumulative: each column holds every store alive then)"
+    phases_title = (f"Per rank{which} on the device, by phase of a step (cumulative: each column holds every store "
+                    "alive then)")
     labels = [PHASE_LABELS[phase] for phase in PHASES]
     cells = [human(r.phases_bytes[phase]) for phase in PHASES]
-    peak = f"Peak per rank on the device: {human(r.peak_bytes)}, in phase {PHASE_LABELS[r.highest_phase]}"
+    peak = f"Peak per rank{which} on the device: {human(r.peak_bytes)}, in phase {PHASE_LABELS[r.highest_phase]}"
     notes = _notes(r) + ([] if r.speed else [NO_GPU])
     speed = render_speed(r.speed, markdown) if r.speed else []
     if markdown:

@@ -9,7 +9,8 @@ PART_LABELS = {"fp8_gemms": "FP8 GEMMs (bf16 twin: the same Linears in bf16)",
                "high_precision_gemms": "high-precision GEMMs (lm_head, excluded modules)",
                "casts": "casts and scales", "attention": "attention", "norms_elementwise": "norms / elementwise, loss",
                "recompute": "activation checkpointing recompute", "optimizer": "optimizer step",
-               "communication_exposed": "communication, exposed"}
+               "communication_exposed": "communication, exposed",
+               "pipeline_bubble": "pipeline bubble (idle by the schedule)"}
 NO_GPU = (f"speed: not predicted; name a GPU to predict the step and FP8's gain (--gpu {' | '.join(GPUS)}, "
           "docs/speed.md)")
 

@@ -311,6 +311,18 @@ def pipeline_stages_per_rank(spec) -> int:
     return 2 if spec.parallel.pipeline_size > 1 and multi_stage else 1
 
 
+def pipeline_bubble(pipeline_size: int, stages_per_rank: int, microbatches: int) -> float:
+    """The idle fraction of a step a pipeline schedule has by design: (P - 1) / (V x M + P - 1) for P pipeline
+    ranks, V stages per rank and M microbatches (GPipe and 1F1B: V = 1, Huang et al. 2019, Narayanan et al. 2021
+    sec. 2.2; interleaved: V stages, ibid. 2.2.1). The zero-bubble schedule fills part of it with weight gradients
+    (arXiv 2401.10241): for it, this is the bound it starts from. The one place the formula is written (the
+    engine's PipelinePlan and the estimate's step read it)."""
+    if min(pipeline_size, stages_per_rank, microbatches) < 1:
+        raise ValueError(f"pipeline_bubble needs sizes >= 1, got P={pipeline_size}, V={stages_per_rank}, "
+                         f"M={microbatches}")
+    return (pipeline_size - 1) / (stages_per_rank * microbatches + pipeline_size - 1)
+
+
 def pipeline_microbatches(spec) -> int:
     """`parallel.pipeline_microbatches` resolved: `auto` is 2 x pipeline_size."""
     value = spec.parallel.pipeline_microbatches

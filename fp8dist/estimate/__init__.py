@@ -12,11 +12,14 @@ its input) and `selective` (its input and the op outputs the engines' selective 
 recomputed in backward; on a mesh, for one rank: its `seq_len / cp` tokens, its tp shard of each split Linear, and
 under sequence parallel its sequence shard of what the blocks keep outside attention and MLP. The transient peaks
 of backward (gathered weights in flight, the logits' gradient) and, from step 2 on, the optimizer's states give the
-phase where a rank peaks: its bytes are the one total the estimate gives.
+phase where a rank peaks: its bytes are the one total the estimate gives. Under pipeline parallel each pipeline rank
+is counted apart (its stages' parameters, the microbatches its schedule keeps in flight: pipeline.py) and the total
+is the heaviest rank's.
 The FP8 coverage (coverage.py) predicts the share of weight-GEMM FLOPs the audit will measure in FP8.
 
 Modules: shapes (the built-in model shapes), model (the meta build and the activation measurement; torch imported
-only there, when a model is built), tensor_parallel (what the `tp` axis splits), frozen (an adapter run's frozen
+only there, when a model is built), tensor_parallel (what the `tp` axis splits), pipeline (what each `pp` rank holds,
+the schedules' order), frozen (an adapter run's frozen
 base by storage format: a QLoRA base's NF4 Linears at NF4's bytes), coverage (FP8 share and extra bytes), memory
 (the memory model, `estimate`), result (the typed `Estimate`), speed (torch-free: will FP8 pay for a Linear on a
 GPU; the speed model's constants) and step (with `--gpu`: the predicted step of the config and of its bf16 twin).

@@ -2,7 +2,7 @@
 module filter (what the audit measures as gemm_flops.fp8_share), and the bytes the recipe keeps beyond the stores."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Callable, cast
 
 from fp8dist.backends.experts import experts_modules
 from fp8dist.backends.module_filter import (Decision, LinearInfo, decide, is_router, linear_infos, matching_pattern,
@@ -103,12 +103,16 @@ def fp8_coverage(meta: MetaModel, spec: Spec, gpu: str | None = None) -> Fp8Cove
                        experts=len(experts))
 
 
-def fp8_extra_bytes(meta: MetaModel, spec: Spec, split: TensorSplit, gpu: str | None = None) -> tuple[int, str]:
+def fp8_extra_bytes(meta: MetaModel, spec: Spec, split: TensorSplit, gpu: str | None = None,
+                    holds: Callable[[str], bool] | None = None) -> tuple[int, str]:
     """Per-rank bytes the FP8 recipe keeps beyond the other stores (the fp8_extras store), and how they were
-    counted. A weight tensor parallel splits is kept as its tp rank's shard."""
+    counted. A weight tensor parallel splits is kept as its tp rank's shard. `holds`: whether the rank holds a
+    parameter (a pipeline rank, its stages'); None: every one."""
     if not spec.fp8.enabled:
         return 0, "no FP8 backend"
     infos, chosen = decisions(meta, spec, gpu)
+    kept = [(i, d) for i, d in zip(infos, chosen) if holds is None or holds(f"{i.fqn}.weight")]
+    infos, chosen = [i for i, _ in kept], [d for _, d in kept]
     dims = split.split_dims()
     sizes = [i.in_features * i.out_features // (split.tp if f"{i.fqn}.weight" in dims else 1)
              for i, d in zip(infos, chosen) if d.convert]

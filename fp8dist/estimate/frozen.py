@@ -102,16 +102,19 @@ def frozen_base(meta: MetaModel, spec: Spec, local: Mapping[str, int], shards: i
     quantized = [(fqn, numel) for fqn, numel in frozen if fqn in weights]
     params = dict(meta.model.named_parameters())
     scaler_block = {fqn: nf4_scaler_block(params[fqn].shape[0], params[fqn].shape[1], shards) for fqn, _ in quantized}
-    per_rank = sum(nf4_tensor_bytes(local[fqn], value_bytes, shards, scaler_block[fqn]) for fqn, _ in quantized)
+    # a rank that holds none of a weight (a pipeline rank: another stage's) holds none of its NF4 tensor either
+    per_rank = sum(nf4_tensor_bytes(local[fqn], value_bytes, shards, scaler_block[fqn]) for fqn, _ in quantized
+                   if local[fqn])
     held = sum(local[fqn] for fqn, _ in quantized) / shards
     by_format = {NF4: FrozenFormat(parameters=sum(numel for _, numel in quantized),
                                    bytes=sum(nf4_tensor_bytes(numel, value_bytes, 1, scaler_block[fqn])
                                              for fqn, numel in quantized),
-                                   per_rank_bytes=per_rank, bytes_per_param=round(per_rank / held, 4)),
+                                   per_rank_bytes=per_rank, bytes_per_param=round(per_rank / held, 4) if held
+                                   else 0.0),
                  rest: _plain_format([(fqn, numel) for fqn, numel in frozen if fqn not in weights], local,
                                      value_bytes, shards)}
     elements = {NF4: held, rest: sum(local[fqn] for fqn, _ in frozen if fqn not in weights) / shards}
-    mean = sum(by_format[fmt].bytes_per_param * elements[fmt] for fmt in by_format) / sum(elements.values())
+    mean = sum(by_format[fmt].bytes_per_param * elements[fmt] for fmt in by_format) / (sum(elements.values()) or 1)
     return FrozenBase({fmt: part for fmt, part in sorted(by_format.items()) if part.parameters}, tuple(
         LeftOut(name, why) for name, why in kept.items()), round(mean, 4), frozenset(weights), value_bytes,
         max(local[fqn] for fqn, _ in quantized))

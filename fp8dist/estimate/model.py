@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, cast
 
 from fp8dist.config.spec import Spec
 from fp8dist.dtypes import torch_dtype
@@ -43,10 +43,24 @@ class MeasuredActivations:
     recomputed_block: int
     dispatch_kept: int = 0
     all_to_all: int = 0
+    # Per block, in the order `blocks` lists them: what it keeps per mode (pipeline parallel sums a stage's blocks).
+    per_block: tuple[Mapping[CheckpointingMode, int], ...] = ()
+    before_blocks: int = 0  # kept outside the blocks before the first (the embeddings' input)
+    after_blocks: int = 0  # kept after the last block (the final norm, the LM head's input, the loss)
 
     def per_rank(self, mode: CheckpointingMode) -> int:
         """The bytes a rank holds at once in `mode`: what is kept, plus one block recomputed when checkpointing."""
         return self.kept[mode] + (self.recomputed_block if mode != "none" else 0)
+
+    def stage(self, blocks: range, first: bool, last: bool, mode: CheckpointingMode) -> int:
+        """What one pipeline stage keeps in `mode` (the blocks `blocks`, what comes before them on the first stage,
+        after them on the last), without the block recomputed in backward."""
+        return (sum(self.per_block[i][mode] for i in blocks) + (self.before_blocks if first else 0)
+                + (self.after_blocks if last else 0))
+
+    def recomputed(self, blocks: tuple[int, ...]) -> int:
+        """The largest of `blocks`' own bytes: what checkpointing recomputes in backward, one block at a time."""
+        return max((self.per_block[i]["none"] for i in blocks), default=0)
 
 
 _SHAPE_OF_HUB_ID = {hub_id: shape for shape, hub_id in HUB_IDS.items()}
@@ -171,10 +185,13 @@ def activation_bytes(meta: MetaModel, spec: Spec, split: TensorSplit | None = No
     per_block = [0] * len(units)
     block_inputs = [0] * len(units)
     outside = [0]
-    # id of each saved base -> (a weak reference to it, a rank's bytes of it, its block or None): counted once the
-    # forward is done, if still alive (held by the loss's graph); a tensor saved for a graph the loss does not reach
-    # dies with it (DoRA's update of each adapted Linear, built over an in x in identity and detached: estimate/dora.py)
-    seen: dict[int, tuple[weakref.ref, int, int | None]] = {}
+    entered = [False]  # a block has run: what is kept outside the blocks from then on comes after them
+    # id of each saved base -> (a weak reference to it, a rank's bytes of it, its block or None, after the blocks):
+    # counted once the forward is done, if still alive (held by the loss's graph); a tensor saved for a graph the loss
+    # does not reach dies with it (DoRA's update of each adapted Linear, built over an in x in identity and detached:
+    # estimate/dora.py)
+    seen: dict[int, tuple[weakref.ref, int, int | None, bool]] = {}
+    after = [0]
     selective = [0] * len(units)
     policies: dict[int, SavePolicy] = {}
 
@@ -220,12 +237,13 @@ def activation_bytes(meta: MetaModel, spec: Spec, split: TensorSplit | None = No
         base = tensor._base if tensor._base is not None else tensor
         known = seen.get(id(base))
         if id(base) not in params and (known is None or known[0]() is not base):  # an id freed and reused: new
-            seen[id(base)] = (weakref.ref(base), rank_bytes(base.numel() * base.element_size()), current[0])
+            seen[id(base)] = (weakref.ref(base), rank_bytes(base.numel() * base.element_size()), current[0],
+                              entered[0])
         return tensor
 
     def enter(index):
         def hook(_module, args, kwargs):
-            current[0], on_sequence_shard[0] = index, True
+            current[0], on_sequence_shard[0], entered[0] = index, True, True
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             if isinstance(hidden, torch.Tensor):
                 block_inputs[index] = hidden.numel() * hidden.element_size() // sequence_shards
@@ -247,6 +265,7 @@ def activation_bytes(meta: MetaModel, spec: Spec, split: TensorSplit | None = No
         dispatch_kept[0] += size
         if current[0] is None:
             outside[0] += size
+            after[0] += size if entered[0] else 0
         else:
             per_block[current[0]] += size
         all_to_all[0] = max(all_to_all[0], experts.in_flight_bytes(rows, hidden.shape[-1], hidden.element_size()))
@@ -276,15 +295,20 @@ def activation_bytes(meta: MetaModel, spec: Spec, split: TensorSplit | None = No
     finally:
         for handle in handles:
             handle.remove()
-    for reference, size, index in seen.values():
+    for reference, size, index, past in seen.values():
         if reference() is None:
             continue
         if index is None:
             outside[0] += size
+            after[0] += size if past else 0
         else:
             per_block[index] += size
     del loss
     kept: dict[CheckpointingMode, int] = {
         "none": outside[0] + sum(per_block), "full": outside[0] + sum(block_inputs),
         "selective": outside[0] + sum(block_inputs) + sum(selective)}
-    return MeasuredActivations(kept, max(per_block) if per_block else 0, dispatch_kept[0], all_to_all[0])
+    each = tuple({"none": per_block[i], "full": block_inputs[i], "selective": block_inputs[i] + selective[i]}
+                 for i in range(len(units)))
+    return MeasuredActivations(kept, max(per_block) if per_block else 0, dispatch_kept[0], all_to_all[0],
+                               cast("tuple[Mapping[CheckpointingMode, int], ...]", each), outside[0] - after[0],
+                               after[0])

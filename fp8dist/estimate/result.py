@@ -40,6 +40,11 @@ class TransientBytes:
     all_to_all: int = 0  # expert parallel: the send and receive buffers of one MoE layer's all-to-all
     nf4_dequantize: int = 0  # an NF4 base: dequantizing its largest weight for a GEMM (estimate/frozen.py)
     dora: int = 0  # adapter.use_dora: the largest adapted Linear's identity matrix and update copies (estimate/dora.py)
+    # pipeline parallel with sharded weights (memory.transient_bytes): the rank's stages left gathered after a
+    # microbatch's backward, and their gradients accumulated unsharded until the last microbatch (in place of the
+    # sharded gradients during backward)
+    pipeline_weights: int = 0
+    pipeline_gradients: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,71 @@ class ExpertParallelCounted:
     expert_parameters: int  # elements of the MoE experts' parameters, all experts of all layers
     moe_layers: int  # the experts modules
     dispatch_kept: int  # what the dispatch keeps for backward in one micro batch, no checkpointing (0: ep 1)
+
+
+@dataclass(frozen=True)
+class PipelineStageCounted:
+    """One pipeline stage (fp8dist/estimate/pipeline.py): its decoder layers and what else it holds, its parameters,
+    and what one microbatch of it keeps for backward in the counted checkpointing mode."""
+    stage: int
+    pp_rank: int  # the pipeline rank that runs it
+    layers: tuple[int, ...]  # its decoder layers' indices
+    embeddings: bool  # the first stage: the input embeddings
+    lm_head: bool  # the last stage: the final norm and the LM head (and the loss)
+    parameters: int  # elements of its parameters (whole, before any sharding)
+    activations_per_microbatch: int  # kept for backward by one microbatch (no block recomputed)
+
+
+@dataclass(frozen=True)
+class PipelineRankCounted:
+    """What one pipeline rank holds: its stages' stores (divided over the data ranks of its pp slice), the
+    activations its schedule keeps in flight, the transients of backward, and its phases and peak."""
+    pp_rank: int
+    stages: tuple[int, ...]
+    microbatches_in_flight: int  # stage microbatches kept for backward at once, at the schedule's most
+    per_rank_bytes: Mapping[Store, int]
+    transient_bytes: TransientBytes
+    phases_bytes: Mapping[Phase, int]
+
+    @property
+    def highest_phase(self) -> Phase:
+        return max(PHASES, key=lambda phase: self.phases_bytes[phase])
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.phases_bytes[self.highest_phase]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pp_rank": self.pp_rank, "stages": list(self.stages),
+                "microbatches_in_flight": self.microbatches_in_flight, "per_rank_bytes": dict(self.per_rank_bytes),
+                "transient_bytes": asdict(self.transient_bytes), "phases_bytes": dict(self.phases_bytes),
+                "highest_phase": self.highest_phase, "peak_bytes": self.peak_bytes}
+
+
+@dataclass(frozen=True)
+class PipelineCounted:
+    """Pipeline parallel as the estimate counted it: the schedule, its sizes and bubble, each stage and each pipeline
+    rank; the estimate's per-rank figures are those of `heaviest_rank`, and `heaviest_why` says why it is."""
+    schedule: str
+    pipeline_size: int
+    stages_per_rank: int
+    microbatches: int
+    microbatch_sequences: int  # train.micro_batch_size / microbatches
+    in_flight_rule: str  # what the schedule keeps in flight, and where that comes from
+    bubble_theory: float  # (P - 1) / (V x M + P - 1): config/parallel.py pipeline_bubble
+    heaviest_rank: int
+    heaviest_why: str
+    stages: tuple[PipelineStageCounted, ...]
+    ranks: tuple[PipelineRankCounted, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schedule": self.schedule, "pipeline_size": self.pipeline_size,
+                "stages_per_rank": self.stages_per_rank, "microbatches": self.microbatches,
+                "microbatch_sequences": self.microbatch_sequences, "in_flight_rule": self.in_flight_rule,
+                "bubble_theory": round(self.bubble_theory, 6), "heaviest_rank": self.heaviest_rank,
+                "heaviest_why": self.heaviest_why,
+                "stages": [{**asdict(stage), "layers": list(stage.layers)} for stage in self.stages],
+                "ranks": [rank.to_json() for rank in self.ranks]}
 
 
 @dataclass(frozen=True)
@@ -126,6 +196,9 @@ class SpeedEstimate:
     linears: tuple[SpeedLinear, ...]
     reasons: tuple[str, ...]  # why the ratio is what it is, in plain words (what costs the most first)
     notes: tuple[str, ...]  # what the prediction assumes about this config
+    # pipeline parallel: the schedule, its bubble (theory and seconds a step), the slowest pipeline rank (whose step
+    # this is) and the point-to-point bytes it sends a step; None without (no `pipeline` key)
+    pipeline: Mapping[str, Any] | None = None
 
     @property
     def fp8_over_bf16(self) -> float:
@@ -140,7 +213,8 @@ class SpeedEstimate:
                 "bf16_parts": {k: round(v, 6) for k, v in self.bf16_parts.items()},
                 "communication": {axis: dict(row) for axis, row in self.communication.items()},
                 "linears": [{**asdict(row), "speedup": round(row.speedup, 3)} for row in self.linears],
-                "reasons": list(self.reasons), "notes": list(self.notes)}
+                "reasons": list(self.reasons), "notes": list(self.notes),
+                **({"pipeline": dict(self.pipeline)} if self.pipeline is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -173,6 +247,9 @@ class Estimate:
     transient_bytes: TransientBytes
     fp8_coverage: Fp8Coverage
     speed: SpeedEstimate | None = None  # `--gpu`: the predicted step (no GPU named: None, no `speed` key)
+    # pipeline parallel: each stage and pipeline rank; the figures above are the heaviest rank's (pipeline_size 1:
+    # None, no `pipeline` key)
+    pipeline: PipelineCounted | None = None
 
     @property
     def parameters(self) -> int:
@@ -211,5 +288,6 @@ class Estimate:
             "highest_phase": self.highest_phase, "peak_bytes": self.peak_bytes,
             "fp8_extras_counted": self.fp8_extras_counted, "transient_bytes": asdict(self.transient_bytes),
             "fp8_coverage": self.fp8_coverage.to_json(),
+            **({"pipeline": self.pipeline.to_json()} if self.pipeline is not None else {}),
             **({"speed": self.speed.to_json()} if self.speed is not None else {}),
         }

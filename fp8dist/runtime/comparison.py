@@ -99,9 +99,9 @@ def check_probes(specs: dict[str, Any], layer_steps: tuple[int, ...], fixed_rout
                                "the layer report, or drop --layer-steps")
         if spec.parallel.pipeline_size > 1:
             raise Fp8distError(f"{flags}: the {role} runs pipeline parallel (parallel.pipeline_size="
-                               f"{spec.parallel.pipeline_size}): each rank holds some layers only, and the probe passes "
-                               "and the routing replay run the whole model on every rank\n  fix: compare configs "
-                               f"without pipeline parallel for {flags}")
+                               f"{spec.parallel.pipeline_size}): each rank holds some layers only, and the probe "
+                               "passes and the routing replay run the whole model on every rank\n  fix: compare "
+                               f"configs without pipeline parallel for {flags}")
         split = [f"parallel.{key}={getattr(spec.parallel, key)}" for key in ("tensor_size", "context_size")
                  if getattr(spec.parallel, key) > 1]
         if layer_steps and split:

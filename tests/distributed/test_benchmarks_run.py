@@ -26,6 +26,7 @@ from run import BENCHMARKS, GPU_REFUSED, command  # noqa: E402
 pytestmark = pytest.mark.distributed  # most of them launch 2 gloo ranks
 # The scripts whose own process only relaunches them under torchrun (`relaunch`): their ranks, on this many.
 RANKS_ONLY = {"overhead": 2, "watch_overhead": 2, "comm_bytes": 2, "tensor_parallel": 4, "expert_parallel": 2,
+              "pipeline_parallel": 2,  # pp 2 x one data rank (its --dp-shard 2 runs 4; the smoke does not)
               "numerics_overhead": 1}  # numerics_overhead: one process with a 1-rank group of its own
 OWN_PROCESS = {"cli_latency"}  # what it measures is fresh interpreters
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from fp8dist.config.parallel import ParallelDims
+from fp8dist.config.parallel import ParallelDims, pipeline_bubble
 from fp8dist.errors import Fp8distError
 from fp8dist.facts.torch import PIPELINE_SCHEDULES
 
@@ -97,12 +97,8 @@ class PipelinePlan:
 
     @property
     def bubble_theory(self) -> float:
-        """The idle fraction of a step the schedule has by design: (P - 1) / (V x M + P - 1) for P pipeline ranks,
-        V stages per rank and M microbatches (GPipe and 1F1B: V = 1, Huang et al. 2019, Narayanan et al. 2021 sec.
-        2.2; interleaved: V stages, ibid. 2.2.1). The zero-bubble schedule fills part of it with weight gradients
-        (arXiv 2401.10241): for it, this is the bound it starts from."""
-        ranks = self.stages // len(self.own)
-        return (ranks - 1) / (len(self.own) * self.microbatches + ranks - 1)
+        """The idle fraction of a step the schedule has by design (fp8dist.config.parallel.pipeline_bubble)."""
+        return pipeline_bubble(self.stages // len(self.own), len(self.own), self.microbatches)
 
     def summary(self) -> str:
         own = ", ".join(f"stage {index}: layers {layers.start}-{layers.stop - 1}" for index, layers in self.own)

@@ -158,7 +158,7 @@ def test_a_config_that_names_experts_transformers_does_not_build_is_refused(tmp_
 
 def test_the_output_names_the_experts_mesh_only_with_expert_parallel(tiny_mixtral, by_ep):
     text = render_table(by_ep[2])
-    mesh = "mesh dp_replicate 1 x dp_shard 8 x cp 1 x tp 1, experts efsdp 4 x ep 2"
+    mesh = "mesh pp 1 x dp_replicate 1 x dp_shard 8 x cp 1 x tp 1, experts efsdp 4 x ep 2"
     assert f"fsdp2 on 8 rank(s) ({mesh})" in text.splitlines()[0]
     divided = next(line for line in text.splitlines() if line.startswith("divided by"))
     assert mesh in divided and "split whole over ep 2, then sharded over efsdp 4" in divided

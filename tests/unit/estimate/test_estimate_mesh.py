@@ -34,8 +34,8 @@ def test_tensor_parallel_halves_the_split_parameters_bytes_on_the_same_dp_shard(
     split, whole = _elements("tiny-llama")
     alone = estimate("tiny-llama", _spec(), 2)  # dp_shard 2
     with_tp = estimate("tiny-llama", _spec(tensor_size=2), 4)  # dp_shard 2 x tp 2
-    assert alone.mesh == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}
-    assert with_tp.mesh == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert alone.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}
+    assert with_tp.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
     assert with_tp.shards == alone.shards == {"weights": 2, "master_weights": 2, "gradients": 2, "optimizer": 2}
     assert with_tp.tensor_parallel.split_parameters == split and with_tp.tensor_parallel.vocabulary_split
     for store in ("weights", "gradients", "optimizer"):
@@ -83,7 +83,7 @@ def test_sequence_parallel_divides_what_the_blocks_keep_outside_attention_and_ml
 def test_context_parallel_gives_each_rank_its_share_of_the_sequence_and_folds_into_the_shard_axis():
     cp = estimate("tiny-llama", load_config(FSDP2_BF16, overrides=["parallel.context_size=2", "train.seq_len=64"]), 4)
     shorter = estimate("tiny-llama", load_config(FSDP2_BF16, overrides=["train.seq_len=32"]), 4)
-    assert cp.mesh == {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1}
+    assert cp.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1}
     assert cp.shards == shorter.shards == {"weights": 4, "master_weights": 4, "gradients": 4, "optimizer": 4}
     assert cp.activations_bytes == shorter.activations_bytes
     assert cp.transient_bytes.logits_gradient == shorter.transient_bytes.logits_gradient
@@ -101,7 +101,7 @@ def test_the_table_shows_the_mesh_and_what_each_store_was_divided_by():
     from fp8dist.commands.estimate import render_table
 
     text = render_table(estimate("tiny-llama", _spec(tensor_size=2), 4))
-    mesh = "mesh dp_replicate 1 x dp_shard 2 x cp 1 x tp 2"
+    mesh = "mesh pp 1 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 2"
     assert f"fsdp2 on 4 rank(s) ({mesh})" in text.splitlines()[0]
     divided = next(line for line in text.splitlines() if line.startswith("divided by"))
     assert mesh in divided and "by tp 2 x the ranks each store is sharded on" in divided
