@@ -37,6 +37,8 @@ REFUSED = {"deepspeed-zero3-efficient": "parallel.activation_checkpointing", "fp
            "fsdp2-tp-float8": "parallel.sequence_parallel",
            # Accelerate has no expert parallel
            "fsdp2-moe-ep-mxfp8": "parallel.expert_size",
+           # Accelerate has no pipeline parallel over a Hugging Face model
+           "fsdp2-pipeline-float8": "parallel.pipeline_size",
            # an NF4 base is fp8dist's own (torchao NF4); Accelerate's scripts load bitsandbytes 4-bit
            "fsdp2-qlora": "adapter.base_dtype"}
 GPU_ONLY = {"deepspeed-fp16", "deepspeed-te", "te", "msamp-o1", "msamp-o2", "msamp-o3"}
