@@ -102,7 +102,8 @@ class ParallelDims:
         if par.sharding == "hybrid":
             size = par.shard_size
             if data % size:
-                left = (f"the {data} data-parallel ranks left by pp x tp x cp" if pp * tp * cp > 1
+                splitting = " x ".join(axis for axis, degree in ((PP, pp), (TP, tp), (CP, cp)) if degree > 1)
+                left = (f"the {data} data-parallel ranks left by {splitting}" if splitting
                         else f"the {world} ranks of this job")
                 raise Fp8distError(f"parallel.shard_size={size} does not divide {left}: hybrid sharding needs whole "
                                    f"shard groups\n  fix: set parallel.shard_size to a divisor of {data} (e.g. the "

@@ -106,7 +106,7 @@ def test_the_estimate_matches_what_each_rank_holds(tensor_parallel, tmp_path, na
                      "--world-size", 4, "parallel.tensor_size=2", "train.seq_len=32", "--format", "json")
     assert result.returncode == 0, result.stderr
     estimate, measured = json.loads(result.stdout), tensor_parallel[name]
-    assert estimate["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert estimate["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
     per_rank = estimate["per_rank_bytes"]
     assert per_rank["weights"] == pytest.approx(measured["weight_bytes"], rel=0.05), (per_rank, measured)
     assert per_rank["optimizer"] == pytest.approx(measured["state_bytes"], rel=0.05), (per_rank, measured)

@@ -10,7 +10,17 @@ from fp8dist.errors import Issue
 
 def check(spec: Spec, explicit: Mapping[str, Any]) -> list[Issue]:
     return [*_loss_scaling(spec, explicit), *_precision(spec), *_offload(spec), *_optimizer(spec),
-            *_parallel(spec), *_expert_parallel(spec), *_quantized_base(spec)]
+            *_parallel(spec), *_expert_parallel(spec), *_quantized_base(spec), *_policy_auto(spec)]
+
+
+def _policy_auto(spec: Spec) -> list[Issue]:
+    """precision.fp8.policy auto's calibration runs before the first step in the FSDP2 engine's start only."""
+    if not (spec.fp8.enabled and spec.fp8.backend == "torchao" and spec.fp8.policy == "auto"):
+        return []
+    return [Issue("precision.fp8.policy", "the calibration before the first step is wired into the FSDP2 engine's "
+                  "start; engine deepspeed with it has not been run", "auto",
+                  "run `fp8dist calibrate MODEL --config C -o policy.yaml` where it can run and train with its "
+                  "overrides (policy manual), or use engine fsdp2")]
 
 
 def _quantized_base(spec: Spec) -> list[Issue]:

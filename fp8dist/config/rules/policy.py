@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from fp8dist.config.engines import TRAITS
 from fp8dist.config.spec import Spec
 from fp8dist.errors import Issue
 
@@ -101,19 +102,14 @@ def _auto(spec: Spec) -> list[Issue]:
     """precision.fp8.policy: auto calibrates on each rank's whole model before the engine prepares it
     (fp8dist.audit.calibration): what that cannot do is refused, with `fp8dist calibrate` and its explicit overrides
     (policy manual) as the fix where the run itself can take them."""
-    fp8, key = spec.fp8, "precision.fp8.policy"
+    fp8 = spec.fp8
     if fp8.policy != "auto" or not fp8.enabled:
         return []
-    calibrate = "run `fp8dist calibrate MODEL --config C -o policy.yaml` where it can run and train with its overrides"
     issues = calibration_issues(spec)
     if fp8.backend != "torchao":
         return issues
-    if spec.engine != "fsdp2":
-        issues.append(Issue(key, "the calibration before the first step is wired into the FSDP2 engine's start; "
-                            f"engine {spec.engine} with it has not been run", "auto",
-                            f"{calibrate} (policy manual), or use engine fsdp2"))
     if spec.precision.schedule.from_step is not None or spec.precision.schedule.from_fraction is not None:
-        if fp8.torchao.enable_fsdp_float8_all_gather is not False and spec.engine == "fsdp2":
+        if fp8.torchao.enable_fsdp_float8_all_gather is not False and TRAITS[spec.engine].gathers_float8:
             issues.append(Issue("precision.fp8.torchao.enable_fsdp_float8_all_gather", "with policy auto and a "
                                 "schedule: the calibration may give Linears tensorwise, which `auto` all-gathers in "
                                 "float8, and a schedule cannot switch weights gathered in float8",

@@ -8,12 +8,12 @@ from torch.distributed.tensor import DTensor
 
 
 def clip_grad_norm_(parameters, max_norm: float, across=None) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ over gradients that live on different meshes (tensor-parallel Linears on
-    (dp, tp), expert-parallel experts on (efsdp, ep), the rest on dp), where torch's foreach norm refuses the mix
-    ("mixed torch.Tensor and DTensor"; transformers #36296). Each gradient's local sum of squares is summed over the
-    mesh dims it is sharded on (one all-reduce per group of gradients that share a mesh and placements, per sharded
-    dim); replicated dims hold copies and are not summed. `across`: a process group whose ranks hold the model's
-    other parameters (pipeline stages): the sums of squares are summed over it too."""
+    """torch.nn.utils.clip_grad_norm_ over gradients that live on different meshes (tensor-parallel Linears on (dp, tp),
+    expert-parallel experts on (efsdp, ep), the rest on dp), where torch's foreach norm refuses the mix ("mixed
+    torch.Tensor and DTensor"; transformers #36296). Each gradient's local sum of squares is summed over the mesh dims
+    it is sharded on (one all-reduce per group of gradients that share a mesh and placements, per sharded dim of more
+    than one rank); replicated dims hold copies and are not summed. `across`: a process group whose ranks hold the
+    model's other parameters (pipeline stages): the sums of squares are summed over it too."""
     grads = [p.grad for p in parameters if p.grad is not None]
     groups: dict[tuple | None, list[torch.Tensor]] = {}
     for grad in grads:
@@ -28,7 +28,7 @@ def clip_grad_norm_(parameters, max_norm: float, across=None) -> torch.Tensor:
             for dim, placement in enumerate(placements):
                 # Shard, and FSDP2's _StridedShard (dp over a dim 0 that tp or ep shards already), which torch 2.13
                 # does not make a Shard subclass
-                if not placement.is_replicate() and not placement.is_partial():
+                if not placement.is_replicate() and not placement.is_partial() and mesh.size(dim) > 1:
                     dist.all_reduce(squares, group=mesh.get_group(dim))
         total_squares = total_squares + squares
     if across is not None:

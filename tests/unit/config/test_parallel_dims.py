@@ -50,7 +50,7 @@ def test_every_derived_axis_comes_from_the_one_object(parallel, world, fsdp, div
     assert dims.data_mesh_dims() == data_dims
     assert {axis for axis in ("dp_replicate", "dp_shard", "cp", "tp", "ep")
             if getattr(dims, f"{axis}_enabled")} == enabled
-    assert dims.sizes == {axis: getattr(dims, axis) for axis in ("dp_replicate", "dp_shard", "cp", "tp")}
+    assert dims.sizes == {axis: getattr(dims, axis) for axis in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
 
 
 def test_the_model_checks_use_the_resolved_sequence_parallel():
