@@ -5,6 +5,7 @@ from typing import Any
 
 from fp8dist.audit.expected import MULTI_RANK_PHASES, expected, normalize, numerics_expected
 from fp8dist.backends.module_filter import ADAPTER_REASON
+from fp8dist.config.parallel import PP
 from fp8dist.config.spec import Spec
 
 
@@ -90,7 +91,7 @@ def table(result: dict[str, Any]) -> str:
     if pipeline:
         measured = ", ".join(f"rank {rank} {idle:.1%}" for rank, idle in pipeline["bubble_measured_by_rank"].items()
                              if idle is not None)
-        by_axis = (result.get("communication_bytes_by_axis") or {}).get("pp", {})
+        by_axis = (result.get("communication_bytes_by_axis") or {}).get(PP, {})
         sent = ", ".join(f"{dtype} {cell['bytes']:,} B" for dtype, cell in by_axis.get("send", {}).items())
         lines.append(f"pipeline: {pipeline['stages']} stages, {pipeline['schedule']}, {pipeline['microbatches']} "
                      f"microbatches; bubble (idle fraction) {measured or 'not measured'}, theory "
