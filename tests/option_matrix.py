@@ -445,6 +445,8 @@ REFUSALS = [
             "fp8dist splits plain nn.Linear layers only"),
     Refusal("ds-pipeline", {**DS, "parallel": {"pipeline_size": 2}, "train": {"micro_batch_size": 4}},
             "DeepSpeed's pipeline engine trains a PipelineModule"),
+    Refusal("pipeline-sequence-parallel", {"parallel": {"pipeline_size": 2, "tensor_size": 2, "sequence_parallel": True},
+                                           "train": {"micro_batch_size": 4}}, "sequence parallel with pipeline parallel"),
     Refusal("pipeline-zero-bubble", {"parallel": {"pipeline_size": 2, "pipeline_schedule": "zero_bubble"},
                                      "train": {"micro_batch_size": 4}}, "stage_backward_weight"),
     Refusal("pipeline-microbatches-do-not-divide", {"parallel": {"pipeline_size": 2, "pipeline_microbatches": 3}},

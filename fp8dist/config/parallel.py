@@ -335,8 +335,9 @@ def sequence_parallel(spec) -> bool:
     ParallelDims.sequence_parallel): `auto` is on where the engine's tensor parallel can shard the sequence
     (FSDP2's DTensor plans; DeepSpeed AutoTP has no sequence parallel) and tensor_size > 1."""
     value = spec.parallel.sequence_parallel
-    if value == "auto":
-        return spec.parallel.tensor_size > 1 and TRAITS[spec.engine].sequence_parallel
+    if value == "auto":  # off with pipeline parallel, whose stages exchange whole-sequence activations
+        return (spec.parallel.tensor_size > 1 and TRAITS[spec.engine].sequence_parallel
+                and spec.parallel.pipeline_size == 1)
     return bool(value) and spec.parallel.tensor_size > 1
 
 

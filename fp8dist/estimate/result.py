@@ -81,15 +81,10 @@ class PipelineStageCounted:
     activations_per_microbatch: int  # kept for backward by one microbatch (no block recomputed)
 
 
-@dataclass(frozen=True)
-class PipelineRankCounted:
-    """What one pipeline rank holds: its stages' stores (divided over the data ranks of its pp slice), the
-    activations its schedule keeps in flight, the transients of backward, and its phases and peak."""
-    pp_rank: int
-    stages: tuple[int, ...]
-    microbatches_in_flight: int  # stage microbatches kept for backward at once, at the schedule's most
-    per_rank_bytes: Mapping[Store, int]
-    transient_bytes: TransientBytes
+class PhasePeak:
+    """The phase where device memory peaks, and its bytes, of a record with `phases_bytes` (the whole estimate's
+    rank, or one pipeline rank)."""
+
     phases_bytes: Mapping[Phase, int]
 
     @property
@@ -98,7 +93,20 @@ class PipelineRankCounted:
 
     @property
     def peak_bytes(self) -> int:
+        """The one total the estimate gives: the device bytes of the phase where a rank peaks."""
         return self.phases_bytes[self.highest_phase]
+
+
+@dataclass(frozen=True)
+class PipelineRankCounted(PhasePeak):
+    """What one pipeline rank holds: its stages' stores (divided over the data ranks of its pp slice), the
+    activations its schedule keeps in flight, the transients of backward, and its phases and peak."""
+    pp_rank: int
+    stages: tuple[int, ...]
+    microbatches_in_flight: int  # stage microbatches kept for backward at once, at the schedule's most
+    per_rank_bytes: Mapping[Store, int]
+    transient_bytes: TransientBytes
+    phases_bytes: Mapping[Phase, int]
 
     def to_json(self) -> dict[str, Any]:
         return {"pp_rank": self.pp_rank, "stages": list(self.stages),
@@ -218,7 +226,7 @@ class SpeedEstimate:
 
 
 @dataclass(frozen=True)
-class Estimate:
+class Estimate(PhasePeak):
     """Per-rank memory of one run before it starts (fp8dist/estimate/memory.py `estimate` builds it)."""
     model: str
     shape_only: bool  # a built-in shape: parameter count and sizes are real, no weights exist
@@ -259,15 +267,6 @@ class Estimate:
     def host_bytes(self) -> int:
         """Per-rank bytes of the stores in host memory (outside the phases)."""
         return sum(self.per_rank_bytes[store] for store in self.offloaded_to_host)
-
-    @property
-    def highest_phase(self) -> Phase:
-        return max(PHASES, key=lambda phase: self.phases_bytes[phase])
-
-    @property
-    def peak_bytes(self) -> int:
-        """The one total the estimate gives: the device bytes of the phase where a rank peaks."""
-        return self.phases_bytes[self.highest_phase]
 
     def to_json(self) -> dict[str, Any]:
         """The JSON document of `fp8dist estimate --format json`, keys in their documented order."""

@@ -105,6 +105,14 @@ def _pipeline_parallel(spec: Spec) -> list[Issue]:
                             f"stages (pipeline_size {pp} x {stages} per rank): it names the first layer of every "
                             "stage after the first", list(par.pipeline_split),
                             f"give {pp * stages - 1} increasing layer indices, or [] for even ranges"))
+    if par.tensor_size > 1 and par.sequence_parallel is True:
+        # measured on gloo: a stage's hidden states arrive sequence-sharded (16 of 32 positions at tp 2) where the
+        # next stage's rotary embeddings and torch's PipelineStage, which infers one activation shape per stage
+        # boundary (torch 2.13 torch/distributed/pipelining/stage.py), expect the whole sequence
+        issues.append(Issue("parallel.sequence_parallel", "sequence parallel with pipeline parallel: the stages "
+                            "send and receive whole-sequence activations, and a sequence-sharded one does not fit "
+                            "the next stage", True, "set parallel.sequence_parallel=false (or auto, which is off with "
+                            "pipeline parallel), or parallel.pipeline_size=1"))
     for key, size, why in (
             ("expert_size", par.expert_size, "expert parallel borrows its ranks from dp_shard across the whole world; "
              "an expert mesh per pipeline stage is not wired"),

@@ -6,20 +6,17 @@
 
 `baseline`: fp32 without pipeline parallel on one process. `schedules`: the same fp32 run at pipeline_size 2 (one
 data rank) under each schedule; each case's losses and its first step's gradient norm (clipping across stages) come
-back. `mesh`: pipeline_size 2 x dp_shard 2 with torchao float8 tensorwise (float8 all-gather): step 1 inside
+back. `mesh`: fp32 at pipeline_size 2 x tensor_size 2 (one data rank, sequence parallel off), and pipeline_size 2 x
+dp_shard 2 with torchao float8 tensorwise (float8 all-gather): step 1 inside
 `fp8dist.audit.watch`, the bubble each rank measured, and a checkpoint round trip (saved at step 2, resumed on a fresh
 run, exported and read back whole by transformers). Rank 0 prints a `case` line per case
 (fp8dist.runtime.ranks.emit).
 """
 from __future__ import annotations
 
-import shutil
 import statistics
 import sys
-import tempfile
-from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from fp8dist.audit import watch
@@ -29,6 +26,7 @@ from fp8dist.runtime.loading import load_for_run
 from fp8dist.runtime.process_group import leave
 from tests.conftest import ROOT
 from tests.distributed.case_runner import run_cases
+from tests.distributed.mesh_cases import checkpoint_round_trip
 
 MODEL = "small-llama"
 STEPS = 4
@@ -37,9 +35,10 @@ COMMON = ["train.seq_len=32", "train.micro_batch_size=4", f"train.steps={STEPS}"
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # zero_bubble is refused on FSDP2 (config/rules/common.py)
 
 
-def fp32(pipeline_size: int, schedule: str = "1f1b"):
+def fp32(pipeline_size: int, schedule: str = "1f1b", tensor_size: int = 1):
     return load_config({"precision": {"preset": "fp32"}}, overrides=[
-        *COMMON, f"parallel.pipeline_size={pipeline_size}", f"parallel.pipeline_schedule={schedule}"])
+        *COMMON, f"parallel.pipeline_size={pipeline_size}", f"parallel.pipeline_schedule={schedule}",
+        f"parallel.tensor_size={tensor_size}"])
 
 
 def float8():
@@ -72,47 +71,6 @@ def audited(spec) -> dict:
             "stages": engine.pipeline.plan.summary()}
 
 
-def checkpoint(spec) -> dict:
-    """Train 4 steps saving at 2 and 4; a fresh run resumes from a copy of step 2 (losses and weights bitwise those
-    of the first run); step 4 exported and read back by transformers on rank 0, every stage's weights in it."""
-    shared = [tempfile.mkdtemp(prefix="fp8dist-pp-ckpt-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(shared, src=0)
-    first, second = Path(shared[0]) / "first", Path(shared[0]) / "second"
-    quiet = lambda *_: None  # noqa: E731 - the loop's progress lines are not the test's business
-    lost: list[float] = []
-    session = loop.start(spec, load_for_run(MODEL, spec))
-    loop.train(session, loop.TrainOptions(steps=4, checkpoint_dir=str(first), save_every=2, model_name=MODEL),
-               on_step=lambda index, loss, note: lost.append(loss), say=quiet)
-    mine = {name: p.full_tensor().detach().clone() for name, p in session.engine.model.named_parameters()}
-    if dist.get_rank() == 0:
-        second.mkdir()
-        shutil.copytree(first / "step-00000002", second / "step-00000002")
-    dist.barrier()
-    resumed: list[float] = []
-    session = loop.start(spec, load_for_run(MODEL, spec))
-    loop.train(session, loop.TrainOptions(steps=4, checkpoint_dir=str(second), resume=True, model_name=MODEL),
-               on_step=lambda index, loss, note: resumed.append(loss), say=quiet)
-    again = {name: p.full_tensor() for name, p in session.engine.model.named_parameters()}
-    same = torch.tensor(float(all(torch.equal(mine[name], again[name]) for name in mine)))
-    dist.all_reduce(same, op=dist.ReduceOp.MIN)
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {name: tensor.to(torch.bfloat16) for name, tensor in mine.items()})
-    out: dict = {"losses": lost, "resumed": resumed, "weights_bitwise": bool(same.item()),
-                 "names_by_rank": [sorted(names) for names in everyone]}
-    if dist.get_rank() == 0:
-        from transformers import AutoModelForCausalLM
-
-        whole = {name: tensor for names in everyone for name, tensor in names.items()}
-        exported = Path(shared[0]) / "export"
-        loop.export(first / "step-00000004", False, str(exported), say=quiet)
-        model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
-        read = dict(model.named_parameters())
-        out["exported"] = {"names_match": sorted(read) == sorted(whole),
-                           "equal": all(torch.equal(read[name].detach(), whole[name]) for name in whole)}
-        shutil.rmtree(shared[0], ignore_errors=True)
-    return out
-
-
 def main(mode: str, only: list[str]) -> int:
     process_group.init(240)
     if mode == "baseline":
@@ -120,7 +78,8 @@ def main(mode: str, only: list[str]) -> int:
     elif mode == "schedules":
         cases = {name: (lambda name=name: train(fp32(2, name))) for name in SCHEDULES}
     else:
-        cases = {"float8": lambda: audited(float8()), "checkpoint": lambda: checkpoint(float8())}
+        cases = {"float8": lambda: audited(float8()), "tensor_parallel": lambda: train(fp32(2, tensor_size=2)),
+                 "checkpoint": lambda: checkpoint_round_trip(float8(), MODEL, lambda name: False)}
     run_cases(cases, only)
     return 0
 
